@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Install everything the build, the guest image and the tests need on a Debian 12 host.
+# Idempotent: a stamp keyed on this file's contents skips the work on re-runs.
+set -euo pipefail
+
+top=$(cd "$(dirname "$0")/.." && pwd)
+build=${BUILD_DIR:-$top/build}
+stamp=$build/.stamps/setup-host.$(sha256sum "$0" "$top/scripts/requirements.txt" | sha256sum | cut -c1-16)
+
+if [ -e "$stamp" ]; then
+    exit 0
+fi
+
+SUDO=
+[ "$(id -u)" -eq 0 ] || SUDO=sudo
+
+# deb-src entries: QEMU from trixie (pinned version), Redis from bookworm (redismodule.h).
+$SUDO tee /etc/apt/sources.list.d/hybridvm-src.sources >/dev/null <<'SRC'
+Types: deb-src
+URIs: http://deb.debian.org/debian
+Suites: trixie
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+
+Types: deb-src
+URIs: http://deb.debian.org/debian
+Suites: bookworm
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -q
+$SUDO apt-get install -y -q --no-install-recommends \
+    build-essential dpkg-dev pkg-config ccache ninja-build flex bison \
+    python3 python3-venv python3-dev \
+    libglib2.0-dev libpixman-1-dev libslirp-dev liburing-dev libaio-dev libfdt-dev \
+    seabios qemu-system-data ipxe-qemu \
+    busybox-static cpio e2fsprogs kmod xz-utils zstd \
+    redis-server redis-tools libhiredis-dev \
+    fio
+
+# Python venv with pinned packages: meson for QEMU's configure, avocado for the functional tests.
+venv=$build/venv
+if [ ! -x "$venv/bin/python3" ]; then
+    /usr/bin/python3 -m venv "$venv"
+fi
+"$venv/bin/pip" install -q --disable-pip-version-check -r "$top/scripts/requirements.txt"
+
+mkdir -p "$(dirname "$stamp")"
+touch "$stamp"
