@@ -2,7 +2,7 @@
 BUILD ?= build
 MESON := $(BUILD)/venv/bin/meson
 
-.PHONY: all setup demo check check-long bench clean distclean
+.PHONY: all setup guest demo check check-long bench clean distclean
 
 all: setup
 	@test -f $(BUILD)/build.ninja || $(MESON) setup $(BUILD) . >/dev/null

@@ -20,6 +20,11 @@ stamp=
 if [ "${1:-}" = --stamp ]; then stamp=$2; fi
 
 die() { echo "build-qemu: $*" >&2; exit 1; }
+
+# One build at a time per build directory (make, meson and a second shell may race).
+mkdir -p "$build"
+exec 9>"$build/.qemu-build.lock"
+flock 9
 log() { echo "build-qemu: $*"; }
 
 # 1. Fetch (once).
