@@ -1,0 +1,21 @@
+"""The test guest boots under TCG and Redis in it serves clients."""
+from hvtest import HybridVMTest
+
+
+class BootRedis(HybridVMTest):
+
+    def test_redis_answers(self):
+        """Boot the guest with Redis; PING, SET and GET through the host forward
+        return the expected replies, and the console shows init's progress."""
+        g = self.guest('boot').launch()
+        g.wait_console(r'HV-READY redis', timeout=120)
+        r = g.redis()
+        self.assertTrue(r.ping())
+        self.assertTrue(r.set('greeting', b'hello from the guest'))
+        self.assertEqual(r.get('greeting'), b'hello from the guest')
+        self.assertIsNone(r.get('no-such-key'))
+        self.assertEqual(r.info('server')['redis_version'].split('.')[0], '7')
+        # The shell on the serial console works too (used by later tests).
+        g.wait_console(r'HV-BOOTED', timeout=30)
+        out = g.run('cat /proc/cmdline')
+        self.assertIn('hv.redis=1', out)

@@ -1,0 +1,10 @@
+"""hvlib: start real QEMU guests for our tests, demo and benchmarks.
+
+Built on QEMU's own python package (build/qemu-src/python: qemu.machine, qemu.qmp).
+"""
+from .paths import BuildPaths, MissingBuild
+from .vm import Guest, GuestError, free_port
+from .migrate import migrate_postcopy, MigrationResult
+
+__all__ = ['BuildPaths', 'MissingBuild', 'Guest', 'GuestError', 'free_port',
+           'migrate_postcopy', 'MigrationResult']

@@ -1,0 +1,189 @@
+"""One QEMU guest: our test kernel + initramfs under TCG, QMP, a logged serial console."""
+import logging
+import os
+import re
+import socket
+import time
+
+from .paths import BuildPaths
+
+LOG = logging.getLogger('hvlib')
+
+
+class GuestError(Exception):
+    pass
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+class Guest:
+    """A guest booted from build/guest/{vmlinuz,initrd.img}.
+
+    The serial console is a socket chardev whose output is also logged to
+    <log_dir>/<name>-console.log, so it is captured whether or not anybody
+    reads it; wait_console() tails that file.  Redis in the guest is reached
+    through a slirp host forward on 127.0.0.1:<redis_port>.
+
+    QEMU runs under `setpriv --pdeathsig KILL`, so it dies with its parent
+    even when the harness itself is killed; shutdown() always reaps it.
+    """
+
+    def __init__(self, name, log_dir, mem='512M', smp=1, redis=True, module=False,
+                 append='', args=(), incoming=None, paths=None, redis_port=None,
+                 balloon=True, root_disk=None):
+        self.paths = paths or BuildPaths()
+        from qemu.machine import QEMUMachine  # needs paths.qemu_python on sys.path
+
+        self.name = name
+        self.log_dir = log_dir
+        os.makedirs(log_dir, exist_ok=True)
+        self.console_log = os.path.join(log_dir, f'{name}-console.log')
+        self.serial_sock = os.path.join(log_dir, f'{name}-serial.sock')
+        self.redis_port = redis_port or free_port()
+        self.incoming = incoming
+        self._console_pos = 0
+        self._serial = None
+
+        cmdline = ['console=ttyS0', 'panic=-1', 'quiet', 'loglevel=3']
+        if redis:
+            cmdline.append('hv.redis=1')
+        if module:
+            cmdline.append('hv.module=1')
+        if root_disk:
+            cmdline.append(f'hv.root={root_disk}')
+        if append:
+            cmdline.append(append)
+
+        qargs = ['-accel', 'tcg', '-m', mem, '-smp', str(smp), '-no-reboot',
+                 '-L', '/usr/share/seabios', '-L', '/usr/share/qemu',
+                 '-kernel', self.paths.guest_file('vmlinuz'),
+                 '-initrd', self.paths.guest_file('initrd.img'),
+                 '-append', ' '.join(cmdline),
+                 '-chardev', f'socket,id=ser0,path={self.serial_sock},server=on,wait=off,'
+                             f'logfile={self.console_log}',
+                 '-serial', 'chardev:ser0',
+                 '-netdev', f'user,id=net0,hostfwd=tcp:127.0.0.1:{self.redis_port}-:6379',
+                 '-device', 'virtio-net-pci,netdev=net0,romfile=']
+        if balloon:
+            qargs += ['-device', 'virtio-balloon-pci,id=balloon0']
+        qargs += list(args)
+        if incoming:
+            qargs += ['-incoming', incoming]
+
+        self.vm = QEMUMachine(self.paths.binary('qemu-system-x86_64'),
+                              args=qargs, name=name, log_dir=log_dir,
+                              base_temp_dir=log_dir,
+                              wrapper=['setpriv', '--pdeathsig', 'KILL'])
+
+    # -- life cycle -------------------------------------------------------
+    def launch(self):
+        LOG.info('%s: launching', self.name)
+        if os.path.exists(self.console_log):
+            os.unlink(self.console_log)
+        self.vm.launch()
+        return self
+
+    def shutdown(self, timeout=10):
+        """Stop QEMU (quit, then SIGKILL after timeout).  Safe to call twice."""
+        if self._serial:
+            self._serial.close()
+            self._serial = None
+        try:
+            self.vm.shutdown(timeout=timeout)
+        except Exception as exc:  # the process is gone either way
+            LOG.warning('%s: shutdown: %s', self.name, exc)
+            self.vm.kill()
+
+    def kill(self):
+        self.vm.kill()
+
+    @property
+    def pid(self):
+        return self.vm.get_pid()
+
+    def qmp(self, cmd, **args):
+        """Must-succeed QMP command: returns its 'return' value."""
+        return self.vm.cmd(cmd, **args)
+
+    def qmp_raw(self, cmd, **args):
+        return self.vm.qmp(cmd, **args)
+
+    # -- console ----------------------------------------------------------
+    def console_text(self):
+        try:
+            with open(self.console_log, 'rb') as f:
+                return f.read().decode('utf-8', 'replace')
+        except FileNotFoundError:
+            return ''
+
+    def wait_console(self, pattern, timeout=60, fail_pattern=r'HV-ERROR|Kernel panic'):
+        """Wait until `pattern` (a regex) appears in console output after the
+        previous match; return the match.  Raises GuestError on `fail_pattern`,
+        on timeout or when QEMU exits."""
+        deadline = time.monotonic() + timeout
+        rx = re.compile(pattern)
+        frx = re.compile(fail_pattern) if fail_pattern else None
+        while True:
+            text = self.console_text()
+            m = rx.search(text, self._console_pos)
+            if m:
+                self._console_pos = m.end()
+                return m
+            if frx:
+                f = frx.search(text, self._console_pos)
+                if f:
+                    raise GuestError(f'{self.name}: console shows "{f.group(0)}": '
+                                     f'{text[f.start():f.start() + 200]!r}')
+            if not self.vm.is_running():
+                raise GuestError(f'{self.name}: QEMU exited ({self.vm.exitcode}) '
+                                 f'while waiting for {pattern!r}; log: {self.vm.get_log()}')
+            if time.monotonic() > deadline:
+                raise GuestError(f'{self.name}: timed out after {timeout}s waiting for '
+                                 f'{pattern!r}; console tail: {text[-500:]!r}')
+            time.sleep(0.1)
+
+    def console_send(self, line):
+        """Type a line into the guest's shell on ttyS0."""
+        if self._serial is None:
+            self._serial = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._serial.connect(self.serial_sock)
+        self._serial.sendall(line.encode() + b'\n')
+
+    def run(self, command, timeout=60):
+        """Run a shell command in the guest; return its output (without the marker).
+        The exit status is checked: a non-zero status raises GuestError."""
+        tag = f'HVCMD{time.monotonic_ns()}'
+        self.console_send(f'{command}; echo {tag}-rc=$?')
+        m = self.wait_console(rf'{tag}-rc=(\d+)', timeout=timeout, fail_pattern=None)
+        if m.group(1) != '0':
+            raise GuestError(f'{self.name}: "{command}" exited with {m.group(1)}')
+        return m.string
+
+    # -- redis ------------------------------------------------------------
+    def redis(self, timeout=30, **kwargs):
+        """A redis-py client for the guest's Redis, once it answers PING."""
+        import redis
+        deadline = time.monotonic() + timeout
+        while True:
+            client = redis.Redis(host='127.0.0.1', port=self.redis_port,
+                                 socket_timeout=30, socket_connect_timeout=5, **kwargs)
+            try:
+                client.ping()
+                return client
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                client.close()
+                if time.monotonic() > deadline:
+                    raise GuestError(f'{self.name}: Redis on port {self.redis_port} '
+                                     f'does not answer: {exc}')
+                time.sleep(0.2)
+
+    def boot(self, timeout=120):
+        """launch() and wait until init reports it is done."""
+        self.launch()
+        self.wait_console(r'HV-BOOTED', timeout=timeout)
+        return self
