@@ -100,7 +100,9 @@ fi
 
 # 6. Build.
 targets=(qemu-system-x86_64 qemu-img qemu-io qemu-nbd storage-daemon/qemu-storage-daemon)
-export CCACHE_DIR=${CCACHE_DIR:-$build/ccache}
+# Paths relative to the build dir and no cwd in the hash: separate build dirs
+# (one per engineer or CI job) share one cache.
+export CCACHE_DIR=${CCACHE_DIR:-$build/ccache} CCACHE_BASEDIR=$build CCACHE_NOHASHDIR=1
 if ! ninja -C "$objdir" "${targets[@]}" >"$build/qemu-ninja.log" 2>&1; then
     grep -v '^\[[0-9]*/[0-9]*\]' "$build/qemu-ninja.log" | tail -60 >&2
     die "ninja failed (full log: $build/qemu-ninja.log)"
