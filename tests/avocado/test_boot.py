@@ -1,4 +1,5 @@
 """The test guest boots under TCG and Redis in it serves clients."""
+import hvlib
 from hvtest import HybridVMTest
 
 
@@ -19,3 +20,6 @@ class BootRedis(HybridVMTest):
         g.wait_console(r'HV-BOOTED', timeout=30)
         out = g.run('cat /proc/cmdline')
         self.assertIn('hv.redis=1', out)
+        self.assertEqual(g.run('echo $((6 * 7))').strip(), '42')
+        with self.assertRaisesRegex(hvlib.GuestError, 'exited with 3'):
+            g.run('(exit 3)', timeout=20)

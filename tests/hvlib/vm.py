@@ -2,7 +2,10 @@
 import logging
 import os
 import re
+import shutil
 import socket
+import tempfile
+import threading
 import time
 
 from .paths import BuildPaths
@@ -43,7 +46,9 @@ class Guest:
         self.log_dir = log_dir
         os.makedirs(log_dir, exist_ok=True)
         self.console_log = os.path.join(log_dir, f'{name}-console.log')
-        self.serial_sock = os.path.join(log_dir, f'{name}-serial.sock')
+        # Unix socket paths must stay under 108 bytes: a short private dir.
+        self.sock_dir = tempfile.mkdtemp(prefix=f'hv-{name}-')
+        self.serial_sock = os.path.join(self.sock_dir, 'serial.sock')
         self.redis_port = redis_port or free_port()
         self.incoming = incoming
         self._console_pos = 0
@@ -77,7 +82,7 @@ class Guest:
 
         self.vm = QEMUMachine(self.paths.binary('qemu-system-x86_64'),
                               args=qargs, name=name, log_dir=log_dir,
-                              base_temp_dir=log_dir,
+                              base_temp_dir=self.sock_dir,
                               wrapper=['setpriv', '--pdeathsig', 'KILL'])
 
     # -- life cycle -------------------------------------------------------
@@ -98,6 +103,7 @@ class Guest:
         except Exception as exc:  # the process is gone either way
             LOG.warning('%s: shutdown: %s', self.name, exc)
             self.vm.kill()
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
 
     def kill(self):
         self.vm.kill()
@@ -152,17 +158,36 @@ class Guest:
         if self._serial is None:
             self._serial = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._serial.connect(self.serial_sock)
+            # QEMU logs console output only once the connected socket has taken
+            # it: keep reading (the log file is where we look) so it never stalls.
+            threading.Thread(target=self._drain, args=(self._serial,), daemon=True).start()
         self._serial.sendall(line.encode() + b'\n')
 
+    @staticmethod
+    def _drain(sock):
+        try:
+            while sock.recv(65536):
+                pass
+        except OSError:
+            pass
+
     def run(self, command, timeout=60):
-        """Run a shell command in the guest; return its output (without the marker).
-        The exit status is checked: a non-zero status raises GuestError."""
+        """Run a shell command in the guest and return its output.  A non-zero
+        exit status raises GuestError."""
         tag = f'HVCMD{time.monotonic_ns()}'
-        self.console_send(f'{command}; echo {tag}-rc=$?')
-        m = self.wait_console(rf'{tag}-rc=(\d+)', timeout=timeout, fail_pattern=None)
+        start = self._console_pos
+        # The marker is split in the typed line so that its echo cannot match.
+        self.console_send(f'{command}; echo "{tag}-rc=$?"')
+        m = self.wait_console(rf'{tag}-rc=(\d+)\r?\n', timeout=timeout, fail_pattern=None)
+        text = m.string[start:m.start()]
+        # Drop the echoed command line: output starts after its first newline.
+        echo_end = text.find(tag)
+        if echo_end >= 0:
+            nl = text.find('\n', echo_end)
+            text = text[nl + 1:] if nl >= 0 else ''
         if m.group(1) != '0':
-            raise GuestError(f'{self.name}: "{command}" exited with {m.group(1)}')
-        return m.string
+            raise GuestError(f'{self.name}: "{command}" exited with {m.group(1)}: {text[-300:]!r}')
+        return text.replace('\r', '')
 
     # -- redis ------------------------------------------------------------
     def redis(self, timeout=30, **kwargs):
