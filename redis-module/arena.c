@@ -1,0 +1,642 @@
+/* arena.c -- the cold arena; see arena.h for the layout and the contract. */
+
+#include "arena.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#define SLOT_EMPTY      UINT32_MAX
+#define SLOT_TOMB       (UINT32_MAX - 1)
+#define MAX_CHUNKS      (UINT32_MAX - 2)
+#define MIN_SLOTS       1024u
+#define REHASH_STEP     64u     /* slots moved per insert/delete while rehashing */
+
+typedef struct Slot {
+    uint32_t hash;      /* low 32 bits of the key hash */
+    uint32_t chunk;     /* SLOT_EMPTY, SLOT_TOMB or a chunk id */
+    uint32_t off;
+} Slot;
+
+typedef struct Table {
+    Slot *slots;        /* mmap'd */
+    uint64_t cap;       /* power of two, 0 when unused */
+    uint64_t used;      /* live slots */
+    uint64_t tombs;
+} Table;
+
+typedef struct Chunk {
+    char *mem;          /* NULL: free id or spilled */
+    uint32_t cap;       /* mapping size */
+    uint32_t used;      /* appended bytes */
+    uint32_t live_items;
+    uint32_t spilled;   /* 1: contents at file_off in the spill file */
+    uint64_t live_bytes;
+    off_t file_off;
+} Chunk;
+
+struct ColdArena {
+    uint64_t seed;
+    Table ht[2];                /* ht[1] used only while rehashing */
+    uint64_t rehashidx;         /* next ht[0] slot to move */
+    int rehashing;
+
+    Chunk *chunks;              /* malloc'd table of chunk descriptors */
+    uint32_t nchunks;           /* ids in use or free */
+    uint32_t cur;               /* chunk being appended to, SLOT_EMPTY: none */
+    uint32_t *free_ids;
+    uint32_t nfree;
+
+    uint64_t items;
+    uint64_t item_bytes;
+
+    int spill_fd;               /* -1: none */
+    char *spill_path;
+    off_t spill_size;
+    uint32_t nspilled;
+
+    /* arenaIterate() keeps the last spilled chunk it read. */
+    char *iter_buf;
+    uint32_t iter_buf_chunk;
+};
+
+uint64_t arenaNowUs(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+/* ---------------------------------------------------------------- hashing */
+
+/* MurmurHash64A with a secret seed: cheap, good spread, and keyed so that
+ * clients cannot precompute colliding keys for a given process. */
+static uint64_t hashKey(uint64_t seed, const char *key, size_t len) {
+    const uint64_t m = 0xc6a4a7935bd1e995ULL;
+    const int r = 47;
+    uint64_t h = seed ^ (len * m);
+    const unsigned char *p = (const unsigned char *)key;
+    size_t n = len / 8;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t k;
+        memcpy(&k, p + i * 8, 8);
+        k *= m; k ^= k >> r; k *= m;
+        h ^= k; h *= m;
+    }
+    p += n * 8;
+    switch (len & 7) {
+    case 7: h ^= (uint64_t)p[6] << 48; /* fall through */
+    case 6: h ^= (uint64_t)p[5] << 40; /* fall through */
+    case 5: h ^= (uint64_t)p[4] << 32; /* fall through */
+    case 4: h ^= (uint64_t)p[3] << 24; /* fall through */
+    case 3: h ^= (uint64_t)p[2] << 16; /* fall through */
+    case 2: h ^= (uint64_t)p[1] << 8;  /* fall through */
+    case 1: h ^= (uint64_t)p[0]; h *= m;
+    }
+    h ^= h >> r; h *= m; h ^= h >> r;
+    return h;
+}
+
+/* ----------------------------------------------------------- mappings */
+
+static void *mapBytes(size_t len) {
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static size_t pageRound(size_t n) {
+    size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+    return (n + pg - 1) & ~(pg - 1);
+}
+
+static int tableInit(Table *t, uint64_t cap) {
+    size_t len = pageRound(cap * sizeof(Slot));
+    Slot *s = mapBytes(len);
+    if (!s) return -1;
+    /* SLOT_EMPTY is all ones: one memset marks every slot empty. */
+    memset(s, 0xff, cap * sizeof(Slot));
+    t->slots = s;
+    t->cap = cap;
+    t->used = t->tombs = 0;
+    return 0;
+}
+
+static uint64_t tableBytes(const Table *t) {
+    return t->cap ? pageRound(t->cap * sizeof(Slot)) : 0;
+}
+
+static void tableRelease(Table *t) {
+    if (t->cap) munmap(t->slots, tableBytes(t));
+    memset(t, 0, sizeof(*t));
+}
+
+/* ----------------------------------------------------------- chunks */
+
+static int readFull(int fd, void *buf, size_t len, off_t off) {
+    char *p = buf;
+    while (len) {
+        ssize_t n = pread(fd, p, len, off);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        if (n == 0) { errno = EIO; return -1; }
+        p += n; len -= (size_t)n; off += n;
+    }
+    return 0;
+}
+
+static int writeFull(int fd, const void *buf, size_t len, off_t off) {
+    const char *p = buf;
+    while (len) {
+        ssize_t n = pwrite(fd, p, len, off);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        p += n; len -= (size_t)n; off += n;
+    }
+    return 0;
+}
+
+/* Release chunk 'id' (no live item is left in it) and recycle its id. */
+static void chunkRelease(ColdArena *a, uint32_t id) {
+    Chunk *c = &a->chunks[id];
+    if (c->mem) munmap(c->mem, c->cap);
+    if (c->spilled) a->nspilled--;
+    if (a->iter_buf_chunk == id) a->iter_buf_chunk = SLOT_EMPTY;
+    memset(c, 0, sizeof(*c));
+    if (a->cur == id) a->cur = SLOT_EMPTY;
+    a->free_ids[a->nfree++] = id;
+}
+
+/* Return a chunk id with room for 'need' bytes, mapping a new chunk if the
+ * current one is full. SLOT_EMPTY on failure (errno set). */
+static uint32_t chunkFor(ColdArena *a, size_t need) {
+    if (a->cur != SLOT_EMPTY) {
+        Chunk *c = &a->chunks[a->cur];
+        if ((size_t)c->cap - c->used >= need) return a->cur;
+    }
+    size_t cap = need > ARENA_CHUNK_SIZE ? pageRound(need) : ARENA_CHUNK_SIZE;
+    uint32_t id;
+    if (a->nfree) {
+        id = a->free_ids[--a->nfree];
+    } else {
+        if (a->nchunks == MAX_CHUNKS) { errno = ENOMEM; return SLOT_EMPTY; }
+        uint32_t n = a->nchunks + 1;
+        if ((n & (n - 1)) == 0 || a->nchunks == 0) {
+            /* grow the descriptor tables at powers of two */
+            uint32_t ncap = n < 16 ? 16 : n * 2;
+            Chunk *nc = realloc(a->chunks, (size_t)ncap * sizeof(Chunk));
+            if (!nc) { errno = ENOMEM; return SLOT_EMPTY; }
+            a->chunks = nc;
+            uint32_t *nf = realloc(a->free_ids, (size_t)ncap * sizeof(uint32_t));
+            if (!nf) { errno = ENOMEM; return SLOT_EMPTY; }
+            a->free_ids = nf;
+        }
+        id = a->nchunks++;
+    }
+    Chunk *c = &a->chunks[id];
+    memset(c, 0, sizeof(*c));
+    c->mem = mapBytes(cap);
+    if (!c->mem) {
+        a->free_ids[a->nfree++] = id;
+        errno = ENOMEM;
+        return SLOT_EMPTY;
+    }
+    c->cap = (uint32_t)cap;
+    a->cur = id;
+    return id;
+}
+
+/* Pointer to the bytes of chunk 'id' at [off, off+len), reading them from the
+ * spill file into a malloc'd *buf when the chunk is spilled. NULL on error. */
+static const char *chunkBytes(ColdArena *a, uint32_t id, uint32_t off,
+                              size_t len, char **buf) {
+    Chunk *c = &a->chunks[id];
+    *buf = NULL;
+    if ((uint64_t)off + len > c->used) { errno = EIO; return NULL; }
+    if (c->mem) return c->mem + off;
+    if (!c->spilled || a->spill_fd < 0) { errno = EIO; return NULL; }
+    char *b = malloc(len ? len : 1);
+    if (!b) { errno = ENOMEM; return NULL; }
+    if (readFull(a->spill_fd, b, len, c->file_off + off) < 0) {
+        int e = errno;
+        free(b);
+        errno = e;
+        return NULL;
+    }
+    *buf = b;
+    return b;
+}
+
+static void hdrDecode(const char *p, uint32_t *klen, uint32_t *vlen,
+                      int64_t *expire) {
+    memcpy(klen, p, 4);
+    memcpy(vlen, p + 4, 4);
+    memcpy(expire, p + 8, 8);
+}
+
+int arenaRead(ColdArena *a, ColdRef ref, ColdItem *it) {
+    char *hbuf;
+    const char *h = chunkBytes(a, ref.chunk, ref.off, ARENA_ITEM_HDR, &hbuf);
+    if (!h) return -1;
+    hdrDecode(h, &it->klen, &it->vlen, &it->expire);
+    free(hbuf);
+    const char *p = chunkBytes(a, ref.chunk, ref.off + ARENA_ITEM_HDR,
+                               (size_t)it->klen + it->vlen, &it->buf);
+    if (!p) return -1;
+    it->key = p;
+    it->val = p + it->klen;
+    return 0;
+}
+
+void arenaItemRelease(ColdItem *it) {
+    free(it->buf);
+    it->buf = NULL;
+}
+
+/* ----------------------------------------------------------- index */
+
+/* Compare the key stored at (chunk, off) with 'key'. 1 equal, 0 not, -1 I/O
+ * error. For in-memory chunks this is a plain memcmp. */
+static int keyAt(ColdArena *a, uint32_t chunk, uint32_t off,
+                 const char *key, size_t klen) {
+    Chunk *c = &a->chunks[chunk];
+    if (c->mem) {
+        uint32_t kl;
+        memcpy(&kl, c->mem + off, 4);
+        return kl == klen && memcmp(c->mem + off + ARENA_ITEM_HDR, key, klen) == 0;
+    }
+    ColdItem it;
+    if (arenaRead(a, (ColdRef){chunk, off}, &it) < 0) return -1;
+    int eq = it.klen == klen && memcmp(it.key, key, klen) == 0;
+    arenaItemRelease(&it);
+    return eq;
+}
+
+/* Find 'key' in table t; returns the slot index or UINT64_MAX. *err set on
+ * an I/O error. */
+static uint64_t tableFind(ColdArena *a, Table *t, uint64_t h,
+                          const char *key, size_t klen, int *err) {
+    if (!t->cap) return UINT64_MAX;
+    uint64_t mask = t->cap - 1;
+    for (uint64_t i = h & mask, n = 0; n < t->cap; i = (i + 1) & mask, n++) {
+        Slot *s = &t->slots[i];
+        if (s->chunk == SLOT_EMPTY) return UINT64_MAX;
+        if (s->chunk == SLOT_TOMB || s->hash != (uint32_t)h) continue;
+        int eq = keyAt(a, s->chunk, s->off, key, klen);
+        if (eq < 0) { *err = 1; return UINT64_MAX; }
+        if (eq) return i;
+    }
+    return UINT64_MAX;
+}
+
+/* Place a slot into t (which has room: fill < cap). */
+static void tablePut(Table *t, uint64_t h, uint32_t chunk, uint32_t off) {
+    uint64_t mask = t->cap - 1;
+    uint64_t i = h & mask;
+    while (t->slots[i].chunk != SLOT_EMPTY && t->slots[i].chunk != SLOT_TOMB)
+        i = (i + 1) & mask;
+    if (t->slots[i].chunk == SLOT_TOMB) t->tombs--;
+    t->slots[i] = (Slot){(uint32_t)h, chunk, off};
+    t->used++;
+}
+
+/* Rehashing needs the full hash of an entry that is already in the table;
+ * the slot keeps only 32 bits, so it is recomputed from the stored key. To
+ * avoid I/O for spilled chunks the 32 stored bits are used as the hash when
+ * placing into the new table: both tables index with 'hash & mask', so the
+ * low 32 bits are what matters as long as tables stay below 2^32 slots. */
+int arenaRehashStep(ColdArena *a, unsigned slots) {
+    if (!a->rehashing) return 0;
+    Table *o = &a->ht[0], *n = &a->ht[1];
+    while (slots-- && a->rehashidx < o->cap) {
+        Slot *s = &o->slots[a->rehashidx++];
+        if (s->chunk == SLOT_EMPTY || s->chunk == SLOT_TOMB) continue;
+        tablePut(n, s->hash, s->chunk, s->off);
+        /* A tombstone keeps later probe chains in ht[0] intact. */
+        s->chunk = SLOT_TOMB;
+        o->used--;
+        o->tombs++;
+    }
+    if (a->rehashidx < o->cap) return 1;
+    tableRelease(o);
+    a->ht[0] = *n;
+    memset(n, 0, sizeof(*n));
+    a->rehashing = 0;
+    a->rehashidx = 0;
+    return 0;
+}
+
+/* Start a rehash when the table that takes inserts is too full. New size:
+ * the next power of two >= 2 * live items (load 0.25..0.5 afterwards). */
+static int maybeGrow(ColdArena *a) {
+    if (a->rehashing) {
+        Table *n = &a->ht[1];
+        /* The new table was sized for all items; it can only fill up if
+         * inserts outrun the incremental moves, which REHASH_STEP prevents.
+         * Finish the rehash synchronously in that unlikely case. */
+        if ((n->used + n->tombs + 1) * 10 > n->cap * 9)
+            while (arenaRehashStep(a, 1u << 20)) {}
+        else
+            return 0;
+    }
+    Table *t = &a->ht[0];
+    if (!t->cap) return tableInit(t, MIN_SLOTS);
+    if ((t->used + t->tombs + 1) * 10 <= t->cap * 7) return 0;
+    uint64_t want = MIN_SLOTS;
+    while (want < (t->used + 1) * 2 || want < (t->used + t->cap / 16)) want *= 2;
+    if (want > (1ULL << 31)) { errno = ENOMEM; return -1; }
+    if (tableInit(&a->ht[1], want) < 0) { errno = ENOMEM; return -1; }
+    a->rehashing = 1;
+    a->rehashidx = 0;
+    return 0;
+}
+
+/* Locate key: returns 1 with *t and *slot set, 0 if absent, -1 on error. */
+static int findSlot(ColdArena *a, const char *key, size_t klen,
+                    Table **t, uint64_t *slot) {
+    uint64_t h = hashKey(a->seed, key, klen);
+    int err = 0;
+    for (int i = 0; i <= a->rehashing; i++) {
+        uint64_t s = tableFind(a, &a->ht[i], h, key, klen, &err);
+        if (err) return -1;
+        if (s != UINT64_MAX) { *t = &a->ht[i]; *slot = s; return 1; }
+    }
+    return 0;
+}
+
+int arenaLookup(ColdArena *a, const char *key, size_t klen, ColdRef *ref) {
+    Table *t;
+    uint64_t s;
+    int r = findSlot(a, key, klen, &t, &s);
+    if (r == 1) *ref = (ColdRef){t->slots[s].chunk, t->slots[s].off};
+    return r;
+}
+
+int arenaInsert(ColdArena *a, const char *key, size_t klen,
+                const char *val, size_t vlen, int64_t expire) {
+    if (klen > ARENA_MAX_KEY || vlen > ARENA_MAX_VAL) { errno = E2BIG; return -1; }
+    if (a->nspilled) { errno = EROFS; return -1; }
+    if (a->rehashing) arenaRehashStep(a, REHASH_STEP);
+    if (maybeGrow(a) < 0) return -1;
+    size_t need = ARENA_ITEM_HDR + klen + vlen;
+    uint32_t id = chunkFor(a, need);
+    if (id == SLOT_EMPTY) return -1;
+    Chunk *c = &a->chunks[id];
+    char *p = c->mem + c->used;
+    uint32_t kl = (uint32_t)klen, vl = (uint32_t)vlen;
+    memcpy(p, &kl, 4);
+    memcpy(p + 4, &vl, 4);
+    memcpy(p + 8, &expire, 8);
+    memcpy(p + ARENA_ITEM_HDR, key, klen);
+    if (vlen) memcpy(p + ARENA_ITEM_HDR + klen, val, vlen);
+    uint64_t h = hashKey(a->seed, key, klen);
+    tablePut(&a->ht[a->rehashing], h, id, c->used);
+    c->used += (uint32_t)need;
+    c->live_items++;
+    c->live_bytes += need;
+    a->items++;
+    a->item_bytes += need;
+    return 0;
+}
+
+int arenaDelete(ColdArena *a, const char *key, size_t klen) {
+    Table *t;
+    uint64_t s;
+    int r = findSlot(a, key, klen, &t, &s);
+    if (r != 1) return r;
+    Slot *sl = &t->slots[s];
+    uint32_t id = sl->chunk;
+    ColdItem it;
+    /* The header gives the item size; in memory this is a memcpy. */
+    uint64_t size = 0;
+    Chunk *c = &a->chunks[id];
+    if (c->mem) {
+        uint32_t kl, vl;
+        memcpy(&kl, c->mem + sl->off, 4);
+        memcpy(&vl, c->mem + sl->off + 4, 4);
+        size = ARENA_ITEM_HDR + (uint64_t)kl + vl;
+    } else if (arenaRead(a, (ColdRef){id, sl->off}, &it) == 0) {
+        size = ARENA_ITEM_HDR + (uint64_t)it.klen + it.vlen;
+        arenaItemRelease(&it);
+    } else {
+        return -1;
+    }
+    sl->chunk = SLOT_TOMB;
+    t->used--;
+    t->tombs++;
+    c->live_items--;
+    c->live_bytes -= size;
+    a->items--;
+    a->item_bytes -= size;
+    if (c->live_items == 0 && (id != a->cur || c->spilled)) chunkRelease(a, id);
+    if (a->rehashing) arenaRehashStep(a, REHASH_STEP);
+    return 1;
+}
+
+/* ----------------------------------------------------------- lifecycle */
+
+ColdArena *arenaCreate(uint64_t seed) {
+    ColdArena *a = calloc(1, sizeof(*a));
+    if (!a) return NULL;
+    a->seed = seed;
+    a->cur = SLOT_EMPTY;
+    a->spill_fd = -1;
+    a->iter_buf_chunk = SLOT_EMPTY;
+    return a;
+}
+
+static void spillClose(ColdArena *a) {
+    if (a->spill_fd >= 0) {
+        close(a->spill_fd);
+        if (a->spill_path) unlink(a->spill_path);
+    }
+    a->spill_fd = -1;
+    free(a->spill_path);
+    a->spill_path = NULL;
+    a->spill_size = 0;
+}
+
+uint64_t arenaDrop(ColdArena *a, uint64_t *items) {
+    uint64_t freed = 0;
+    if (items) *items = a->items;
+    for (uint32_t i = 0; i < a->nchunks; i++) {
+        Chunk *c = &a->chunks[i];
+        if (c->mem) {
+            munmap(c->mem, c->cap);
+            freed += c->cap;
+        }
+    }
+    freed += tableBytes(&a->ht[0]) + tableBytes(&a->ht[1]);
+    tableRelease(&a->ht[0]);
+    tableRelease(&a->ht[1]);
+    free(a->chunks);
+    free(a->free_ids);
+    free(a->iter_buf);
+    spillClose(a);
+    uint64_t seed = a->seed;
+    memset(a, 0, sizeof(*a));
+    a->seed = seed;
+    a->cur = SLOT_EMPTY;
+    a->spill_fd = -1;
+    a->iter_buf_chunk = SLOT_EMPTY;
+    return freed;
+}
+
+void arenaFree(ColdArena *a) {
+    if (!a) return;
+    arenaDrop(a, NULL);
+    free(a);
+}
+
+uint64_t arenaCount(const ColdArena *a) { return a->items; }
+
+void arenaGetStats(const ColdArena *a, ArenaStats *st) {
+    memset(st, 0, sizeof(*st));
+    st->items = a->items;
+    st->item_bytes = a->item_bytes;
+    for (uint32_t i = 0; i < a->nchunks; i++) {
+        const Chunk *c = &a->chunks[i];
+        if (c->mem) {
+            st->chunks++;
+            st->chunks_mem++;
+            st->mapped_bytes += c->cap;
+        } else if (c->spilled) {
+            st->chunks++;
+        }
+    }
+    st->index_bytes = tableBytes(&a->ht[0]) + tableBytes(&a->ht[1]);
+    st->mapped_bytes += st->index_bytes;
+    st->spilled_bytes = (uint64_t)a->spill_size;
+    st->rehashing = a->rehashing;
+}
+
+/* ----------------------------------------------------------- spill */
+
+int64_t arenaSpill(ColdArena *a, const char *path, uint64_t deadline_us,
+                   int *done) {
+    int64_t freed = 0;
+    *done = 0;
+    if (a->spill_fd < 0) {
+        int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+        if (fd < 0) return -1;
+        a->spill_fd = fd;
+        a->spill_path = strdup(path);
+        a->spill_size = 0;
+        if (!a->spill_path) { spillClose(a); errno = ENOMEM; return -1; }
+    }
+    uint32_t first = UINT32_MAX, last = 0;
+    off_t start = a->spill_size;
+    for (uint32_t i = 0; i < a->nchunks; i++) {
+        Chunk *c = &a->chunks[i];
+        if (!c->mem) continue;
+        if (deadline_us && arenaNowUs() > deadline_us) break;
+        if (writeFull(a->spill_fd, c->mem, c->used, a->spill_size) < 0)
+            return freed ? freed : -1;
+        c->file_off = a->spill_size;
+        a->spill_size += c->used;
+        if (first == UINT32_MAX) first = i;
+        last = i;
+    }
+    if (first == UINT32_MAX) {
+        *done = 1;
+        return 0;
+    }
+    /* Data on disk before the memory goes; then drop the file's pages from
+     * the page cache, or the guest would still hold the bytes in memory. */
+    if (fdatasync(a->spill_fd) < 0) return -1;
+    posix_fadvise(a->spill_fd, start, a->spill_size - start, POSIX_FADV_DONTNEED);
+    for (uint32_t i = first; i <= last; i++) {
+        Chunk *c = &a->chunks[i];
+        if (!c->mem) continue;
+        if (c->file_off < start) continue;
+        munmap(c->mem, c->cap);
+        freed += c->cap;
+        c->mem = NULL;
+        c->spilled = 1;
+        a->nspilled++;
+        if (a->iter_buf_chunk == i) a->iter_buf_chunk = SLOT_EMPTY;
+    }
+    a->cur = SLOT_EMPTY;
+    *done = 1;
+    for (uint32_t i = 0; i < a->nchunks; i++)
+        if (a->chunks[i].mem) { *done = 0; break; }
+    return freed;
+}
+
+int arenaHasSpilled(const ColdArena *a) { return a->nspilled != 0; }
+
+int arenaUnspillStep(ColdArena *a) {
+    for (uint32_t i = 0; i < a->nchunks; i++) {
+        Chunk *c = &a->chunks[i];
+        if (!c->spilled) continue;
+        char *mem = mapBytes(c->cap);
+        if (!mem) { errno = ENOMEM; return -1; }
+        if (readFull(a->spill_fd, mem, c->used, c->file_off) < 0) {
+            int e = errno;
+            munmap(mem, c->cap);
+            errno = e;
+            return -1;
+        }
+        c->mem = mem;
+        c->spilled = 0;
+        a->nspilled--;
+        break;
+    }
+    if (a->nspilled) return 1;
+    spillClose(a);
+    return 0;
+}
+
+/* ----------------------------------------------------------- iteration */
+
+/* Cursor: (chunk id + 1) << 32 | offset; 0 = start/done. */
+uint64_t arenaIterate(ColdArena *a, uint64_t cursor, unsigned max,
+                      ArenaIterFn fn, void *priv) {
+    uint32_t id = cursor ? (uint32_t)(cursor >> 32) - 1 : 0;
+    uint32_t off = (uint32_t)cursor;
+    while (id < a->nchunks && max) {
+        Chunk *c = &a->chunks[id];
+        const char *base = c->mem;
+        if (!base && c->spilled) {
+            if (a->iter_buf_chunk != id) {
+                char *b = realloc(a->iter_buf, c->cap);
+                if (!b) return UINT64_MAX;
+                a->iter_buf = b;
+                if (readFull(a->spill_fd, b, c->used, c->file_off) < 0) {
+                    a->iter_buf_chunk = SLOT_EMPTY;
+                    return UINT64_MAX;
+                }
+                a->iter_buf_chunk = id;
+            }
+            base = a->iter_buf;
+        }
+        if (!base || off >= c->used) {
+            id++;
+            off = 0;
+            continue;
+        }
+        while (off < c->used && max) {
+            ColdItem it = {0};
+            hdrDecode(base + off, &it.klen, &it.vlen, &it.expire);
+            it.key = base + off + ARENA_ITEM_HDR;
+            it.val = it.key + it.klen;
+            uint32_t here = off;
+            off += ARENA_ITEM_HDR + it.klen + it.vlen;
+            max--;
+            /* Live iff the index points here. */
+            ColdRef ref;
+            if (arenaLookup(a, it.key, it.klen, &ref) == 1 &&
+                ref.chunk == id && ref.off == here)
+                fn(priv, &it);
+        }
+    }
+    if (id >= a->nchunks) return 0;
+    return ((uint64_t)id + 1) << 32 | off;
+}

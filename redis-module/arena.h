@@ -1,0 +1,133 @@
+/* arena.h -- the cold arena: items (key, value, absolute expire) in large
+ * mmap'd chunks, found through an open-addressing index of its own.
+ *
+ * Nothing here knows about Redis: the module (hybridmem.c) moves items in and
+ * out, the unit tests (tests/test_arena.c) drive it directly.
+ *
+ * Layout. A chunk is one anonymous mapping (ARENA_CHUNK_SIZE, or bigger for a
+ * single large item). Items are appended to the newest chunk:
+ *
+ *     u32 klen | u32 vlen | i64 expire_ms (-1: none) | key bytes | value bytes
+ *
+ * native byte order, no padding (headers are read with memcpy). Items never
+ * change after they are written: any access promotes the item out of the
+ * arena. An item is live iff the index points at it; deleting only updates
+ * the index and the chunk's live counters, and a chunk whose last live item
+ * goes is unmapped at once.
+ *
+ * The index is a linear-probing table of {hash32, chunk, offset} slots kept
+ * in its own mappings, rehashed incrementally (two tables while rehashing,
+ * a bounded number of slots moved per operation, like dict.c).
+ *
+ * Dropping (arenaDrop) unmaps every chunk and both index tables: O(chunks),
+ * independent of the number of items. Spilling (arenaSpill) writes each
+ * in-memory chunk to a file as a whole and unmaps it; the index stays in
+ * memory and items in spilled chunks are read back with pread().
+ */
+#ifndef HYBRIDMEM_ARENA_H
+#define HYBRIDMEM_ARENA_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#define ARENA_CHUNK_SIZE        (1u << 20)      /* 1 MiB */
+#define ARENA_ITEM_HDR          16u
+#define ARENA_MAX_KEY           (1u << 20)      /* refuse bigger keys */
+#define ARENA_MAX_VAL           (64u << 20)     /* refuse bigger values */
+#define ARENA_NO_EXPIRE         ((int64_t)-1)
+
+typedef struct ColdArena ColdArena;
+
+/* Where an item lives. Valid until the next mutating call on the arena. */
+typedef struct ColdRef {
+    uint32_t chunk;
+    uint32_t off;
+} ColdRef;
+
+/* A read item. key/val point either into the chunk (in memory) or into
+ * 'buf', a malloc'd copy read from the spill file; arenaItemRelease()
+ * frees 'buf'. The pointers are valid until the next mutating call. */
+typedef struct ColdItem {
+    const char *key;
+    const char *val;
+    uint32_t klen, vlen;
+    int64_t expire;
+    char *buf;
+} ColdItem;
+
+typedef struct ArenaStats {
+    uint64_t items;             /* live items */
+    uint64_t item_bytes;        /* live header+key+value bytes */
+    uint64_t chunks;            /* chunks (in memory or spilled) */
+    uint64_t chunks_mem;        /* chunks in memory */
+    uint64_t mapped_bytes;      /* chunk + index mappings */
+    uint64_t index_bytes;       /* index mappings */
+    uint64_t spilled_bytes;     /* bytes in the spill file */
+    int rehashing;
+} ArenaStats;
+
+/* Create an empty arena; 'seed' keys the index hash (use a random value so
+ * that clients cannot force collisions). NULL on allocation failure. */
+ColdArena *arenaCreate(uint64_t seed);
+/* Free everything, closes and unlinks the spill file if there is one. */
+void arenaFree(ColdArena *a);
+
+/* Copy an item in. The key must not be in the arena already (the caller
+ * checked). Returns 0, or -1 with errno: E2BIG (key/value too big), ENOMEM,
+ * EROFS (the arena has spilled chunks and takes no new items). */
+int arenaInsert(ColdArena *a, const char *key, size_t klen,
+                const char *val, size_t vlen, int64_t expire);
+
+/* Find a key. Returns 1 and fills *ref if present, 0 if absent, -1 on an I/O
+ * error reading a spilled chunk (errno set). */
+int arenaLookup(ColdArena *a, const char *key, size_t klen, ColdRef *ref);
+
+/* Read the item at 'ref' into *it. 0 or -1 (errno) on I/O error. */
+int arenaRead(ColdArena *a, ColdRef ref, ColdItem *it);
+void arenaItemRelease(ColdItem *it);
+
+/* Remove the key if present. Returns 1 if removed, 0 if absent, -1 on error. */
+int arenaDelete(ColdArena *a, const char *key, size_t klen);
+
+/* Number of live items (O(1)). */
+uint64_t arenaCount(const ColdArena *a);
+void arenaGetStats(const ColdArena *a, ArenaStats *st);
+
+/* Move at most 'slots' index slots of an ongoing rehash. Returns 1 if more
+ * work remains, 0 otherwise. */
+int arenaRehashStep(ColdArena *a, unsigned slots);
+
+/* Unmap every chunk and the index (the spill file too). Returns the bytes of
+ * mappings released; *items gets the number of items dropped. O(chunks). */
+uint64_t arenaDrop(ColdArena *a, uint64_t *items);
+
+/* Write in-memory chunks to 'path' (created/truncated on the first chunk),
+ * flush them to disk, drop them from the page cache and unmap them. Stops
+ * early when 'deadline_us' (CLOCK_MONOTONIC, 0: none) passes. Returns the
+ * bytes unmapped, or -1 with errno (the arena is unchanged for the chunk
+ * that failed). *done is 1 when no in-memory chunk is left. */
+int64_t arenaSpill(ColdArena *a, const char *path, uint64_t deadline_us,
+                   int *done);
+
+/* Read one spilled chunk back into memory. Returns 1 if more spilled chunks
+ * remain, 0 if none is left (the spill file is then closed and unlinked),
+ * -1 on error (errno). */
+int arenaUnspillStep(ColdArena *a);
+int arenaHasSpilled(const ColdArena *a);
+
+/* Iteration over live items in a stable order (chunk id, offset): pass
+ * cursor 0 first; returns the next cursor (0 when done). 'fn' gets each
+ * live item and must not modify the arena (collect keys, act afterwards);
+ * 'max' bounds the number of items visited (live or dead).
+ * Items inserted during an iteration may or may not be visited; items
+ * present from start to end are visited exactly once. Returns the cursor,
+ * or UINT64_MAX on I/O error. */
+typedef void (*ArenaIterFn)(void *priv, const ColdItem *it);
+uint64_t arenaIterate(ColdArena *a, uint64_t cursor, unsigned max,
+                      ArenaIterFn fn, void *priv);
+
+/* Monotonic clock in microseconds. */
+uint64_t arenaNowUs(void);
+
+#endif

@@ -1,0 +1,1462 @@
+/* hybridmem.c -- the "appassist" Redis module: hot/cold segregation of
+ * string items with a cold arena of its own, transparent to clients, and the
+ * guest half of app-assisted migration (APPASSIST.PREPARE/RESUME/ABORT/STATUS
+ * over normal clients and over a virtio-serial port).
+ *
+ * Map of this file, top to bottom:
+ *   configuration and global state
+ *   helpers (memory figures, field lists rendered as RESP maps)
+ *   promotion (arena -> keyspace) and demotion (keyspace -> arena)
+ *   the command filter that makes cold items transparent
+ *   the background slice (demotion pass, rehash, expiry sweep, unspill)
+ *   PREPARE / RESUME / ABORT / STATUS, shared by clients and the port
+ *   rewritten whole-keyspace commands (KEYS, SCAN, DBSIZE)
+ *   the host port (virtio-serial, or a pty/unix socket in tests)
+ *   RDB aux persistence, server events, INFO, OnLoad
+ *
+ * Invariants:
+ *   - Only database 0 is managed. A string key lives either in the keyspace
+ *     (hot) or in the arena (cold), never in both; if both ever hold it, the
+ *     keyspace wins and the cold copy is deleted.
+ *   - Demotion and promotion are representation changes: they propagate
+ *     nothing to replicas/AOF, fire no keyspace notification and do not
+ *     touch WATCHed keys (REDISMODULE_OPTION_NO_IMPLICIT_SIGNAL_MODIFIED).
+ *   - Every access to a cold key through a command promotes it before the
+ *     command runs, so the command's reply is the stock reply by construction.
+ *   - All background work runs in time-bounded slices (appassist.slice-us).
+ */
+
+#include "redismodule.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <termios.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "arena.h"
+#include "glob.h"
+#include "resp.h"
+
+#define HM_VERSION              1
+#define HM_AUX_ENCVER           1
+#define HM_ITEM_OVERHEAD        48      /* dictEntry+robj+sds headers, estimate */
+#define HM_PASS_PAUSE_MS        1000    /* between two full demotion passes */
+#define HM_MULTI_GRACE_US       (5 * 1000000ULL)
+#define HM_SCAN_PHASE_BIT       (1ULL << 63)
+#define HM_PORT_INBUF           (2 * RESP_MAX_REQ)
+#define HM_PORT_OUTBUF          (64 * 1024)
+#define HM_BUCKETS              64
+
+#define DEFAULT_PORT_PATH       "/dev/virtio-ports/org.qemu.app-assist.0"
+#define DEFAULT_SPILL_PATH      "appassist.spill"
+
+typedef enum { POLICY_DROP = 0, POLICY_SPILL = 1, POLICY_NONE = 2 } Policy;
+static const char *policy_names[] = {"drop", "spill", "none"};
+static const int policy_values[] = {POLICY_DROP, POLICY_SPILL, POLICY_NONE};
+
+typedef enum {
+    ST_NORMAL = 0,      /* demotion running */
+    ST_PREPARED,        /* migration in progress: demotion paused */
+    ST_RESUMING,        /* reading spilled chunks back, in slices */
+} State;
+static const char *state_names[] = {"normal", "prepared", "resuming"};
+
+/* ------------------------------------------------------------ state */
+
+static struct {
+    /* configuration */
+    long long planned_memory;   /* bytes, 0: maxmemory or physical RAM */
+    long long hot_percent;
+    long long min_idle_ms;
+    long long slice_us;
+    long long interval_ms;
+    long long port_retry_ms;
+    int policy;
+    int demote;                 /* appassist.demote yes|no */
+    RedisModuleString *port_path;
+    RedisModuleString *spill_path;
+
+    RedisModuleCtx *dctx;       /* detached context: keyspace ops outside commands */
+    ColdArena *arena;
+    State state;
+    RedisModuleTimerID timer;
+    int loaded;                 /* OnLoad finished */
+
+    /* demotion pass */
+    RedisModuleScanCursor *cursor;
+    uint64_t pass_bytes[HM_BUCKETS];
+    uint64_t pass_items;
+    uint64_t pass_hot_bytes, pass_hot_items;
+    int threshold;              /* demote items in buckets >= threshold */
+    uint64_t next_pass_us;
+    uint64_t passes;
+    RedisModuleString **pending; /* keys picked for demotion by the scan callback */
+    size_t npending, cap_pending;
+
+    /* MULTI bookkeeping (see hmFilter) */
+    long multi_open;
+    uint64_t multi_seen_us;
+
+    /* expiry sweep of the arena */
+    uint64_t sweep_cursor;
+
+    /* statistics */
+    long long demotions, promotions, expired_promotions, demote_errors;
+    long long prepares, resumes, aborts;
+    long long last_freed, last_items, last_time_us, last_rss_before, last_rss_after;
+    int last_policy, last_complete;
+    long long dropped_items;
+
+    /* host port */
+    int port_fd;
+    int port_is_sock;
+    int port_discarding;
+    RedisModuleTimerID port_timer;
+    int port_timer_set;
+    char port_in[HM_PORT_INBUF];
+    size_t port_inlen;
+    RespBuf port_out;
+    long long port_requests, port_errors, port_opens;
+} hm;
+
+/* ------------------------------------------------------------ helpers */
+
+static uint64_t nowUs(void) { return arenaNowUs(); }
+
+static long long nowMs(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static long long processRss(void) {
+    FILE *f = fopen("/proc/self/statm", "r");
+    long long size = 0, rss = 0;
+    if (!f) return -1;
+    if (fscanf(f, "%lld %lld", &size, &rss) != 2) rss = -1;
+    fclose(f);
+    return rss < 0 ? -1 : rss * sysconf(_SC_PAGESIZE);
+}
+
+static unsigned long long infoMemoryField(RedisModuleCtx *ctx, const char *field) {
+    RedisModuleServerInfoData *info = RedisModule_GetServerInfo(ctx, "memory");
+    int err = 0;
+    unsigned long long v = 0;
+    if (info) {
+        v = RedisModule_ServerInfoGetFieldUnsigned(info, field, &err);
+        RedisModule_FreeServerInfo(ctx, info);
+    }
+    return err ? 0 : v;
+}
+
+static long long plannedMemory(RedisModuleCtx *ctx) {
+    if (hm.planned_memory > 0) return hm.planned_memory;
+    unsigned long long mm = infoMemoryField(ctx, "maxmemory");
+    if (mm) return (long long)mm;
+    return (long long)sysconf(_SC_PHYS_PAGES) * sysconf(_SC_PAGESIZE);
+}
+
+static long long hotBudget(RedisModuleCtx *ctx) {
+    return plannedMemory(ctx) / 100 * hm.hot_percent;
+}
+
+/* A reply built once and rendered either as a module reply (a map; RESP2
+ * clients get a flat array) or as RESP bytes for the host port. */
+typedef struct Field {
+    const char *name;
+    const char *s;      /* NULL: integer */
+    long long i;
+} Field;
+
+typedef struct Fields {
+    int n;
+    const char *err;    /* non-NULL: the reply is this error */
+    Field f[32];
+} Fields;
+
+static void addInt(Fields *fs, const char *name, long long v) {
+    if (fs->n < 32) fs->f[fs->n++] = (Field){name, NULL, v};
+}
+
+static void addStr(Fields *fs, const char *name, const char *s) {
+    if (fs->n < 32) fs->f[fs->n++] = (Field){name, s, 0};
+}
+
+static int replyFields(RedisModuleCtx *ctx, const Fields *fs) {
+    if (fs->err) return RedisModule_ReplyWithError(ctx, fs->err);
+    RedisModule_ReplyWithMap(ctx, fs->n);
+    for (int i = 0; i < fs->n; i++) {
+        RedisModule_ReplyWithSimpleString(ctx, fs->f[i].name);
+        if (fs->f[i].s)
+            RedisModule_ReplyWithSimpleString(ctx, fs->f[i].s);
+        else
+            RedisModule_ReplyWithLongLong(ctx, fs->f[i].i);
+    }
+    return REDISMODULE_OK;
+}
+
+/* The port speaks RESP2 (the host side uses hiredis 0.14, which has no
+ * maps): a map is a flat array name, value, name, value... */
+static int portRenderFields(RespBuf *b, const Fields *fs) {
+    if (fs->err) return respAddError(b, fs->err);
+    if (respAddMapLen(b, fs->n, 0) < 0) return -1;
+    for (int i = 0; i < fs->n; i++) {
+        if (respAddBulk(b, fs->f[i].name, strlen(fs->f[i].name)) < 0) return -1;
+        if (fs->f[i].s) {
+            if (respAddBulk(b, fs->f[i].s, strlen(fs->f[i].s)) < 0) return -1;
+        } else if (respAddInt(b, fs->f[i].i) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------ promotion */
+
+/* Move 'key' from the arena back into db 0 of the keyspace. The expire goes
+ * with it even when it is already in the past: Redis then expires the key on
+ * the access that follows, with the stock "expired" notification and the
+ * DEL propagated to replicas and AOF, exactly as if it had stayed hot.
+ * Returns 1 if promoted, 0 if the key is not cold, -1 on error (the item
+ * stays in the arena; logged). */
+static int promoteKey(RedisModuleString *key) {
+    size_t klen;
+    const char *k = RedisModule_StringPtrLen(key, &klen);
+    ColdRef ref;
+    int r = arenaLookup(hm.arena, k, klen, &ref);
+    if (r <= 0) {
+        if (r < 0)
+            RedisModule_Log(hm.dctx, "warning", "appassist: lookup of a cold key failed: %s",
+                            strerror(errno));
+        return r;
+    }
+    RedisModuleCtx *ctx = hm.dctx;
+    if (RedisModule_KeyExists(ctx, key)) {
+        /* Keyspace wins (see the invariants at the top). */
+        arenaDelete(hm.arena, k, klen);
+        return 0;
+    }
+    ColdItem it;
+    if (arenaRead(hm.arena, ref, &it) < 0) {
+        RedisModule_Log(ctx, "warning", "appassist: reading a cold item failed: %s",
+                        strerror(errno));
+        return -1;
+    }
+    RedisModuleString *val = RedisModule_CreateString(ctx, it.val, it.vlen);
+    int64_t expire = it.expire;
+    arenaItemRelease(&it);
+    RedisModuleKey *kh = RedisModule_OpenKey(ctx, key, REDISMODULE_WRITE | REDISMODULE_OPEN_KEY_NOTOUCH);
+    RedisModule_StringSet(kh, val);
+    if (expire != ARENA_NO_EXPIRE) {
+        RedisModule_SetAbsExpire(kh, expire);
+        if (expire <= nowMs()) hm.expired_promotions++;
+    }
+    RedisModule_CloseKey(kh);
+    RedisModule_FreeString(ctx, val);
+    arenaDelete(hm.arena, k, klen);
+    hm.promotions++;
+    return 1;
+}
+
+/* Promote every cold item (SWAPDB touching db 0, pure-AOF rewrites). This is
+ * O(cold items) and blocks; it only runs for rare administrative commands. */
+typedef struct KeyList {
+    RedisModuleString **v;
+    size_t n, cap;
+} KeyList;
+
+static void keyListPush(KeyList *l, RedisModuleString *s) {
+    if (l->n == l->cap) {
+        l->cap = l->cap ? l->cap * 2 : 64;
+        l->v = RedisModule_Realloc(l->v, l->cap * sizeof(*l->v));
+    }
+    l->v[l->n++] = s;
+}
+
+static void collectCb(void *priv, const ColdItem *it) {
+    keyListPush(priv, RedisModule_CreateString(hm.dctx, it->key, it->klen));
+}
+
+static void promoteAll(void) {
+    KeyList l = {0};
+    uint64_t cur = 0;
+    do {
+        cur = arenaIterate(hm.arena, cur, 4096, collectCb, &l);
+    } while (cur && cur != UINT64_MAX);
+    for (size_t i = 0; i < l.n; i++) {
+        promoteKey(l.v[i]);
+        RedisModule_FreeString(hm.dctx, l.v[i]);
+    }
+    RedisModule_Free(l.v);
+}
+
+/* ------------------------------------------------------------ demotion */
+
+/* Move string key 'key' from db 0 into the arena. Returns 1 if demoted. */
+static int demoteKey(RedisModuleString *key) {
+    RedisModuleCtx *ctx = hm.dctx;
+    RedisModuleKey *kh = RedisModule_OpenKey(ctx, key, REDISMODULE_READ | REDISMODULE_WRITE |
+                                                       REDISMODULE_OPEN_KEY_NOTOUCH);
+    if (RedisModule_KeyType(kh) != REDISMODULE_KEYTYPE_STRING) {
+        RedisModule_CloseKey(kh);
+        return 0;
+    }
+    mstime_t expire = RedisModule_GetAbsExpire(kh);
+    if (expire != REDISMODULE_NO_EXPIRE && expire <= nowMs()) {
+        /* Logically gone: leave it to Redis's own expiry. */
+        RedisModule_CloseKey(kh);
+        return 0;
+    }
+    size_t klen, vlen;
+    const char *k = RedisModule_StringPtrLen(key, &klen);
+    const char *v = RedisModule_StringDMA(kh, &vlen, REDISMODULE_READ);
+    ColdRef ref;
+    if (v == NULL || arenaLookup(hm.arena, k, klen, &ref) != 0 ||
+        arenaInsert(hm.arena, k, klen, v, vlen,
+                    expire == REDISMODULE_NO_EXPIRE ? ARENA_NO_EXPIRE : expire) < 0) {
+        hm.demote_errors++;
+        RedisModule_CloseKey(kh);
+        return 0;
+    }
+    RedisModule_DeleteKey(kh);
+    RedisModule_CloseKey(kh);
+    hm.demotions++;
+    return 1;
+}
+
+/* Coldness bucket of a key: log2 of the LRU idle time in ms, or, with an LFU
+ * maxmemory-policy, 63 minus Redis's (decayed) logarithmic LFU counter. */
+static int coldBucket(RedisModuleKey *kh, int *idle_ok) {
+    long long freq;
+    mstime_t idle;
+    *idle_ok = 1;
+    if (RedisModule_GetLFU(kh, &freq) == REDISMODULE_OK && freq >= 0) {
+        *idle_ok = 1;
+        return HM_BUCKETS - 1 - (int)(freq > HM_BUCKETS - 1 ? HM_BUCKETS - 1 : freq);
+    }
+    if (RedisModule_GetLRU(kh, &idle) != REDISMODULE_OK || idle < 0) return 0;
+    *idle_ok = idle >= hm.min_idle_ms;
+    int b = 0;
+    while (idle > 0 && b < HM_BUCKETS - 1) { idle >>= 1; b++; }
+    return b;
+}
+
+static void scanCb(RedisModuleCtx *ctx, RedisModuleString *keyname,
+                   RedisModuleKey *kh, void *priv) {
+    (void)priv;
+    RedisModuleKey *own = NULL;
+    if (!kh) kh = own = RedisModule_OpenKey(ctx, keyname, REDISMODULE_READ | REDISMODULE_OPEN_KEY_NOTOUCH);
+    if (RedisModule_KeyType(kh) == REDISMODULE_KEYTYPE_STRING) {
+        size_t klen;
+        RedisModule_StringPtrLen(keyname, &klen);
+        uint64_t bytes = klen + RedisModule_ValueLength(kh) + HM_ITEM_OVERHEAD;
+        int idle_ok;
+        int b = coldBucket(kh, &idle_ok);
+        if (b >= hm.threshold && idle_ok) {
+            if (hm.npending == hm.cap_pending) {
+                hm.cap_pending = hm.cap_pending ? hm.cap_pending * 2 : 64;
+                hm.pending = RedisModule_Realloc(hm.pending, hm.cap_pending * sizeof(*hm.pending));
+            }
+            RedisModule_RetainString(ctx, keyname);
+            hm.pending[hm.npending++] = keyname;
+        } else {
+            hm.pass_bytes[b] += bytes;
+            hm.pass_items++;
+        }
+    }
+    if (own) RedisModule_CloseKey(own);
+}
+
+/* End of a pass: the hot set is what fits in the budget, hottest first. */
+static void passEnd(RedisModuleCtx *ctx) {
+    long long budget = hotBudget(ctx);
+    uint64_t sum = 0, items = 0;
+    int thr = HM_BUCKETS;
+    for (int b = 0; b < HM_BUCKETS; b++) {
+        if (sum + hm.pass_bytes[b] > (uint64_t)budget) { thr = b; break; }
+        sum += hm.pass_bytes[b];
+    }
+    if (budget <= 0) thr = 0;
+    hm.threshold = thr;
+    for (int b = 0; b < HM_BUCKETS; b++) items += hm.pass_bytes[b] ? 1 : 0;
+    hm.pass_hot_bytes = 0;
+    for (int b = 0; b < HM_BUCKETS; b++) hm.pass_hot_bytes += hm.pass_bytes[b];
+    hm.pass_hot_items = hm.pass_items;
+    memset(hm.pass_bytes, 0, sizeof(hm.pass_bytes));
+    hm.pass_items = 0;
+    hm.passes++;
+    (void)items;
+}
+
+static int demotionAllowed(void) {
+    if (!hm.demote || hm.state != ST_NORMAL) return 0;
+    int flags = RedisModule_GetContextFlags(hm.dctx);
+    if (flags & (REDISMODULE_CTX_FLAGS_SLAVE | REDISMODULE_CTX_FLAGS_LOADING)) return 0;
+    /* A transaction queued while a key was hot must find it hot at EXEC:
+     * pause while a MULTI seen by the filter has no EXEC/DISCARD yet. */
+    if (hm.multi_open > 0 && nowUs() - hm.multi_seen_us < HM_MULTI_GRACE_US) return 0;
+    if (hm.multi_open > 0) hm.multi_open = 0;
+    return 1;
+}
+
+/* Run the demotion pass until 'deadline'. */
+static void demoteSlice(uint64_t deadline) {
+    RedisModuleCtx *ctx = hm.dctx;
+    if (!hm.cursor) {
+        if (nowUs() < hm.next_pass_us) return;
+        hm.cursor = RedisModule_ScanCursorCreate();
+    }
+    int more = 1;
+    while (more && nowUs() < deadline) {
+        more = RedisModule_Scan(ctx, hm.cursor, scanCb, NULL);
+        for (size_t i = 0; i < hm.npending; i++) {
+            demoteKey(hm.pending[i]);
+            RedisModule_FreeString(ctx, hm.pending[i]);
+        }
+        hm.npending = 0;
+    }
+    if (!more) {
+        RedisModule_ScanCursorDestroy(hm.cursor);
+        hm.cursor = NULL;
+        passEnd(ctx);
+        hm.next_pass_us = nowUs() + (hm.threshold == 0 ? 0 : HM_PASS_PAUSE_MS * 1000ULL);
+        if (hm.threshold == 0) hm.next_pass_us = nowUs() + 10000; /* aggressive: 10 ms */
+    }
+}
+
+/* Expired cold items are promoted (Redis then expires them with the stock
+ * notification and propagation). Walks the arena a bounded step at a time. */
+static void expiredCb(void *priv, const ColdItem *it) {
+    long long now = *(long long *)((void **)priv)[1];
+    if (it->expire != ARENA_NO_EXPIRE && it->expire <= now)
+        keyListPush(((void **)priv)[0], RedisModule_CreateString(hm.dctx, it->key, it->klen));
+}
+
+static void sweepSlice(uint64_t deadline) {
+    if (arenaCount(hm.arena) == 0 || arenaHasSpilled(hm.arena)) return;
+    long long now = nowMs();
+    while (nowUs() < deadline) {
+        KeyList l = {0};
+        void *priv[2] = {&l, &now};
+        hm.sweep_cursor = arenaIterate(hm.arena, hm.sweep_cursor, 256, expiredCb, priv);
+        for (size_t i = 0; i < l.n; i++) {
+            RedisModuleKey *kh;
+            promoteKey(l.v[i]);
+            /* Let Redis expire it now, as its active expire cycle would. */
+            kh = RedisModule_OpenKey(hm.dctx, l.v[i], REDISMODULE_READ);
+            RedisModule_CloseKey(kh);
+            RedisModule_FreeString(hm.dctx, l.v[i]);
+        }
+        RedisModule_Free(l.v);
+        if (hm.sweep_cursor == 0 || hm.sweep_cursor == UINT64_MAX) {
+            hm.sweep_cursor = 0;
+            break;
+        }
+    }
+}
+
+static void sliceTimer(RedisModuleCtx *ctx, void *data);
+
+static void armTimer(void) {
+    hm.timer = RedisModule_CreateTimer(hm.dctx, hm.interval_ms, sliceTimer, NULL);
+}
+
+/* One background slice: bounded by appassist.slice-us. */
+static void sliceTimer(RedisModuleCtx *ctx, void *data) {
+    (void)ctx;
+    (void)data;
+    uint64_t deadline = nowUs() + (uint64_t)hm.slice_us;
+    if (hm.state == ST_RESUMING) {
+        int r = 1;
+        while (r == 1 && nowUs() < deadline) r = arenaUnspillStep(hm.arena);
+        if (r == 0) hm.state = ST_NORMAL;
+        if (r < 0)
+            RedisModule_Log(hm.dctx, "warning", "appassist: reading the spill file back failed: %s",
+                            strerror(errno));
+    }
+    while (nowUs() < deadline && arenaRehashStep(hm.arena, 4096)) {}
+    if (demotionAllowed()) demoteSlice(deadline);
+    sweepSlice(deadline);
+    armTimer();
+}
+
+/* ------------------------------------------------------------ command filter */
+
+static RedisModuleString *hm_name_keys, *hm_name_scan, *hm_name_dbsize;
+
+static int cmdIs(const char *c, size_t l, const char *name) {
+    return strlen(name) == l && strncasecmp(c, name, l) == 0;
+}
+
+/* Runs before every command (client, script, MULTI queueing, RM_Call of
+ * other modules). Whole-keyspace commands are rewritten to module commands
+ * that also see the arena; every key argument that is cold is promoted so
+ * the real command runs on the hot item. The filter does not know the
+ * client's selected DB (7.0 has no API for it): promotion always targets db
+ * 0, which is harmless for a command on another DB. */
+static void hmFilter(RedisModuleCommandFilterCtx *f) {
+    int argc = RedisModule_CommandFilterArgsCount(f);
+    if (argc < 1 || !hm.arena) return;
+    size_t cl;
+    const char *c = RedisModule_StringPtrLen(RedisModule_CommandFilterArgGet(f, 0), &cl);
+    switch (cl) {
+    case 4:
+        if (cmdIs(c, cl, "keys")) {
+            if (arenaCount(hm.arena)) {
+                RedisModule_RetainString(NULL, hm_name_keys);
+                RedisModule_CommandFilterArgReplace(f, 0, hm_name_keys);
+            }
+            return;
+        }
+        if (cmdIs(c, cl, "scan")) {
+            RedisModule_RetainString(NULL, hm_name_scan);
+            RedisModule_CommandFilterArgReplace(f, 0, hm_name_scan);
+            return;
+        }
+        if (cmdIs(c, cl, "exec")) { if (hm.multi_open > 0) hm.multi_open--; return; }
+        break;
+    case 5:
+        if (cmdIs(c, cl, "multi")) { hm.multi_open++; hm.multi_seen_us = nowUs(); return; }
+        break;
+    case 6:
+        if (cmdIs(c, cl, "dbsize")) {
+            if (arenaCount(hm.arena)) {
+                RedisModule_RetainString(NULL, hm_name_dbsize);
+                RedisModule_CommandFilterArgReplace(f, 0, hm_name_dbsize);
+            }
+            return;
+        }
+        if (cmdIs(c, cl, "swapdb")) { if (arenaCount(hm.arena)) promoteAll(); return; }
+        break;
+    case 7:
+        if (cmdIs(c, cl, "discard")) { if (hm.multi_open > 0) hm.multi_open--; return; }
+        break;
+    }
+    if (arenaCount(hm.arena) == 0) return;
+
+    RedisModuleString *stackv[16], **argv = stackv;
+    if (argc > 16) argv = RedisModule_Alloc(sizeof(*argv) * (size_t)argc);
+    for (int i = 0; i < argc; i++) argv[i] = RedisModule_CommandFilterArgGet(f, i);
+    int nkeys = 0;
+    int *pos = RedisModule_GetCommandKeys(hm.dctx, argv, argc, &nkeys);
+    for (int i = 0; pos && i < nkeys; i++) promoteKey(argv[pos[i]]);
+    if (pos) RedisModule_Free(pos);
+    if (argv != stackv) RedisModule_Free(argv);
+}
+
+/* ------------------------------------------------------------ migration */
+
+static void prepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms) {
+    uint64_t t0 = nowUs();
+    long long rss0 = processRss();
+    int64_t freed = 0;
+    uint64_t items = 0;
+    int complete = 1;
+    if (hm.cursor) {
+        /* abandon the running demotion pass; demotion is paused */
+        RedisModule_ScanCursorDestroy(hm.cursor);
+        hm.cursor = NULL;
+    }
+    if (hm.state == ST_RESUMING) hm.state = ST_PREPARED;
+    switch (hm.policy) {
+    case POLICY_DROP:
+        items = arenaCount(hm.arena);
+        freed = (int64_t)arenaDrop(hm.arena, NULL);
+        hm.dropped_items += (long long)items;
+        break;
+    case POLICY_SPILL: {
+        char path[PATH_MAX];
+        size_t pl;
+        const char *p = RedisModule_StringPtrLen(hm.spill_path, &pl);
+        snprintf(path, sizeof(path), "%.*s", (int)pl, p);
+        items = arenaCount(hm.arena);
+        uint64_t deadline = deadline_ms > 0 ? t0 + (uint64_t)deadline_ms * 1000 : 0;
+        freed = arenaSpill(hm.arena, path, deadline, &complete);
+        if (freed < 0) {
+            fs->err = "ERR appassist: writing the spill file failed";
+            RedisModule_Log(ctx, "warning", "appassist: spill to %s failed: %s", path, strerror(errno));
+            return;
+        }
+        break;
+    }
+    case POLICY_NONE:
+        break;
+    }
+    /* Give the allocator's free pages back too (demoted items left them). */
+    if (hm.policy != POLICY_NONE) {
+        RedisModuleCallReply *r = RedisModule_Call(ctx, "MEMORY", "c", "PURGE");
+        if (r) RedisModule_FreeCallReply(r);
+    }
+    hm.state = ST_PREPARED;
+    long long rss1 = processRss();
+    hm.prepares++;
+    hm.last_freed = freed;
+    hm.last_items = (long long)items;
+    hm.last_time_us = (long long)(nowUs() - t0);
+    hm.last_rss_before = rss0;
+    hm.last_rss_after = rss1;
+    hm.last_policy = hm.policy;
+    hm.last_complete = complete;
+    addInt(fs, "freed_bytes", freed);
+    addInt(fs, "items", (long long)items);
+    addInt(fs, "used_memory", (long long)infoMemoryField(ctx, "used_memory"));
+    addInt(fs, "rss", rss1);
+    addInt(fs, "rss_before", rss0);
+    addInt(fs, "time_us", hm.last_time_us);
+    addStr(fs, "policy", policy_names[hm.policy]);
+    addInt(fs, "complete", complete);
+    addStr(fs, "state", state_names[hm.state]);
+}
+
+/* RESUME (migration done, we run on the destination) and ABORT (migration
+ * cancelled, we still run on the source) do the same thing: undo what
+ * PREPARE did where it can be undone. Dropped items stay dropped (cache
+ * semantics); spilled chunks are read back in background slices. */
+static void resumeFields(RedisModuleCtx *ctx, Fields *fs, int abort) {
+    (void)ctx;
+    if (hm.state == ST_PREPARED)
+        hm.state = arenaHasSpilled(hm.arena) ? ST_RESUMING : ST_NORMAL;
+    if (abort) hm.aborts++; else hm.resumes++;
+    addStr(fs, "state", state_names[hm.state]);
+    addInt(fs, "cold_items", (long long)arenaCount(hm.arena));
+    addInt(fs, "dropped_items", hm.dropped_items);
+}
+
+static void statusFields(RedisModuleCtx *ctx, Fields *fs) {
+    ArenaStats st;
+    arenaGetStats(hm.arena, &st);
+    addStr(fs, "state", state_names[hm.state]);
+    addStr(fs, "policy", policy_names[hm.policy]);
+    addInt(fs, "hot_budget_bytes", hotBudget(ctx));
+    addInt(fs, "hot_items", (long long)hm.pass_hot_items);
+    addInt(fs, "hot_bytes", (long long)hm.pass_hot_bytes);
+    addInt(fs, "cold_items", (long long)st.items);
+    addInt(fs, "cold_bytes", (long long)st.item_bytes);
+    addInt(fs, "arena_chunks", (long long)st.chunks);
+    addInt(fs, "arena_chunks_in_memory", (long long)st.chunks_mem);
+    addInt(fs, "arena_mapped_bytes", (long long)st.mapped_bytes);
+    addInt(fs, "spilled_bytes", (long long)st.spilled_bytes);
+    addInt(fs, "demotions", hm.demotions);
+    addInt(fs, "promotions", hm.promotions);
+    addInt(fs, "prepares", hm.prepares);
+    addInt(fs, "used_memory", (long long)infoMemoryField(ctx, "used_memory"));
+    addInt(fs, "rss", processRss());
+}
+
+static int parseDeadline(RedisModuleString **argv, int argc, long long *deadline) {
+    *deadline = 0;
+    if (argc < 2) return 0;
+    if (RedisModule_StringToLongLong(argv[1], deadline) != REDISMODULE_OK ||
+        *deadline < 0 || *deadline > 86400000LL)
+        return -1;
+    return 0;
+}
+
+static int PrepareCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    if (argc > 2) return RedisModule_WrongArity(ctx);
+    long long deadline;
+    if (parseDeadline(argv, argc, &deadline) < 0)
+        return RedisModule_ReplyWithError(ctx, "ERR deadline-ms must be an integer between 0 and 86400000");
+    Fields fs = {0};
+    prepareFields(ctx, &fs, deadline);
+    return replyFields(ctx, &fs);
+}
+
+static int ResumeCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    (void)argv;
+    if (argc != 1) return RedisModule_WrongArity(ctx);
+    Fields fs = {0};
+    resumeFields(ctx, &fs, 0);
+    return replyFields(ctx, &fs);
+}
+
+static int AbortCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    (void)argv;
+    if (argc != 1) return RedisModule_WrongArity(ctx);
+    Fields fs = {0};
+    resumeFields(ctx, &fs, 1);
+    return replyFields(ctx, &fs);
+}
+
+static int StatusCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    (void)argv;
+    if (argc != 1) return RedisModule_WrongArity(ctx);
+    Fields fs = {0};
+    statusFields(ctx, &fs);
+    return replyFields(ctx, &fs);
+}
+
+/* APPASSIST.DEMOTE [max-ms]: run the demotion pass synchronously until it
+ * completes or max-ms (default 1000) passes; for tests and benchmarks. Uses
+ * the current threshold (hot-percent 0: everything that is idle enough). */
+static int DemoteCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    if (argc > 2) return RedisModule_WrongArity(ctx);
+    long long ms = 1000;
+    if (argc == 2 && (RedisModule_StringToLongLong(argv[1], &ms) != REDISMODULE_OK || ms < 0))
+        return RedisModule_ReplyWithError(ctx, "ERR max-ms must be a non-negative integer");
+    if (hm.state != ST_NORMAL)
+        return RedisModule_ReplyWithError(ctx, "ERR demotion is paused until APPASSIST.RESUME");
+    long long before = hm.demotions;
+    uint64_t deadline = nowUs() + (uint64_t)ms * 1000;
+    uint64_t passes = hm.passes;
+    hm.next_pass_us = 0;
+    while (hm.passes == passes && nowUs() < deadline) demoteSlice(deadline);
+    return RedisModule_ReplyWithLongLong(ctx, hm.demotions - before);
+}
+
+/* APPASSIST.ISCOLD key: 1 if the key is in the arena (declares no key, so
+ * the filter does not promote it). */
+static int IsColdCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    if (argc != 2) return RedisModule_WrongArity(ctx);
+    size_t l;
+    const char *k = RedisModule_StringPtrLen(argv[1], &l);
+    ColdRef ref;
+    return RedisModule_ReplyWithLongLong(ctx, arenaLookup(hm.arena, k, l, &ref) == 1);
+}
+
+/* ------------------------------------------------------------ whole keyspace */
+
+static int wrongArity(RedisModuleCtx *ctx, const char *cmd) {
+    char msg[96];
+    snprintf(msg, sizeof(msg), "ERR wrong number of arguments for '%s' command", cmd);
+    return RedisModule_ReplyWithError(ctx, msg);
+}
+
+static void forwardArray(RedisModuleCtx *ctx, RedisModuleCallReply *r, long *n) {
+    size_t len = RedisModule_CallReplyLength(r);
+    for (size_t i = 0; i < len; i++) {
+        RedisModuleCallReply *e = RedisModule_CallReplyArrayElement(r, i);
+        size_t sl;
+        const char *s = RedisModule_CallReplyStringPtr(e, &sl);
+        RedisModule_ReplyWithStringBuffer(ctx, s, sl);
+        (*n)++;
+    }
+}
+
+typedef struct MatchCtx {
+    RedisModuleCtx *ctx;
+    const char *pat;
+    size_t patlen;
+    int all;
+    long long now;
+    long n;
+} MatchCtx;
+
+static void matchCb(void *priv, const ColdItem *it) {
+    MatchCtx *m = priv;
+    if (it->expire != ARENA_NO_EXPIRE && it->expire <= m->now) return;
+    if (!m->all && !stringmatchlen(m->pat, (int)m->patlen, it->key, (int)it->klen, 0)) return;
+    RedisModule_ReplyWithStringBuffer(m->ctx, it->key, it->klen);
+    m->n++;
+}
+
+/* KEYS pattern, when something is cold: the stock reply plus matching cold
+ * keys (db 0 only). */
+static int KeysCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    if (argc != 2) return wrongArity(ctx, "keys");
+    RedisModuleCallReply *r = RedisModule_Call(ctx, "KEYS", "s", argv[1]);
+    if (!r || RedisModule_CallReplyType(r) != REDISMODULE_REPLY_ARRAY) {
+        if (r) {
+            RedisModule_ReplyWithCallReply(ctx, r);
+            RedisModule_FreeCallReply(r);
+            return REDISMODULE_OK;
+        }
+        return RedisModule_ReplyWithError(ctx, "ERR KEYS failed");
+    }
+    long n = 0;
+    RedisModule_ReplyWithArray(ctx, REDISMODULE_POSTPONED_LEN);
+    forwardArray(ctx, r, &n);
+    RedisModule_FreeCallReply(r);
+    if (RedisModule_GetSelectedDb(ctx) == 0) {
+        MatchCtx m = {ctx, NULL, 0, 0, nowMs(), 0};
+        m.pat = RedisModule_StringPtrLen(argv[1], &m.patlen);
+        m.all = m.patlen == 1 && m.pat[0] == '*';
+        uint64_t cur = 0;
+        do {
+            cur = arenaIterate(hm.arena, cur, 1u << 20, matchCb, &m);
+        } while (cur && cur != UINT64_MAX);
+        n += m.n;
+    }
+    RedisModule_ReplySetArrayLength(ctx, n);
+    return REDISMODULE_OK;
+}
+
+static int DbsizeCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    (void)argv;
+    if (argc != 1) return wrongArity(ctx, "dbsize");
+    long long n = (long long)RedisModule_DbSize(ctx);
+    if (RedisModule_GetSelectedDb(ctx) == 0) n += (long long)arenaCount(hm.arena);
+    return RedisModule_ReplyWithLongLong(ctx, n);
+}
+
+/* SCAN cursor [MATCH p] [COUNT n] [TYPE t]. Two phases: the stock SCAN over
+ * the keyspace (cursors passed through unchanged), then the arena in its
+ * stable (chunk, offset) order, with bit 63 of the cursor set. Demoted keys
+ * move from the keyspace to the arena, i.e. forward in the iteration, so
+ * they are still returned; see docs/redis-module.md for the one exception
+ * (a key promoted during the arena phase). */
+static int ScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    if (argc < 2) return wrongArity(ctx, "scan");
+    size_t cl;
+    const char *cs = RedisModule_StringPtrLen(argv[1], &cl);
+    char *end;
+    errno = 0;
+    unsigned long long cursor = strtoull(cs, &end, 10);
+    int phase1 = cl > 0 && *end == '\0' && errno == 0 && (cursor & HM_SCAN_PHASE_BIT) &&
+                 cs[0] != '-' && cs[0] != '+';
+    if (!phase1 || RedisModule_GetSelectedDb(ctx) != 0) {
+        RedisModuleCallReply *r = RedisModule_Call(ctx, "SCAN", "v", argv + 1, (size_t)(argc - 1));
+        if (!r) return RedisModule_ReplyWithError(ctx, "ERR SCAN failed");
+        if (RedisModule_CallReplyType(r) != REDISMODULE_REPLY_ARRAY ||
+            RedisModule_GetSelectedDb(ctx) != 0) {
+            RedisModule_ReplyWithCallReply(ctx, r);
+            RedisModule_FreeCallReply(r);
+            return REDISMODULE_OK;
+        }
+        RedisModuleCallReply *c = RedisModule_CallReplyArrayElement(r, 0);
+        size_t nl;
+        const char *next = RedisModule_CallReplyStringPtr(c, &nl);
+        RedisModule_ReplyWithArray(ctx, 2);
+        if (nl == 1 && next[0] == '0' && arenaCount(hm.arena)) {
+            char buf[32];
+            int bl = snprintf(buf, sizeof(buf), "%llu", (unsigned long long)HM_SCAN_PHASE_BIT);
+            RedisModule_ReplyWithStringBuffer(ctx, buf, (size_t)bl);
+        } else {
+            RedisModule_ReplyWithStringBuffer(ctx, next, nl);
+        }
+        long n = 0;
+        RedisModule_ReplyWithArray(ctx, REDISMODULE_POSTPONED_LEN);
+        forwardArray(ctx, RedisModule_CallReplyArrayElement(r, 1), &n);
+        RedisModule_ReplySetArrayLength(ctx, n);
+        RedisModule_FreeCallReply(r);
+        return REDISMODULE_OK;
+    }
+    /* Arena phase: parse options the way scanGenericCommand does. */
+    long long count = 10;
+    const char *pat = NULL, *type = NULL;
+    size_t patlen = 0, typelen = 0;
+    for (int i = 2; i < argc; i += 2) {
+        size_t ol;
+        const char *o = RedisModule_StringPtrLen(argv[i], &ol);
+        if (i + 1 >= argc) return RedisModule_ReplyWithError(ctx, "ERR syntax error");
+        if (cmdIs(o, ol, "count")) {
+            if (RedisModule_StringToLongLong(argv[i + 1], &count) != REDISMODULE_OK)
+                return RedisModule_ReplyWithError(ctx, "ERR value is not an integer or out of range");
+            if (count < 1) return RedisModule_ReplyWithError(ctx, "ERR syntax error");
+        } else if (cmdIs(o, ol, "match")) {
+            pat = RedisModule_StringPtrLen(argv[i + 1], &patlen);
+        } else if (cmdIs(o, ol, "type")) {
+            type = RedisModule_StringPtrLen(argv[i + 1], &typelen);
+        } else {
+            return RedisModule_ReplyWithError(ctx, "ERR syntax error");
+        }
+    }
+    MatchCtx m = {ctx, pat, patlen, pat == NULL || (patlen == 1 && pat[0] == '*'), nowMs(), 0};
+    int type_ok = type == NULL || cmdIs(type, typelen, "string");
+    uint64_t acur = cursor & ~HM_SCAN_PHASE_BIT;
+    RedisModule_ReplyWithArray(ctx, 2);
+    if (!type_ok) {
+        /* no cold item can match: finish the iteration */
+        RedisModule_ReplyWithSimpleString(ctx, "0");
+        RedisModule_ReplyWithArray(ctx, 0);
+        return REDISMODULE_OK;
+    }
+    /* The reply's cursor comes first: collect keys, then reply. */
+    RedisModuleCtx *tctx = ctx;
+    (void)tctx;
+    KeyList l = {0};
+    uint64_t next = arenaIterate(hm.arena, acur, (unsigned)(count > 100000 ? 100000 : count),
+                                 collectCb, &l);
+    if (next == UINT64_MAX) next = 0;
+    char buf[32];
+    int bl = snprintf(buf, sizeof(buf), "%llu",
+                      next ? (unsigned long long)(next | HM_SCAN_PHASE_BIT) : 0ULL);
+    RedisModule_ReplyWithStringBuffer(ctx, buf, (size_t)bl);
+    long n = 0;
+    RedisModule_ReplyWithArray(ctx, REDISMODULE_POSTPONED_LEN);
+    for (size_t i = 0; i < l.n; i++) {
+        size_t kl;
+        const char *k = RedisModule_StringPtrLen(l.v[i], &kl);
+        ColdRef ref;
+        int keep = m.all || stringmatchlen(pat, (int)patlen, k, (int)kl, 0);
+        if (keep && arenaLookup(hm.arena, k, kl, &ref) == 1) {
+            ColdItem it;
+            if (arenaRead(hm.arena, ref, &it) == 0) {
+                if (it.expire != ARENA_NO_EXPIRE && it.expire <= m.now) keep = 0;
+                arenaItemRelease(&it);
+            }
+        }
+        if (keep) {
+            RedisModule_ReplyWithString(ctx, l.v[i]);
+            n++;
+        }
+        RedisModule_FreeString(hm.dctx, l.v[i]);
+    }
+    RedisModule_Free(l.v);
+    RedisModule_ReplySetArrayLength(ctx, n);
+    return REDISMODULE_OK;
+}
+
+/* ------------------------------------------------------------ host port */
+
+static void portClose(int retry);
+static void portOpen(void);
+
+static void portRetryTimer(RedisModuleCtx *ctx, void *data) {
+    (void)ctx;
+    (void)data;
+    hm.port_timer_set = 0;
+    portOpen();
+}
+
+static void portScheduleRetry(void) {
+    if (hm.port_timer_set) return;
+    hm.port_timer = RedisModule_CreateTimer(hm.dctx, hm.port_retry_ms, portRetryTimer, NULL);
+    hm.port_timer_set = 1;
+}
+
+static void portFlush(void);
+
+static void portWritable(int fd, void *ud, int mask) {
+    (void)fd;
+    (void)ud;
+    (void)mask;
+    portFlush();
+}
+
+/* Write what we can; keep the rest and wait for the fd to be writable. */
+static void portFlush(void) {
+    while (hm.port_out.len) {
+        ssize_t n = write(hm.port_fd, hm.port_out.p, hm.port_out.len);
+        if (n > 0) {
+            respBufConsume(&hm.port_out, (size_t)n);
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && errno == EAGAIN) {
+            RedisModule_EventLoopAdd(hm.port_fd, REDISMODULE_EVENTLOOP_WRITABLE, portWritable, NULL);
+            return;
+        }
+        portClose(1);     /* host went away */
+        return;
+    }
+    RedisModule_EventLoopDel(hm.port_fd, REDISMODULE_EVENTLOOP_WRITABLE);
+}
+
+static void portExecute(const RespRequest *req, RespBuf *out) {
+    Fields fs = {0};
+    const char *c = req->argv[0];
+    size_t cl = req->argl[0];
+    hm.port_requests++;
+    if (req->argc == 1 && cmdIs(c, cl, "ping")) {
+        respAddSimple(out, "PONG");
+        return;
+    }
+    if (cmdIs(c, cl, "appassist.prepare") && req->argc <= 2) {
+        long long deadline = 0;
+        if (req->argc == 2) {
+            char *end;
+            errno = 0;
+            deadline = strtoll(req->argv[1], &end, 10);
+            if (req->argl[1] == 0 || *end || errno || deadline < 0 || deadline > 86400000LL) {
+                respAddError(out, "ERR deadline-ms must be an integer between 0 and 86400000");
+                hm.port_errors++;
+                return;
+            }
+        }
+        prepareFields(hm.dctx, &fs, deadline);
+    } else if (cmdIs(c, cl, "appassist.resume") && req->argc == 1) {
+        resumeFields(hm.dctx, &fs, 0);
+    } else if (cmdIs(c, cl, "appassist.abort") && req->argc == 1) {
+        resumeFields(hm.dctx, &fs, 1);
+    } else if (cmdIs(c, cl, "appassist.status") && req->argc == 1) {
+        statusFields(hm.dctx, &fs);
+    } else {
+        hm.port_errors++;
+        respAddError(out, "ERR unknown command or wrong number of arguments on the appassist port");
+        return;
+    }
+    portRenderFields(out, &fs);
+}
+
+static void portReadable(int fd, void *ud, int mask) {
+    (void)ud;
+    (void)mask;
+    for (;;) {
+        char tmp[HM_PORT_INBUF];
+        ssize_t n = read(fd, tmp, sizeof(tmp));
+        if (n == 0) { portClose(1); return; }            /* EOF: host gone */
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            if (errno != EAGAIN) { portClose(1); return; }   /* EIO: pty master closed */
+            /* Nothing to read. A virtio port whose host side is gone
+             * reports POLLHUP; epoll would wake us forever. */
+            struct pollfd p = {fd, POLLIN, 0};
+            if (poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLERR)) && !(p.revents & POLLIN)) {
+                portClose(1);
+                return;
+            }
+            hm.port_discarding = 0;
+            break;
+        }
+        if (hm.port_discarding) continue;
+        size_t off = 0;
+        while (off < (size_t)n) {
+            size_t take = sizeof(hm.port_in) - hm.port_inlen;
+            if (take > (size_t)n - off) take = (size_t)n - off;
+            memcpy(hm.port_in + hm.port_inlen, tmp + off, take);
+            hm.port_inlen += take;
+            off += take;
+            for (;;) {
+                static RespRequest req;
+                size_t used = 0;
+                const char *err = NULL;
+                RespParse pr = respParseRequest(hm.port_in, hm.port_inlen, &req, &used, &err);
+                if (pr == RESP_NEED_MORE) {
+                    if (hm.port_inlen == sizeof(hm.port_in)) {
+                        pr = RESP_ERROR;
+                        err = "request too big";
+                    } else {
+                        break;
+                    }
+                }
+                if (pr == RESP_ERROR) {
+                    char msg[128];
+                    snprintf(msg, sizeof(msg), "ERR Protocol error: %s", err);
+                    hm.port_errors++;
+                    respAddError(&hm.port_out, msg);
+                    hm.port_inlen = 0;
+                    hm.port_discarding = 1;     /* drop the rest of this burst */
+                    off = (size_t)n;
+                    break;
+                }
+                memmove(hm.port_in, hm.port_in + used, hm.port_inlen - used);
+                hm.port_inlen -= used;
+                if (req.argc > 0) portExecute(&req, &hm.port_out);
+            }
+        }
+        if (hm.port_fd < 0) return;
+    }
+    if (hm.port_fd >= 0 && hm.port_out.len) portFlush();
+}
+
+static void portClose(int retry) {
+    if (hm.port_fd >= 0) {
+        RedisModule_EventLoopDel(hm.port_fd, REDISMODULE_EVENTLOOP_READABLE | REDISMODULE_EVENTLOOP_WRITABLE);
+        close(hm.port_fd);
+        hm.port_fd = -1;
+    }
+    hm.port_inlen = 0;
+    hm.port_discarding = 0;
+    hm.port_out.len = 0;
+    if (retry) portScheduleRetry();
+}
+
+/* Open the configured port. A missing device is not an error: retry later. */
+static void portOpen(void) {
+    if (hm.port_fd >= 0) return;
+    size_t pl;
+    const char *p = RedisModule_StringPtrLen(hm.port_path, &pl);
+    if (pl == 0) return;                     /* disabled */
+    char path[PATH_MAX];
+    snprintf(path, sizeof(path), "%.*s", (int)pl, p);
+    struct stat st;
+    int fd = -1;
+    if (stat(path, &st) == 0 && S_ISSOCK(st.st_mode)) {
+        struct sockaddr_un sa = {.sun_family = AF_UNIX};
+        if (strlen(path) < sizeof(sa.sun_path)) {
+            strcpy(sa.sun_path, path);
+            fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+            if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+                close(fd);
+                fd = -1;
+            }
+        }
+    } else {
+        fd = open(path, O_RDWR | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+        if (fd >= 0 && isatty(fd)) {
+            struct termios t;
+            if (tcgetattr(fd, &t) == 0) {
+                cfmakeraw(&t);
+                tcsetattr(fd, TCSANOW, &t);
+            }
+        }
+    }
+    if (fd < 0) {
+        portScheduleRetry();
+        return;
+    }
+    hm.port_fd = fd;
+    hm.port_opens++;
+    if (RedisModule_EventLoopAdd(fd, REDISMODULE_EVENTLOOP_READABLE, portReadable, NULL) != REDISMODULE_OK) {
+        RedisModule_Log(hm.dctx, "warning", "appassist: cannot watch port %s: %s", path, strerror(errno));
+        portClose(1);
+        return;
+    }
+    RedisModule_Log(hm.dctx, "notice", "appassist: port %s open", path);
+}
+
+/* ------------------------------------------------------------ configs */
+
+static long long *numericConfig(const char *name) {
+    if (!strcasecmp(name, "planned-memory")) return &hm.planned_memory;
+    if (!strcasecmp(name, "hot-percent")) return &hm.hot_percent;
+    if (!strcasecmp(name, "min-idle-ms")) return &hm.min_idle_ms;
+    if (!strcasecmp(name, "slice-us")) return &hm.slice_us;
+    if (!strcasecmp(name, "interval-ms")) return &hm.interval_ms;
+    if (!strcasecmp(name, "port-retry-ms")) return &hm.port_retry_ms;
+    return NULL;
+}
+
+static long long getNumeric(const char *name, void *priv) {
+    (void)priv;
+    return *numericConfig(name);
+}
+
+static int setNumeric(const char *name, long long v, void *priv, RedisModuleString **err) {
+    (void)priv;
+    (void)err;
+    *numericConfig(name) = v;
+    /* a new budget takes effect with a fresh pass */
+    hm.next_pass_us = 0;
+    if (!strcasecmp(name, "hot-percent") || !strcasecmp(name, "planned-memory"))
+        hm.threshold = hm.hot_percent == 0 ? 0 : HM_BUCKETS;
+    return REDISMODULE_OK;
+}
+
+static RedisModuleString *getString(const char *name, void *priv) {
+    (void)priv;
+    return !strcasecmp(name, "port-path") ? hm.port_path : hm.spill_path;
+}
+
+static int setString(const char *name, RedisModuleString *v, void *priv, RedisModuleString **err) {
+    (void)priv;
+    RedisModuleString **slot = !strcasecmp(name, "port-path") ? &hm.port_path : &hm.spill_path;
+    if (slot == &hm.spill_path) {
+        size_t l;
+        RedisModule_StringPtrLen(v, &l);
+        if (l == 0 || l >= PATH_MAX) {
+            *err = RedisModule_CreateString(NULL, "spill-path must be a non-empty path", 35);
+            return REDISMODULE_ERR;
+        }
+        if (arenaHasSpilled(hm.arena)) {
+            *err = RedisModule_CreateString(NULL, "cannot change spill-path while items are spilled", 48);
+            return REDISMODULE_ERR;
+        }
+    }
+    if (*slot) RedisModule_FreeString(NULL, *slot);
+    RedisModule_RetainString(NULL, v);
+    *slot = v;
+    return REDISMODULE_OK;
+}
+
+static int applyPort(RedisModuleCtx *ctx, void *priv, RedisModuleString **err) {
+    (void)ctx;
+    (void)priv;
+    (void)err;
+    if (!hm.loaded) return REDISMODULE_OK;
+    portClose(0);
+    if (hm.port_timer_set) {
+        RedisModule_StopTimer(hm.dctx, hm.port_timer, NULL);
+        hm.port_timer_set = 0;
+    }
+    portOpen();
+    return REDISMODULE_OK;
+}
+
+static int getEnum(const char *name, void *priv) {
+    (void)name;
+    (void)priv;
+    return hm.policy;
+}
+
+static int setEnum(const char *name, int v, void *priv, RedisModuleString **err) {
+    (void)name;
+    (void)priv;
+    (void)err;
+    hm.policy = v;
+    return REDISMODULE_OK;
+}
+
+static int getBool(const char *name, void *priv) {
+    (void)name;
+    (void)priv;
+    return hm.demote;
+}
+
+static int setBool(const char *name, int v, void *priv, RedisModuleString **err) {
+    (void)name;
+    (void)priv;
+    (void)err;
+    hm.demote = v;
+    return REDISMODULE_OK;
+}
+
+static int registerConfigs(RedisModuleCtx *ctx) {
+    struct { const char *name; long long def, min, max; unsigned flags; } nums[] = {
+        {"planned-memory", 0, 0, LLONG_MAX, REDISMODULE_CONFIG_MEMORY},
+        {"hot-percent", 30, 0, 100, 0},
+        {"min-idle-ms", 10000, 0, 86400000LL, 0},
+        {"slice-us", 1000, 50, 1000000, 0},
+        {"interval-ms", 10, 1, 10000, 0},
+        {"port-retry-ms", 1000, 10, 3600000, 0},
+    };
+    for (size_t i = 0; i < sizeof(nums) / sizeof(nums[0]); i++)
+        if (RedisModule_RegisterNumericConfig(ctx, nums[i].name, nums[i].def,
+                nums[i].flags, nums[i].min, nums[i].max, getNumeric, setNumeric,
+                NULL, NULL) == REDISMODULE_ERR)
+            return REDISMODULE_ERR;
+    if (RedisModule_RegisterEnumConfig(ctx, "on-prepare", POLICY_DROP, REDISMODULE_CONFIG_DEFAULT,
+            policy_names, policy_values, 3, getEnum, setEnum, NULL, NULL) == REDISMODULE_ERR)
+        return REDISMODULE_ERR;
+    if (RedisModule_RegisterBoolConfig(ctx, "demote", 1, REDISMODULE_CONFIG_DEFAULT,
+            getBool, setBool, NULL, NULL) == REDISMODULE_ERR)
+        return REDISMODULE_ERR;
+    if (RedisModule_RegisterStringConfig(ctx, "port-path", DEFAULT_PORT_PATH, REDISMODULE_CONFIG_DEFAULT,
+            getString, setString, applyPort, NULL) == REDISMODULE_ERR)
+        return REDISMODULE_ERR;
+    if (RedisModule_RegisterStringConfig(ctx, "spill-path", DEFAULT_SPILL_PATH, REDISMODULE_CONFIG_DEFAULT,
+            getString, setString, NULL, NULL) == REDISMODULE_ERR)
+        return REDISMODULE_ERR;
+    return RedisModule_LoadConfigs(ctx);
+}
+
+/* ------------------------------------------------------------ RDB aux */
+
+typedef struct SaveCtx {
+    RedisModuleIO *rdb;
+} SaveCtx;
+
+static void saveCb(void *priv, const ColdItem *it) {
+    SaveCtx *s = priv;
+    RedisModule_SaveStringBuffer(s->rdb, it->key, it->klen);
+    RedisModule_SaveStringBuffer(s->rdb, it->val, it->vlen);
+    RedisModule_SaveSigned(s->rdb, it->expire);
+}
+
+/* Cold items are saved after the keyspace: count, then key, value, expire.
+ * Runs in the fork child for BGSAVE, on the parent for SAVE/DEBUG RELOAD. */
+static void auxSave(RedisModuleIO *rdb, int when) {
+    (void)when;
+    SaveCtx s = {rdb};
+    RedisModule_SaveUnsigned(rdb, arenaCount(hm.arena));
+    uint64_t cur = 0;
+    do {
+        cur = arenaIterate(hm.arena, cur, 1u << 20, saveCb, &s);
+    } while (cur && cur != UINT64_MAX);
+    if (cur == UINT64_MAX)
+        RedisModule_LogIOError(rdb, "warning", "appassist: reading spilled cold items failed");
+}
+
+/* Loaded data is hostile: no allocation sized by the count, I/O checked
+ * after every load, values validated before they enter the arena. */
+static int auxLoad(RedisModuleIO *rdb, int encver, int when) {
+    (void)when;
+    if (encver != HM_AUX_ENCVER) {
+        RedisModule_LogIOError(rdb, "warning", "appassist: unknown aux encoding version %d", encver);
+        return REDISMODULE_ERR;
+    }
+    uint64_t count = RedisModule_LoadUnsigned(rdb);
+    if (RedisModule_IsIOError(rdb)) return REDISMODULE_ERR;
+    RedisModuleCtx *ctx = RedisModule_GetContextFromIO(rdb);
+    for (uint64_t i = 0; i < count; i++) {
+        size_t kl, vl;
+        char *k = RedisModule_LoadStringBuffer(rdb, &kl);
+        if (RedisModule_IsIOError(rdb)) return REDISMODULE_ERR;
+        char *v = RedisModule_LoadStringBuffer(rdb, &vl);
+        if (RedisModule_IsIOError(rdb)) { RedisModule_Free(k); return REDISMODULE_ERR; }
+        int64_t expire = RedisModule_LoadSigned(rdb);
+        int rc = REDISMODULE_OK;
+        if (RedisModule_IsIOError(rdb) || expire < -1) {
+            rc = REDISMODULE_ERR;
+        } else {
+            RedisModuleString *key = RedisModule_CreateString(ctx, k, kl);
+            ColdRef ref;
+            if (RedisModule_KeyExists(hm.dctx, key) || arenaLookup(hm.arena, k, kl, &ref) != 0) {
+                RedisModule_LogIOError(rdb, "warning", "appassist: duplicate cold key in RDB");
+                rc = REDISMODULE_ERR;
+            } else if (arenaInsert(hm.arena, k, kl, v, vl, expire) < 0) {
+                RedisModule_LogIOError(rdb, "warning", "appassist: cannot load cold item: %s", strerror(errno));
+                rc = REDISMODULE_ERR;
+            }
+            RedisModule_FreeString(ctx, key);
+        }
+        RedisModule_Free(k);
+        RedisModule_Free(v);
+        if (rc != REDISMODULE_OK) return rc;
+    }
+    return REDISMODULE_OK;
+}
+
+/* The type exists only for its aux fields; no key ever holds it. */
+static void *typeLoad(RedisModuleIO *rdb, int encver) {
+    (void)rdb;
+    (void)encver;
+    return NULL;
+}
+static void typeSave(RedisModuleIO *rdb, void *value) { (void)rdb; (void)value; }
+static void typeFree(void *value) { (void)value; }
+
+/* ------------------------------------------------------------ events, INFO */
+
+static void onFlush(RedisModuleCtx *ctx, RedisModuleEvent e, uint64_t sub, void *data) {
+    (void)ctx;
+    (void)e;
+    RedisModuleFlushInfo *fi = data;
+    if (sub == REDISMODULE_SUBEVENT_FLUSHDB_START && (fi->dbnum == -1 || fi->dbnum == 0))
+        arenaDrop(hm.arena, NULL);
+}
+
+static void onShutdown(RedisModuleCtx *ctx, RedisModuleEvent e, uint64_t sub, void *data) {
+    (void)ctx;
+    (void)e;
+    (void)sub;
+    (void)data;
+    portClose(0);
+    arenaFree(hm.arena);   /* unlinks the spill file */
+    hm.arena = arenaCreate(0);
+}
+
+static void infoFunc(RedisModuleInfoCtx *ctx, int for_crash_report) {
+    (void)for_crash_report;
+    ArenaStats st;
+    arenaGetStats(hm.arena, &st);
+    RedisModule_InfoAddSection(ctx, "");
+    RedisModule_InfoAddFieldCString(ctx, "state", (char *)state_names[hm.state]);
+    RedisModule_InfoAddFieldCString(ctx, "on_prepare", (char *)policy_names[hm.policy]);
+    RedisModule_InfoAddFieldULongLong(ctx, "hot_items", hm.pass_hot_items);
+    RedisModule_InfoAddFieldULongLong(ctx, "hot_bytes", hm.pass_hot_bytes);
+    RedisModule_InfoAddFieldULongLong(ctx, "cold_items", st.items);
+    RedisModule_InfoAddFieldULongLong(ctx, "cold_bytes", st.item_bytes);
+    RedisModule_InfoAddFieldULongLong(ctx, "arena_chunks", st.chunks);
+    RedisModule_InfoAddFieldULongLong(ctx, "arena_chunks_in_memory", st.chunks_mem);
+    RedisModule_InfoAddFieldULongLong(ctx, "arena_mapped_bytes", st.mapped_bytes);
+    RedisModule_InfoAddFieldULongLong(ctx, "arena_index_bytes", st.index_bytes);
+    RedisModule_InfoAddFieldULongLong(ctx, "spilled_bytes", st.spilled_bytes);
+    RedisModule_InfoAddFieldLongLong(ctx, "demotion_threshold", hm.threshold);
+    RedisModule_InfoAddFieldULongLong(ctx, "passes", hm.passes);
+    RedisModule_InfoAddFieldLongLong(ctx, "demotions", hm.demotions);
+    RedisModule_InfoAddFieldLongLong(ctx, "promotions", hm.promotions);
+    RedisModule_InfoAddFieldLongLong(ctx, "expired_promotions", hm.expired_promotions);
+    RedisModule_InfoAddFieldLongLong(ctx, "prepares", hm.prepares);
+    RedisModule_InfoAddFieldLongLong(ctx, "resumes", hm.resumes);
+    RedisModule_InfoAddFieldLongLong(ctx, "aborts", hm.aborts);
+    RedisModule_InfoAddFieldLongLong(ctx, "dropped_items", hm.dropped_items);
+    RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_freed_bytes", hm.last_freed);
+    RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_items", hm.last_items);
+    RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_time_us", hm.last_time_us);
+    RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_rss_before", hm.last_rss_before);
+    RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_rss_after", hm.last_rss_after);
+    RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_complete", hm.last_complete);
+    RedisModule_InfoAddFieldLongLong(ctx, "port_connected", hm.port_fd >= 0);
+    RedisModule_InfoAddFieldLongLong(ctx, "port_opens", hm.port_opens);
+    RedisModule_InfoAddFieldLongLong(ctx, "port_requests", hm.port_requests);
+    RedisModule_InfoAddFieldLongLong(ctx, "port_errors", hm.port_errors);
+}
+
+/* ------------------------------------------------------------ OnLoad */
+
+static int createCommand(RedisModuleCtx *ctx, const char *name, RedisModuleCmdFunc fn,
+                         const char *flags, const char *summary, int arity) {
+    if (RedisModule_CreateCommand(ctx, name, fn, flags, 0, 0, 0) == REDISMODULE_ERR)
+        return REDISMODULE_ERR;
+    RedisModuleCommand *cmd = RedisModule_GetCommand(ctx, name);
+    RedisModuleCommandInfo info = {
+        .version = REDISMODULE_COMMAND_INFO_VERSION,
+        .summary = summary,
+        .since = "1.0.0",
+        .arity = arity,
+    };
+    return RedisModule_SetCommandInfo(cmd, &info);
+}
+
+__attribute__((visibility("default")))
+int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    (void)argv;
+    if (RedisModule_Init(ctx, "appassist", HM_VERSION, REDISMODULE_APIVER_1) == REDISMODULE_ERR)
+        return REDISMODULE_ERR;
+    if (argc != 0) {
+        RedisModule_Log(ctx, "warning", "appassist: takes no module arguments; use appassist.* configs");
+        return REDISMODULE_ERR;
+    }
+    if (!RedisModule_EventLoopAdd || !RedisModule_RegisterCommandFilter || !RedisModule_LoadConfigs) {
+        RedisModule_Log(ctx, "warning", "appassist: needs Redis >= 7.0");
+        return REDISMODULE_ERR;
+    }
+    RedisModule_SetModuleOptions(ctx, REDISMODULE_OPTION_NO_IMPLICIT_SIGNAL_MODIFIED);
+
+    memset(&hm, 0, sizeof(hm));
+    hm.port_fd = -1;
+    hm.threshold = HM_BUCKETS;
+    respBufInit(&hm.port_out, HM_PORT_OUTBUF);
+    uint64_t seed = 0;
+    if (getrandom(&seed, sizeof(seed), 0) != sizeof(seed)) seed = (uint64_t)nowUs() ^ (uint64_t)getpid();
+    hm.arena = arenaCreate(seed);
+    if (!hm.arena) return REDISMODULE_ERR;
+
+    RedisModuleTypeMethods tm = {
+        .version = REDISMODULE_TYPE_METHOD_VERSION,
+        .rdb_load = typeLoad,
+        .rdb_save = typeSave,
+        .free = typeFree,
+        .aux_load = auxLoad,
+        .aux_save = auxSave,
+        .aux_save_triggers = REDISMODULE_AUX_AFTER_RDB,
+    };
+    if (RedisModule_CreateDataType(ctx, "appassist", HM_AUX_ENCVER, &tm) == NULL) {
+        RedisModule_Log(ctx, "warning", "appassist: cannot register the aux data type");
+        return REDISMODULE_ERR;
+    }
+
+    if (registerConfigs(ctx) == REDISMODULE_ERR) {
+        RedisModule_Log(ctx, "warning", "appassist: bad configuration");
+        return REDISMODULE_ERR;
+    }
+    if (hm.hot_percent == 0) hm.threshold = 0;
+
+    if (createCommand(ctx, "appassist.prepare", PrepareCommand, "admin",
+                      "Give up the cold set per appassist.on-prepare before a migration", -1) ||
+        createCommand(ctx, "appassist.resume", ResumeCommand, "admin",
+                      "Migration finished: resume normal operation", 1) ||
+        createCommand(ctx, "appassist.abort", AbortCommand, "admin",
+                      "Migration cancelled: resume normal operation", 1) ||
+        createCommand(ctx, "appassist.status", StatusCommand, "readonly",
+                      "Hot/cold statistics and migration state", 1) ||
+        createCommand(ctx, "appassist.demote", DemoteCommand, "admin",
+                      "Run a demotion pass now (tests, benchmarks)", -1) ||
+        createCommand(ctx, "appassist.iscold", IsColdCommand, "readonly fast",
+                      "1 if the key is in the cold arena", 2) ||
+        createCommand(ctx, "appassist.keys", KeysCommand, "readonly",
+                      "KEYS over the keyspace and the cold arena (internal)", -1) ||
+        createCommand(ctx, "appassist.scan", ScanCommand, "readonly",
+                      "SCAN over the keyspace and the cold arena (internal)", -1) ||
+        createCommand(ctx, "appassist.dbsize", DbsizeCommand, "readonly fast",
+                      "DBSIZE counting cold items (internal)", -1))
+        return REDISMODULE_ERR;
+
+    hm_name_keys = RedisModule_CreateString(NULL, "appassist.keys", 14);
+    hm_name_scan = RedisModule_CreateString(NULL, "appassist.scan", 14);
+    hm_name_dbsize = RedisModule_CreateString(NULL, "appassist.dbsize", 16);
+    if (!RedisModule_RegisterCommandFilter(ctx, hmFilter, REDISMODULE_CMDFILTER_NOSELF))
+        return REDISMODULE_ERR;
+    RedisModule_RegisterInfoFunc(ctx, infoFunc);
+    RedisModule_SubscribeToServerEvent(ctx, RedisModuleEvent_FlushDB, onFlush);
+    RedisModule_SubscribeToServerEvent(ctx, RedisModuleEvent_Shutdown, onShutdown);
+
+    hm.dctx = RedisModule_GetDetachedThreadSafeContext(ctx);
+    hm.loaded = 1;
+    armTimer();
+    portOpen();
+    return REDISMODULE_OK;
+}

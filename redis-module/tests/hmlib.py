@@ -1,0 +1,150 @@
+"""Helpers for the appassist module tests: start real redis-server processes
+(stock or with the module) in a temp dir on a unix socket, always killed in
+tearDown. Not a test file itself (no test_ prefix)."""
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import unittest
+
+import redis
+
+TOP = os.path.abspath(os.path.join(os.path.dirname(__file__), '..', '..'))
+MODULE = os.environ.get('HYBRIDMEM_SO',
+                        os.path.join(TOP, 'build', 'redis-module', 'hybridmem.so'))
+REDIS_SERVER = shutil.which('redis-server') or '/usr/bin/redis-server'
+
+
+def rss_of(pid):
+    """Resident set size of a process in bytes (from /proc)."""
+    with open('/proc/%d/statm' % pid) as f:
+        return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+
+
+class Server:
+    """One redis-server process. module=True loads hybridmem.so with the
+    given appassist.* configs (names without the prefix)."""
+
+    def __init__(self, workdir, name, module=False, configs=None, extra=None):
+        self.dir = os.path.join(workdir, name)
+        os.makedirs(self.dir, exist_ok=True)
+        self.sock = os.path.join(self.dir, 'redis.sock')
+        self.log = os.path.join(self.dir, 'redis.log')
+        self.module = module
+        self.configs = dict(configs or {})
+        self.extra = list(extra or [])
+        self.proc = None
+
+    def argv(self):
+        a = [REDIS_SERVER, '--port', '0', '--unixsocket', self.sock,
+             '--dir', self.dir, '--logfile', self.log, '--save', '',
+             '--appendonly', 'no', '--daemonize', 'no',
+             '--enable-debug-command', 'yes', '--enable-module-command', 'yes']
+        if self.module:
+            a += ['--loadmodule', MODULE]
+            cfg = {'port-path': '', 'spill-path': os.path.join(self.dir, 'spill')}
+            cfg.update(self.configs)
+            for k, v in cfg.items():
+                a += ['--appassist.' + k, str(v)]
+        return a + self.extra
+
+    def start(self, timeout=10.0):
+        if os.path.exists(self.sock):
+            os.unlink(self.sock)
+        self.proc = subprocess.Popen(self.argv(), stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError('redis-server exited: ' + self.logtail())
+            if os.path.exists(self.sock):
+                try:
+                    if self.client().ping():
+                        return self
+                except redis.ConnectionError:
+                    pass
+            time.sleep(0.02)
+        raise RuntimeError('redis-server did not start: ' + self.logtail())
+
+    def logtail(self):
+        try:
+            with open(self.log) as f:
+                return ''.join(f.readlines()[-10:])
+        except OSError:
+            return '(no log)'
+
+    def client(self, **kw):
+        return redis.Redis(unix_socket_path=self.sock, **kw)
+
+    def rss(self):
+        return rss_of(self.proc.pid)
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def shutdown_save(self):
+        """SHUTDOWN SAVE and wait for the process to exit."""
+        try:
+            self.client().shutdown(save=True)
+        except redis.ConnectionError:
+            pass
+        self.proc.wait(30)
+        self.proc = None
+
+
+class ServerTestCase(unittest.TestCase):
+    """Creates a temp dir per test; every server made with self.server() is
+    killed in tearDown whatever happens."""
+
+    def setUp(self):
+        if not os.path.exists(MODULE):
+            self.skipTest('module not built: ninja -C build redis-module/hybridmem.so')
+        if not os.path.exists(REDIS_SERVER):
+            self.skipTest('redis-server not installed')
+        self.workdir = tempfile.mkdtemp(prefix='hmtest-')
+        self.servers = []
+
+    def tearDown(self):
+        for s in self.servers:
+            s.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def server(self, name='redis', module=True, start=True, **kw):
+        s = Server(self.workdir, name, module=module, **kw)
+        self.servers.append(s)
+        if start:
+            s.start()
+        return s
+
+    def wait_for(self, fn, timeout=10.0, what='condition'):
+        """Poll fn() until it is true, with a monotonic deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            v = fn()
+            if v:
+                return v
+            if time.monotonic() > deadline:
+                self.fail('timed out waiting for ' + what)
+            time.sleep(0.01)
+
+    def assertHealthy(self, srv):
+        c = srv.client()
+        self.assertTrue(c.ping())
+        c.set('__health__', 'ok')
+        self.assertEqual(c.get('__health__'), b'ok')
+        c.delete('__health__')
+
+    @staticmethod
+    def info(client):
+        return client.info('appassist')
+
+
+def aggressive():
+    """Configs that demote every string item as soon as the pass sees it."""
+    return {'hot-percent': 0, 'min-idle-ms': 0, 'interval-ms': 1}
