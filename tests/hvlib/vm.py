@@ -38,7 +38,7 @@ class Guest:
 
     def __init__(self, name, log_dir, mem='512M', smp=1, redis=True, module=False,
                  append='', args=(), incoming=None, paths=None, redis_port=None,
-                 balloon=True, root_disk=None):
+                 balloon=True, root_disk=None, root_format='raw', root_snapshot=False):
         self.paths = paths or BuildPaths()
         from qemu.machine import QEMUMachine  # needs paths.qemu_python on sys.path
 
@@ -60,7 +60,8 @@ class Guest:
         if module:
             cmdline.append('hv.module=1')
         if root_disk:
-            cmdline.append(f'hv.root={root_disk}')
+            # The disk is the first virtio-blk device, so /dev/vda in the guest.
+            cmdline.append('hv.root=/dev/vda')
         if append:
             cmdline.append(append)
 
@@ -74,6 +75,10 @@ class Guest:
                  '-serial', 'chardev:ser0',
                  '-netdev', f'user,id=net0,hostfwd=tcp:127.0.0.1:{self.redis_port}-:6379',
                  '-device', 'virtio-net-pci,netdev=net0,romfile=']
+        if root_disk:
+            snap = ',snapshot=on' if root_snapshot else ''
+            qargs += ['-drive', f'if=none,id=root,file={root_disk},format={root_format}{snap}',
+                      '-device', 'virtio-blk-pci,drive=root']
         if balloon:
             qargs += ['-device', 'virtio-balloon-pci,id=balloon0']
         qargs += list(args)
@@ -176,12 +181,12 @@ class Guest:
         exit status raises GuestError."""
         tag = f'HVCMD{time.monotonic_ns()}'
         start = self._console_pos
-        # The marker is split in the typed line so that its echo cannot match.
         self.console_send(f'{command}; echo "{tag}-rc=$?"')
         m = self.wait_console(rf'{tag}-rc=(\d+)\r?\n', timeout=timeout, fail_pattern=None)
         text = m.string[start:m.start()]
-        # Drop the echoed command line: output starts after its first newline.
-        echo_end = text.find(tag)
+        # Drop the echoed command line: output starts after its last echo (the
+        # tty echoes type-ahead once before the shell runs, the shell once more).
+        echo_end = text.rfind(tag)
         if echo_end >= 0:
             nl = text.find('\n', echo_end)
             text = text[nl + 1:] if nl >= 0 else ''
