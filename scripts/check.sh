@@ -17,7 +17,7 @@ passed=0 failed=0 skipped=0
 
 # 1. meson unit tests (C), if any component registered some.
 if [ -n "$("$venv/bin/meson" introspect --tests "$build" 2>/dev/null | grep -o '"name"' | head -1)" ]; then
-    "$venv/bin/meson" test -C "$build" --no-rebuild --print-errorlogs
+    "$venv/bin/meson" test -C "$build" --print-errorlogs
     log=$build/meson-logs/testlog.json
     if [ -f "$log" ]; then
         read -r p f s < <("$venv/bin/python3" - "$log" <<'PY'
