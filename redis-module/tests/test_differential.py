@@ -1,0 +1,190 @@
+"""Differential test: a seeded random stream of the string commands the module
+must be transparent for, sent to a stock Redis and to Redis with the module
+(demotion forced aggressive, so most items are cold when touched), replies
+compared one by one. HYBRIDVM_LONG=1 runs more seeds and more commands."""
+
+import os
+import random
+import sys
+import time
+import unittest
+
+import redis
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hmlib import ServerTestCase, aggressive  # noqa: E402
+
+LONG = os.environ.get('HYBRIDVM_LONG') == '1'
+NKEYS = 40
+
+
+def key(rng):
+    return 'k%d' % rng.randrange(NKEYS)
+
+
+def value(rng):
+    r = rng.random()
+    if r < 0.3:
+        return str(rng.randrange(-1000, 1000))              # INCR-able
+    if r < 0.4:
+        return ''
+    n = rng.choice([1, 5, 20, 50, 100, 300, 1024])
+    return ''.join(rng.choice('abcdefxyz0123456789') for _ in range(n))
+
+
+def ttl_s(rng):
+    return rng.randrange(1000, 100000)                      # never expires in the test
+
+
+class Generator:
+    """Produces (name, args, kind) commands; kind tells how to compare."""
+
+    def __init__(self, rng):
+        self.rng = rng
+
+    def next(self):
+        r = self.rng
+        k = key(r)
+        choices = [
+            (8, lambda: ('GET', [k])),
+            (6, lambda: ('SET', [k, value(r)] + r.choice(
+                [[], ['NX'], ['XX'], ['GET'], ['KEEPTTL'], ['EX', ttl_s(r)],
+                 ['PX', ttl_s(r) * 1000], ['XX', 'GET'], ['NX', 'GET']]))),
+            (3, lambda: ('MGET', [key(r) for _ in range(r.randrange(1, 6))])),
+            (2, lambda: ('MSET', sum([[key(r), value(r)] for _ in range(r.randrange(1, 4))], []))),
+            (2, lambda: ('SETEX', [k, ttl_s(r), value(r)])),
+            (1, lambda: ('SETEX', [k, r.choice([0, -5]), value(r)])),
+            (2, lambda: ('PSETEX', [k, ttl_s(r) * 1000, value(r)])),
+            (2, lambda: ('SETNX', [k, value(r)])),
+            (2, lambda: ('GETSET', [k, value(r)])),
+            (2, lambda: ('GETDEL', [k])),
+            (2, lambda: ('GETEX', [k] + r.choice([[], ['PERSIST'], ['EX', ttl_s(r)],
+                                                  ['PXAT', int(time.time() * 1000) + ttl_s(r) * 1000]]))),
+            (3, lambda: ('APPEND', [k, value(r)])),
+            (3, lambda: ('STRLEN', [k])),
+            (3, lambda: ('GETRANGE', [k, r.randrange(-50, 50), r.randrange(-50, 200)])),
+            (2, lambda: ('SETRANGE', [k, r.randrange(0, 200), value(r)])),
+            (3, lambda: ('INCR', [k])),
+            (2, lambda: ('INCRBY', [k, r.randrange(-100, 100)])),
+            (2, lambda: ('INCRBYFLOAT', [k, r.choice(['1.5', '-0.25', '3', '1e3'])])),
+            (2, lambda: ('DECR', [k])),
+            (2, lambda: ('DECRBY', [k, r.randrange(-100, 100)])),
+            (2, lambda: ('DEL', [key(r) for _ in range(r.randrange(1, 4))])),
+            (2, lambda: ('UNLINK', [key(r) for _ in range(r.randrange(1, 4))])),
+            (3, lambda: ('EXISTS', [key(r) for _ in range(r.randrange(1, 6))])),
+            (2, lambda: ('TYPE', [r.choice([k, 'list0'])])),
+            (3, lambda: ('TTL', [k])),
+            (3, lambda: ('PTTL', [k])),
+            (2, lambda: ('EXPIRE', [k, ttl_s(r)] + r.choice([[], ['NX'], ['XX'], ['GT'], ['LT']]))),
+            (1, lambda: ('EXPIRE', [k, -1])),
+            (1, lambda: ('PEXPIRE', [k, ttl_s(r) * 1000])),
+            (1, lambda: ('EXPIREAT', [k, int(time.time()) + ttl_s(r)])),
+            (1, lambda: ('PEXPIREAT', [k, int(time.time() * 1000) + ttl_s(r) * 1000])),
+            (2, lambda: ('PERSIST', [k])),
+            (2, lambda: ('RENAME', [k, key(r)])),
+            (1, lambda: ('RENAMENX', [k, key(r)])),
+            (1, lambda: ('KEYS', [r.choice(['*', 'k1*', 'k?', 'k[1-3]*', 'nomatch*'])])),
+            (1, lambda: ('SCAN', [r.choice(['*', 'k1*', 'k?'])])),
+            (2, lambda: ('DBSIZE', [])),
+            (1, lambda: ('LPUSH', [r.choice([k, 'list0']), 'x'])),
+            (1, lambda: ('LLEN', [r.choice([k, 'list0'])])),
+            (1, lambda: ('STRLEN', ['list0'])),
+            (1, lambda: ('OBJECT', ['FREQ', 'nosuchkey'])),
+        ]
+        if r.random() < 0.004:
+            return (r.choice(['FLUSHDB', 'FLUSHALL']), [])
+        total = sum(w for w, _ in choices)
+        x = r.uniform(0, total)
+        for w, fn in choices:
+            x -= w
+            if x <= 0:
+                return fn()
+        return choices[0][1]()
+
+
+def run(client, name, args):
+    try:
+        if name == 'SCAN':
+            # a whole iteration; compared as a set
+            seen, cur = set(), 0
+            while True:
+                cur, ks = client.execute_command('SCAN', cur, 'MATCH', args[0], 'COUNT', 7)
+                seen.update(ks)
+                if int(cur) == 0:
+                    return ('scan', sorted(seen))
+        return ('ok', client.execute_command(name, *args))
+    except redis.ResponseError as e:
+        return ('err', str(e))
+
+
+def normalise(name, rep):
+    kind, v = rep
+    if kind == 'ok' and name == 'KEYS':
+        return (kind, sorted(v))
+    return rep
+
+
+def close(name, a, b):
+    """TTL/PTTL replies are compared with a tolerance (the two servers are
+    asked at slightly different times)."""
+    if name in ('TTL', 'PTTL') and a[0] == b[0] == 'ok':
+        x, y = a[1], b[1]
+        if x < 0 or y < 0:
+            return x == y
+        return abs(x - y) <= (2 if name == 'TTL' else 2000)
+    return a == b
+
+
+class DifferentialTest(ServerTestCase):
+
+    def stream(self, seed, steps):
+        stock = self.server('stock-%d' % seed, module=False)
+        mod = self.server('mod-%d' % seed, configs=aggressive())
+        sc, mc = stock.client(), mod.client()
+        gen = Generator(random.Random(seed))
+        cold_hits = 0
+        for i in range(steps):
+            if i % 5 == 0:
+                mc.execute_command('APPASSIST.DEMOTE', 100)
+            name, args = gen.next()
+            touched = [a for a in args[:1] if isinstance(a, str) and a.startswith('k')]
+            if touched and mc.execute_command('APPASSIST.ISCOLD', touched[0]):
+                cold_hits += 1
+            a = normalise(name, run(sc, name, args))
+            b = normalise(name, run(mc, name, args))
+            if not close(name, a, b):
+                self.fail('seed %d step %d: %s %r\n stock:  %r\n module: %r'
+                          % (seed, i, name, args, a, b))
+        # Whole dataset equal at the end (values and TTLs).
+        mc.execute_command('APPASSIST.DEMOTE', 100)
+        keys = sorted(sc.keys('*'))
+        self.assertEqual(keys, sorted(mc.keys('*')))
+        for k in keys:
+            if sc.type(k) == b'string':
+                self.assertEqual(sc.get(k), mc.get(k), k)
+                self.assertLessEqual(abs(sc.ttl(k) - mc.ttl(k)), 2, k)
+        info = mc.info('appassist')
+        # The stream really exercised the cold path.
+        self.assertGreater(cold_hits, steps // 4, info)
+        self.assertGreater(info['appassist_promotions'], steps // 5, info)
+        self.assertHealthy(mod)
+
+    def test_seed_1(self):
+        """6000 seeded commands, replies identical, most keys cold."""
+        self.stream(1, 6000)
+
+    def test_seed_2(self):
+        self.stream(2, 6000)
+
+    @unittest.skipUnless(LONG, 'long variant: set HYBRIDVM_LONG=1')
+    def test_long(self):
+        """More seeds, 50000 commands each."""
+        for seed in range(10, 15):
+            self.stream(seed, 50000)
+            for s in self.servers:
+                s.stop()
+            self.servers = []
+
+
+if __name__ == '__main__':
+    unittest.main()
