@@ -1,0 +1,1546 @@
+/*
+ * Hybrid block format: a RAM tier in front of a persistent tier
+ *
+ * Copyright (c) 2026 The hybridvm authors
+ *
+ * This work is licensed under the terms of the GNU GPL, version 2 or later.
+ * See the COPYING file in the top-level directory.
+ *
+ * Blocks [0, ram_blocks) are held in RAM once restored (the static storage
+ * boundary); all blocks always have their durable copy on the 'file' child,
+ * block N at data_offset + N * block_size.  There is no metadata in the
+ * write path, so the crash story is short:
+ *
+ *   sync:  a write completes when RAM and the child both hold it.
+ *   async: a write completes in RAM; the flusher copies dirty spans to the
+ *          child, least recently written block first; a guest flush writes
+ *          every span that was dirty when it started, then flushes the child.
+ *   The header's DIRTY flag is set (and flushed) before the first write of
+ *   an open and cleared only after a complete flush at close/inactivate.
+ *
+ * Slot ownership ("BUSY"): whoever issues child I/O for a RAM block (sync
+ * write, flusher, restore, load on write) holds BUSY across that I/O, so
+ * child writes of one block never overtake each other and restore never
+ * reads a block while it is being written.  RAM updates themselves never
+ * yield and need no lock.
+ */
+
+#include "qemu/osdep.h"
+#include "qapi/error.h"
+#include "qapi/qapi-visit-block-core.h"
+#include "qapi/qobject-input-visitor.h"
+#include "qapi/qapi-events-block-core.h"
+#include "qobject/qdict.h"
+#include "qemu/cutils.h"
+#include "qemu/crc32c.h"
+#include "qemu/iov.h"
+#include "qemu/memalign.h"
+#include "qemu/module.h"
+#include "qemu/option.h"
+#include "qemu/error-report.h"
+#include "qemu/timer.h"
+#include "qemu/units.h"
+#include "block/block-io.h"
+#include "block/block_int.h"
+#include "block/qdict.h"
+#include "system/block-backend.h"
+#include "hybrid.h"
+#include "trace.h"
+
+#define HYBRID_OPT_RAM_SIZE     "ram-size"
+#define HYBRID_OPT_MODE         "mode"
+#define HYBRID_OPT_DEDUP        "dedup"
+#define HYBRID_OPT_DIRTY_LIMIT  "dirty-limit"
+#define HYBRID_OPT_RESTORE      "restore"
+#define HYBRID_OPT_RAW          "raw"
+#define HYBRID_OPT_BLOCK_SIZE   "block-size"
+
+#define HYBRID_DEFAULT_DIRTY_LIMIT  (256 * MiB)
+/* Restore reads this much per request; also the dedup bounce buffer size */
+#define HYBRID_RESTORE_CHUNK        (4 * MiB)
+/* Concurrent write-back requests */
+#define HYBRID_FLUSH_WORKERS        8
+
+/* ---- header ---- */
+
+static void hybrid_header_to_cpu(HybridHeader *h)
+{
+    h->version = le32_to_cpu(h->version);
+    h->header_size = le32_to_cpu(h->header_size);
+    h->incompat_features = le64_to_cpu(h->incompat_features);
+    h->flags = le64_to_cpu(h->flags);
+    h->virtual_size = le64_to_cpu(h->virtual_size);
+    h->data_offset = le64_to_cpu(h->data_offset);
+    h->ram_size = le64_to_cpu(h->ram_size);
+    h->block_size = le32_to_cpu(h->block_size);
+    h->header_crc = le32_to_cpu(h->header_crc);
+}
+
+/* Convert to disk byte order and compute the checksum. */
+static void hybrid_header_to_le(const HybridHeader *cpu, HybridHeader *le)
+{
+    *le = *cpu;
+    le->version = cpu_to_le32(cpu->version);
+    le->header_size = cpu_to_le32(cpu->header_size);
+    le->incompat_features = cpu_to_le64(cpu->incompat_features);
+    le->flags = cpu_to_le64(cpu->flags);
+    le->virtual_size = cpu_to_le64(cpu->virtual_size);
+    le->data_offset = cpu_to_le64(cpu->data_offset);
+    le->ram_size = cpu_to_le64(cpu->ram_size);
+    le->block_size = cpu_to_le32(cpu->block_size);
+    le->header_crc = 0;
+    le->header_crc = cpu_to_le32(crc32c(0xffffffff, (uint8_t *)le,
+                                        HYBRID_HEADER_SIZE));
+}
+
+/*
+ * Validate a header as read from disk (@le, disk byte order) and convert it
+ * into @h.  Every field is checked: the image is untrusted input.
+ */
+static int hybrid_header_check(const HybridHeader *le, HybridHeader *h,
+                               Error **errp)
+{
+    HybridHeader tmp = *le;
+    uint32_t crc;
+
+    if (memcmp(le->magic, HYBRID_MAGIC, sizeof(le->magic))) {
+        error_setg(errp, "Image is not in hybrid format (bad magic)");
+        return -EINVAL;
+    }
+    *h = *le;
+    hybrid_header_to_cpu(h);
+    if (h->version != HYBRID_VERSION) {
+        error_setg(errp, "Unsupported hybrid image (version %" PRIu32
+                   " is not %d)", h->version, HYBRID_VERSION);
+        return -ENOTSUP;
+    }
+    if (h->header_size != HYBRID_HEADER_SIZE) {
+        error_setg(errp, "Unsupported hybrid image (header size %" PRIu32
+                   " is not %d)", h->header_size, HYBRID_HEADER_SIZE);
+        return -ENOTSUP;
+    }
+    tmp.header_crc = 0;
+    crc = crc32c(0xffffffff, (uint8_t *)&tmp, HYBRID_HEADER_SIZE);
+    if (crc != h->header_crc) {
+        error_setg(errp, "Corrupt hybrid image (header checksum 0x%08" PRIx32
+                   " does not match computed 0x%08" PRIx32 ")",
+                   h->header_crc, crc);
+        return -EINVAL;
+    }
+    if (h->incompat_features) {
+        error_setg(errp, "Unsupported hybrid image (incompatible features "
+                   "0x%" PRIx64 ")", h->incompat_features);
+        return -ENOTSUP;
+    }
+    if (h->flags & ~HYBRID_FLAGS_KNOWN) {
+        error_setg(errp, "Unsupported hybrid image (unknown flags 0x%" PRIx64
+                   ")", (uint64_t)(h->flags & ~HYBRID_FLAGS_KNOWN));
+        return -ENOTSUP;
+    }
+    if (h->block_size < HYBRID_MIN_BLOCK_SIZE ||
+        h->block_size > HYBRID_MAX_BLOCK_SIZE ||
+        !is_power_of_2(h->block_size)) {
+        error_setg(errp, "Unsupported hybrid image (block size %" PRIu32
+                   " is not a power of two in [%d, %d])", h->block_size,
+                   HYBRID_MIN_BLOCK_SIZE, HYBRID_MAX_BLOCK_SIZE);
+        return -ENOTSUP;
+    }
+    if (h->virtual_size > HYBRID_MAX_VIRTUAL_SIZE ||
+        h->virtual_size % BDRV_SECTOR_SIZE) {
+        error_setg(errp, "Unsupported hybrid image (virtual size %" PRIu64
+                   " is not a multiple of %llu up to %llu)", h->virtual_size,
+                   BDRV_SECTOR_SIZE, HYBRID_MAX_VIRTUAL_SIZE);
+        return -ENOTSUP;
+    }
+    if (h->data_offset < HYBRID_HEADER_SIZE ||
+        h->data_offset % BDRV_SECTOR_SIZE ||
+        h->data_offset > HYBRID_MAX_VIRTUAL_SIZE) {
+        error_setg(errp, "Corrupt hybrid image (data offset %" PRIu64
+                   " is not a multiple of %llu in [%d, %llu])", h->data_offset,
+                   BDRV_SECTOR_SIZE, HYBRID_HEADER_SIZE,
+                   HYBRID_MAX_VIRTUAL_SIZE);
+        return -EINVAL;
+    }
+    if (h->mode > HYBRID_HDR_MODE_ASYNC || h->dedup > 1) {
+        error_setg(errp, "Corrupt hybrid image (mode %u, dedup %u)",
+                   h->mode, h->dedup);
+        return -EINVAL;
+    }
+    return 0;
+}
+
+static int coroutine_fn GRAPH_RDLOCK
+hybrid_write_header(BDRVHybridState *s, uint64_t flags)
+{
+    HybridHeader le;
+    int ret;
+
+    s->header.flags = flags;
+    hybrid_header_to_le(&s->header, &le);
+    ret = bdrv_co_pwrite(s->bs->file, 0, sizeof(le), &le, 0);
+    if (ret < 0) {
+        return ret;
+    }
+    return bdrv_co_flush(s->bs->file->bs);
+}
+
+/* Set the DIRTY flag on disk before the first write of this open. */
+static int coroutine_fn GRAPH_RDLOCK hybrid_mark_dirty(BDRVHybridState *s)
+{
+    int ret = 0;
+
+    if (s->raw || s->header_dirty_on_disk) {
+        return 0;
+    }
+    WITH_QEMU_LOCK_GUARD(&s->header_lock) {
+        if (!s->header_dirty_on_disk) {
+            ret = hybrid_write_header(s, s->header.flags | HYBRID_FLAG_DIRTY);
+            if (ret == 0) {
+                s->header_dirty_on_disk = true;
+            }
+            trace_hybrid_mark_dirty(s, ret);
+        }
+    }
+    return ret;
+}
+
+/* ---- slot ownership ---- */
+
+static inline HybridSlot *hybrid_slot(BDRVHybridState *s, uint64_t idx)
+{
+    return idx < s->ram_blocks ? &s->slots[idx] : NULL;
+}
+
+static void coroutine_fn hybrid_slot_lock(BDRVHybridState *s,
+                                          HybridSlot *slot)
+{
+    while (slot->flags & HYBRID_SLOT_BUSY) {
+        qemu_co_queue_wait(&s->busy_queue, NULL);
+    }
+    slot->flags |= HYBRID_SLOT_BUSY;
+}
+
+static void coroutine_fn hybrid_slot_unlock(BDRVHybridState *s,
+                                            HybridSlot *slot)
+{
+    assert(slot->flags & HYBRID_SLOT_BUSY);
+    slot->flags &= ~HYBRID_SLOT_BUSY;
+    qemu_co_queue_restart_all(&s->busy_queue);
+}
+
+/* Bytes of block @idx that exist (the last block may be partial). */
+static inline uint32_t hybrid_block_len(BDRVHybridState *s, uint64_t idx)
+{
+    uint64_t start = idx << s->block_shift;
+
+    return MIN((uint64_t)s->block_size, s->size - start);
+}
+
+static inline uint64_t hybrid_host_offset(BDRVHybridState *s, uint64_t off)
+{
+    return s->data_offset + off;
+}
+
+/* ---- dirty tracking ---- */
+
+static void hybrid_flusher_kick(BDRVHybridState *s);
+
+/* Record that [lo, hi) of @slot's block must reach the child. */
+static void hybrid_slot_set_dirty(BDRVHybridState *s, HybridSlot *slot,
+                                  uint32_t lo, uint32_t hi)
+{
+    if (slot->flags & HYBRID_SLOT_DIRTY) {
+        s->dirty_bytes -= slot->dirty_hi - slot->dirty_lo;
+        slot->dirty_lo = MIN(slot->dirty_lo, lo);
+        slot->dirty_hi = MAX(slot->dirty_hi, hi);
+    } else {
+        slot->flags |= HYBRID_SLOT_DIRTY;
+        slot->dirty_lo = lo;
+        slot->dirty_hi = hi;
+    }
+    s->dirty_bytes += slot->dirty_hi - slot->dirty_lo;
+
+    /* Least recently written first: move to the tail on every write */
+    if (slot->flags & HYBRID_SLOT_LISTED) {
+        QTAILQ_REMOVE(&s->dirty_list, slot, dirty_next);
+    }
+    QTAILQ_INSERT_TAIL(&s->dirty_list, slot, dirty_next);
+    slot->flags |= HYBRID_SLOT_LISTED;
+}
+
+/*
+ * Write the dirty span of @slot to the child.  The caller holds BUSY.
+ * On failure the span is dirty again and the error is returned.
+ */
+static int coroutine_fn GRAPH_RDLOCK
+hybrid_writeback_slot(BDRVHybridState *s, HybridSlot *slot, uint8_t *bounce)
+{
+    uint64_t idx = slot - s->slots;
+    uint32_t lo, hi, len;
+    const uint8_t *src;
+    int ret;
+
+    assert(slot->flags & HYBRID_SLOT_BUSY);
+    if (!(slot->flags & HYBRID_SLOT_DIRTY)) {
+        return 0;
+    }
+    lo = slot->dirty_lo;
+    hi = MIN(slot->dirty_hi, hybrid_block_len(s, idx));
+    slot->flags &= ~HYBRID_SLOT_DIRTY;
+    s->dirty_bytes -= slot->dirty_hi - slot->dirty_lo;
+    len = hi > lo ? hi - lo : 0;
+
+    /* Snapshot: guest writes may change RAM while the child write runs */
+    src = hybrid_ram_peek(s, idx);
+    if (len == 0) {
+        ret = 0;
+    } else if (!src || buffer_is_zero(src + lo, len)) {
+        ret = bdrv_co_pwrite_zeroes(s->bs->file,
+                                    hybrid_host_offset(s, (idx << s->block_shift) + lo),
+                                    len, 0);
+    } else {
+        memcpy(bounce, src + lo, len);
+        ret = bdrv_co_pwrite(s->bs->file,
+                             hybrid_host_offset(s, (idx << s->block_shift) + lo),
+                             len, bounce, 0);
+    }
+    trace_hybrid_writeback(s, idx, lo, len, ret);
+    if (ret < 0) {
+        hybrid_slot_set_dirty(s, slot, lo, hi);
+        return ret;
+    }
+    s->flushed_bytes += len;
+    if (!(slot->flags & HYBRID_SLOT_DIRTY)) {
+        QTAILQ_REMOVE(&s->dirty_list, slot, dirty_next);
+        slot->flags &= ~HYBRID_SLOT_LISTED;
+    }
+    return 0;
+}
+
+static bool hybrid_flusher_should_run(BDRVHybridState *s)
+{
+    if (s->flush_error || QTAILQ_EMPTY(&s->dirty_list)) {
+        return false;
+    }
+    /* While drained, only keep going for writers that wait on us */
+    return !s->quiesced || !qemu_co_queue_empty(&s->dirty_queue);
+}
+
+/* Oldest dirty slot nobody else is working on, or NULL. */
+static HybridSlot *hybrid_flusher_pick(BDRVHybridState *s)
+{
+    HybridSlot *slot;
+
+    QTAILQ_FOREACH(slot, &s->dirty_list, dirty_next) {
+        if ((slot->flags & HYBRID_SLOT_DIRTY) &&
+            !(slot->flags & HYBRID_SLOT_BUSY)) {
+            return slot;
+        }
+    }
+    return NULL;
+}
+
+static void coroutine_fn hybrid_flusher_entry(void *opaque)
+{
+    BDRVHybridState *s = opaque;
+    BlockDriverState *bs = s->bs;
+    uint8_t *bounce;
+    HybridSlot *slot;
+
+    GRAPH_RDLOCK_GUARD();
+
+    bounce = qemu_blockalign(bs, s->block_size);
+    while (hybrid_flusher_should_run(s) &&
+           (slot = hybrid_flusher_pick(s)) != NULL) {
+        int ret;
+
+        hybrid_slot_lock(s, slot);
+        ret = hybrid_writeback_slot(s, slot, bounce);
+        hybrid_slot_unlock(s, slot);
+        if (ret < 0 && !s->flush_error) {
+            /* Sticky until a guest flush manages to write everything */
+            s->flush_error = ret;
+            trace_hybrid_flush_error(s, ret);
+        }
+        qemu_co_queue_restart_all(&s->dirty_queue);
+    }
+    qemu_vfree(bounce);
+    s->flush_workers--;
+    qemu_co_queue_restart_all(&s->dirty_queue);
+    bdrv_dec_in_flight(bs);
+}
+
+static void hybrid_flusher_kick(BDRVHybridState *s)
+{
+    while (s->flush_workers < HYBRID_FLUSH_WORKERS &&
+           s->flush_workers < s->dirty_bytes / s->block_size + 1 &&
+           hybrid_flusher_should_run(s)) {
+        Coroutine *co = qemu_coroutine_create(hybrid_flusher_entry, s);
+
+        s->flush_workers++;
+        bdrv_inc_in_flight(s->bs);
+        aio_co_enter(bdrv_get_aio_context(s->bs), co);
+    }
+}
+
+/*
+ * Make every write acknowledged before this call durable on the child
+ * (the child's own flush is done by the block layer after us).
+ */
+static int coroutine_fn GRAPH_RDLOCK hybrid_co_flush_to_os(BlockDriverState *bs)
+{
+    BDRVHybridState *s = bs->opaque;
+    g_autofree uint64_t *todo = NULL;
+    uint64_t n = 0, i, cap = 0;
+    uint8_t *bounce;
+    HybridSlot *slot;
+    int ret = 0;
+
+    QTAILQ_FOREACH(slot, &s->dirty_list, dirty_next) {
+        cap++;
+    }
+    trace_hybrid_flush(s, cap, s->dirty_bytes);
+    if (!cap) {
+        s->flush_error = 0;
+        return 0;
+    }
+    todo = g_new(uint64_t, cap);
+    QTAILQ_FOREACH(slot, &s->dirty_list, dirty_next) {
+        todo[n++] = slot - s->slots;
+    }
+
+    bounce = qemu_blockalign(bs, s->block_size);
+    for (i = 0; i < n; i++) {
+        int r;
+
+        slot = &s->slots[todo[i]];
+        /* Waits for an in-flight write-back of this block, if any */
+        hybrid_slot_lock(s, slot);
+        r = hybrid_writeback_slot(s, slot, bounce);
+        hybrid_slot_unlock(s, slot);
+        if (r < 0 && ret == 0) {
+            ret = r;
+        }
+    }
+    qemu_vfree(bounce);
+
+    if (ret == 0) {
+        s->flush_error = 0;
+        hybrid_flusher_kick(s);
+    } else {
+        s->flush_error = ret;
+    }
+    qemu_co_queue_restart_all(&s->dirty_queue);
+    return ret;
+}
+
+/* Async writers wait here while too much is dirty. */
+static int coroutine_fn hybrid_wait_dirty_limit(BDRVHybridState *s)
+{
+    while (s->dirty_bytes >= s->dirty_limit) {
+        if (s->flush_error) {
+            return s->flush_error;
+        }
+        trace_hybrid_dirty_wait(s, s->dirty_bytes);
+        hybrid_flusher_kick(s);
+        qemu_co_queue_wait(&s->dirty_queue, NULL);
+    }
+    return 0;
+}
+
+/* ---- I/O ---- */
+
+/*
+ * Make block @idx LOADED; the caller holds BUSY.  When the caller will
+ * overwrite the whole block there is nothing to read.
+ */
+static int coroutine_fn GRAPH_RDLOCK
+hybrid_load_block(BDRVHybridState *s, uint64_t idx, bool overwrite)
+{
+    uint8_t *buf;
+    int ret;
+
+    if (overwrite) {
+        return hybrid_ram_fill(s, idx, NULL);
+    }
+    if (!s->dedup) {
+        buf = hybrid_ram_plain_ptr(s, idx);
+        ret = bdrv_co_pread(s->bs->file,
+                            hybrid_host_offset(s, idx << s->block_shift),
+                            hybrid_block_len(s, idx), buf, 0);
+        if (ret < 0) {
+            return ret;
+        }
+        hybrid_ram_loaded_plain(s, idx);
+        return 0;
+    }
+    buf = qemu_try_blockalign0(s->bs->file->bs, s->block_size);
+    if (!buf) {
+        return -ENOMEM;
+    }
+    ret = bdrv_co_pread(s->bs->file,
+                        hybrid_host_offset(s, idx << s->block_shift),
+                        hybrid_block_len(s, idx), buf, 0);
+    if (ret == 0) {
+        ret = hybrid_ram_fill(s, idx, buf);
+    }
+    qemu_vfree(buf);
+    return ret;
+}
+
+static int coroutine_fn GRAPH_RDLOCK
+hybrid_co_preadv_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
+                      QEMUIOVector *qiov, size_t qiov_offset,
+                      BdrvRequestFlags flags)
+{
+    BDRVHybridState *s = bs->opaque;
+    int64_t child_start = -1, child_len = 0;
+    size_t child_qoff = 0;
+    int ret;
+
+    while (bytes > 0) {
+        uint64_t idx = offset >> s->block_shift;
+        uint32_t boff = offset & (s->block_size - 1);
+        uint32_t len = MIN(bytes, s->block_size - boff);
+        HybridSlot *slot = hybrid_slot(s, idx);
+
+        if (slot && (slot->flags & HYBRID_SLOT_LOADED)) {
+            const uint8_t *p;
+
+            if (child_len) {
+                ret = bdrv_co_preadv_part(bs->file,
+                                          hybrid_host_offset(s, child_start),
+                                          child_len, qiov, child_qoff, 0);
+                if (ret < 0) {
+                    return ret;
+                }
+                child_len = 0;
+            }
+            /* The read above may have yielded: look again */
+            if (slot->flags & HYBRID_SLOT_LOADED) {
+                p = hybrid_ram_peek(s, idx);
+                if (p) {
+                    qemu_iovec_from_buf(qiov, qiov_offset, p + boff, len);
+                } else {
+                    qemu_iovec_memset(qiov, qiov_offset, 0, len);
+                }
+                s->read_hits++;
+                goto next;
+            }
+        }
+        /* Not in RAM: the child is authoritative for this block */
+        s->read_misses++;
+        trace_hybrid_read_miss(s, idx);
+        if (child_len && child_start + child_len == offset) {
+            child_len += len;
+        } else {
+            if (child_len) {
+                ret = bdrv_co_preadv_part(bs->file,
+                                          hybrid_host_offset(s, child_start),
+                                          child_len, qiov, child_qoff, 0);
+                if (ret < 0) {
+                    return ret;
+                }
+            }
+            child_start = offset;
+            child_len = len;
+            child_qoff = qiov_offset;
+        }
+next:
+        offset += len;
+        bytes -= len;
+        qiov_offset += len;
+    }
+    if (child_len) {
+        return bdrv_co_preadv_part(bs->file, hybrid_host_offset(s, child_start),
+                                   child_len, qiov, child_qoff, 0);
+    }
+    return 0;
+}
+
+/*
+ * Write (or zero, when @qiov is NULL) the part [boff, boff + len) of block
+ * @idx, which is below the RAM boundary.
+ */
+static int coroutine_fn GRAPH_RDLOCK
+hybrid_write_ram_block(BDRVHybridState *s, uint64_t idx, uint32_t boff,
+                       uint32_t len, QEMUIOVector *qiov, size_t qoff,
+                       BdrvRequestFlags flags)
+{
+    HybridSlot *slot = &s->slots[idx];
+    bool sync = s->mode == HYBRID_MODE_SYNC;
+    bool locked = false;
+    int ret = 0;
+
+    if (!sync) {
+        ret = hybrid_wait_dirty_limit(s);
+        if (ret < 0) {
+            return ret;
+        }
+    }
+    if (sync || !(slot->flags & HYBRID_SLOT_LOADED)) {
+        hybrid_slot_lock(s, slot);
+        locked = true;
+    }
+    if (!(slot->flags & HYBRID_SLOT_LOADED)) {
+        ret = hybrid_load_block(s, idx, boff == 0 && len == s->block_size);
+        trace_hybrid_load_on_write(s, idx, ret);
+        if (ret < 0) {
+            goto out;
+        }
+    }
+    ret = hybrid_ram_write(s, idx, boff, qiov, qoff, len);
+    if (ret < 0) {
+        goto out;
+    }
+    s->write_ram++;
+
+    if (sync) {
+        uint64_t host = hybrid_host_offset(s, (idx << s->block_shift) + boff);
+
+        if (qiov) {
+            ret = bdrv_co_pwritev_part(s->bs->file, host, len, qiov, qoff, 0);
+        } else {
+            ret = bdrv_co_pwrite_zeroes(s->bs->file, host, len,
+                                        flags & BDRV_REQ_MAY_UNMAP);
+        }
+        if (ret < 0) {
+            /* RAM holds the new data: keep it owed to the child */
+            hybrid_slot_set_dirty(s, slot, boff, boff + len);
+        }
+    } else {
+        hybrid_slot_set_dirty(s, slot, boff, boff + len);
+    }
+out:
+    if (locked) {
+        hybrid_slot_unlock(s, slot);
+    }
+    if (!sync) {
+        hybrid_flusher_kick(s);
+    }
+    return ret;
+}
+
+static int coroutine_fn GRAPH_RDLOCK
+hybrid_do_write(BlockDriverState *bs, int64_t offset, int64_t bytes,
+                QEMUIOVector *qiov, size_t qiov_offset, BdrvRequestFlags flags)
+{
+    BDRVHybridState *s = bs->opaque;
+    int ret;
+
+    ret = hybrid_mark_dirty(s);
+    if (ret < 0) {
+        return ret;
+    }
+    while (bytes > 0) {
+        uint64_t idx = offset >> s->block_shift;
+        uint32_t boff = offset & (s->block_size - 1);
+        uint32_t len;
+
+        if (idx >= s->ram_blocks) {
+            /* Beyond the RAM boundary: straight to the persistent tier */
+            s->write_through++;
+            if (qiov) {
+                return bdrv_co_pwritev_part(bs->file,
+                                            hybrid_host_offset(s, offset),
+                                            bytes, qiov, qiov_offset, 0);
+            }
+            return bdrv_co_pwrite_zeroes(bs->file,
+                                         hybrid_host_offset(s, offset), bytes,
+                                         flags & BDRV_REQ_MAY_UNMAP);
+        }
+        len = MIN(bytes, s->block_size - boff);
+        ret = hybrid_write_ram_block(s, idx, boff, len, qiov, qiov_offset,
+                                     flags);
+        if (ret < 0) {
+            return ret;
+        }
+        offset += len;
+        bytes -= len;
+        qiov_offset += len;
+    }
+    return 0;
+}
+
+static int coroutine_fn GRAPH_RDLOCK
+hybrid_co_pwritev_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
+                       QEMUIOVector *qiov, size_t qiov_offset,
+                       BdrvRequestFlags flags)
+{
+    return hybrid_do_write(bs, offset, bytes, qiov, qiov_offset, flags);
+}
+
+static int coroutine_fn GRAPH_RDLOCK
+hybrid_co_pwrite_zeroes(BlockDriverState *bs, int64_t offset, int64_t bytes,
+                        BdrvRequestFlags flags)
+{
+    return hybrid_do_write(bs, offset, bytes, NULL, 0, flags);
+}
+
+/*
+ * Discard reads back as zeros: the RAM tier and the persistent tier must
+ * agree on what a discarded block holds, before and after a restart.
+ */
+static int coroutine_fn GRAPH_RDLOCK
+hybrid_co_pdiscard(BlockDriverState *bs, int64_t offset, int64_t bytes)
+{
+    return hybrid_do_write(bs, offset, bytes, NULL, 0, BDRV_REQ_MAY_UNMAP);
+}
+
+static int coroutine_fn GRAPH_RDLOCK
+hybrid_co_block_status(BlockDriverState *bs, bool want_zero, int64_t offset,
+                       int64_t bytes, int64_t *pnum, int64_t *map,
+                       BlockDriverState **file)
+{
+    BDRVHybridState *s = bs->opaque;
+    uint64_t idx = offset >> s->block_shift;
+    HybridSlot *slot = hybrid_slot(s, idx);
+
+    if (slot && (slot->flags & HYBRID_SLOT_LOADED) &&
+        (slot->flags & (HYBRID_SLOT_DIRTY | HYBRID_SLOT_BUSY))) {
+        /* Newer than the child: only RAM knows */
+        *pnum = MIN(bytes, s->block_size - (offset & (s->block_size - 1)));
+        return BDRV_BLOCK_DATA |
+               (hybrid_ram_peek(s, idx) ? 0 : BDRV_BLOCK_ZERO);
+    }
+    /* Child and RAM agree here; extend over blocks that also agree */
+    *pnum = 0;
+    while (*pnum < bytes) {
+        uint64_t i = (offset + *pnum) >> s->block_shift;
+        HybridSlot *sl = hybrid_slot(s, i);
+        int64_t n;
+
+        if (!sl) {
+            *pnum = bytes;
+            break;
+        }
+        if ((sl->flags & HYBRID_SLOT_LOADED) &&
+            (sl->flags & (HYBRID_SLOT_DIRTY | HYBRID_SLOT_BUSY))) {
+            break;
+        }
+        n = s->block_size - ((offset + *pnum) & (s->block_size - 1));
+        *pnum = MIN(bytes, *pnum + n);
+    }
+    *map = hybrid_host_offset(s, offset);
+    *file = bs->file->bs;
+    return BDRV_BLOCK_RAW | BDRV_BLOCK_OFFSET_VALID;
+}
+
+/* ---- restore ---- */
+
+static void coroutine_fn GRAPH_RDLOCK hybrid_restore_run(BDRVHybridState *s)
+{
+    uint64_t per_req = HYBRID_RESTORE_CHUNK >> s->block_shift;
+    uint8_t *bounce = NULL;
+
+    if (s->dedup) {
+        bounce = qemu_try_blockalign(s->bs->file->bs, HYBRID_RESTORE_CHUNK);
+        if (!bounce) {
+            s->restore_error = -ENOMEM;
+            return;
+        }
+    }
+    while (s->restore_cursor < s->ram_blocks && !s->quiesced &&
+           !s->inactive) {
+        uint64_t first = s->restore_cursor, n = 0, i, off;
+        uint64_t len;
+        uint8_t *buf;
+        int ret;
+
+        if (s->slots[first].flags & HYBRID_SLOT_LOADED) {
+            s->restore_cursor++;
+            continue;
+        }
+        /* A run of unloaded blocks; wait for a busy first block */
+        hybrid_slot_lock(s, &s->slots[first]);
+        if (s->slots[first].flags & HYBRID_SLOT_LOADED) {
+            hybrid_slot_unlock(s, &s->slots[first]);
+            continue;
+        }
+        n = 1;
+        while (n < per_req && first + n < s->ram_blocks &&
+               !(s->slots[first + n].flags &
+                 (HYBRID_SLOT_LOADED | HYBRID_SLOT_BUSY))) {
+            s->slots[first + n].flags |= HYBRID_SLOT_BUSY;
+            n++;
+        }
+        off = first << s->block_shift;
+        len = MIN(n << s->block_shift, s->size - off);
+        buf = s->dedup ? bounce : hybrid_ram_plain_ptr(s, first);
+        ret = bdrv_co_pread(s->bs->file, hybrid_host_offset(s, off), len,
+                            buf, 0);
+        trace_hybrid_restore_read(s, first, n, ret);
+        for (i = 0; i < n; i++) {
+            HybridSlot *slot = &s->slots[first + i];
+
+            if (ret == 0) {
+                if (s->dedup) {
+                    if (len < (n << s->block_shift)) {
+                        memset(bounce + len, 0, (n << s->block_shift) - len);
+                    }
+                    ret = hybrid_ram_fill(s, first + i,
+                                          bounce + (i << s->block_shift));
+                } else {
+                    hybrid_ram_loaded_plain(s, first + i);
+                }
+            }
+            hybrid_slot_unlock(s, slot);
+        }
+        if (ret < 0) {
+            s->restore_error = ret;
+            break;
+        }
+        s->restore_bytes += len;
+        s->restore_cursor = first + n;
+    }
+    qemu_vfree(bounce);
+
+    if (s->restore_cursor >= s->ram_blocks || s->restore_error) {
+        s->restore_done = true;
+        s->restore_end_ns = qemu_clock_get_ns(QEMU_CLOCK_REALTIME);
+        trace_hybrid_restore_done(s, s->restore_bytes, s->restore_error);
+        qapi_event_send_hybrid_restore_completed(
+            bdrv_get_node_name(s->bs), s->restore_bytes,
+            (s->restore_end_ns - s->restore_start_ns) / SCALE_MS,
+            s->restore_error ? strerror(-s->restore_error) : NULL);
+    }
+}
+
+static void coroutine_fn hybrid_restore_entry(void *opaque)
+{
+    BDRVHybridState *s = opaque;
+    BlockDriverState *bs = s->bs;
+
+    GRAPH_RDLOCK_GUARD();
+    hybrid_restore_run(s);
+    s->restore_running = false;
+    qemu_co_queue_restart_all(&s->restore_queue);
+    bdrv_dec_in_flight(bs);
+}
+
+static void hybrid_restore_kick(BDRVHybridState *s)
+{
+    Coroutine *co;
+
+    if (!s->restore_enabled || s->restore_done || s->restore_running ||
+        s->quiesced || s->inactive) {
+        return;
+    }
+    if (!s->restore_start_ns) {
+        s->restore_start_ns = qemu_clock_get_ns(QEMU_CLOCK_REALTIME);
+    }
+    s->restore_running = true;
+    co = qemu_coroutine_create(hybrid_restore_entry, s);
+    bdrv_inc_in_flight(s->bs);
+    aio_co_enter(bdrv_get_aio_context(s->bs), co);
+}
+
+static void hybrid_drain_begin(BlockDriverState *bs)
+{
+    BDRVHybridState *s = bs->opaque;
+
+    s->quiesced = true;
+}
+
+static void hybrid_drain_end(BlockDriverState *bs)
+{
+    BDRVHybridState *s = bs->opaque;
+
+    s->quiesced = false;
+    if (s->slots) {
+        hybrid_restore_kick(s);
+        hybrid_flusher_kick(s);
+    }
+}
+
+/* ---- open / close ---- */
+
+/*
+ * Parse our options with the QAPI visitor.  The 'file' child is opened by
+ * bdrv_open_file_child() and may be given in any syntax, so the visitor
+ * sees a placeholder for it.
+ */
+static BlockdevOptionsHybrid *hybrid_parse_options(QDict *options,
+                                                   Error **errp)
+{
+    g_autoptr(QDict) copy = qdict_clone_shallow(options);
+    g_autoptr(QDict) file = NULL;
+    BlockdevOptions *opts = NULL;
+    BlockdevOptionsHybrid *ret = NULL;
+    Visitor *v;
+
+    qdict_extract_subqdict(copy, &file, "file.");
+    qdict_del(copy, "file");
+    qdict_put_str(copy, "file", "");
+    qdict_put_str(copy, "driver", "hybrid");
+
+    v = qobject_input_visitor_new_flat_confused(copy, errp);
+    if (!v) {
+        return NULL;
+    }
+    visit_type_BlockdevOptions(v, NULL, &opts, errp);
+    visit_free(v);
+    if (!opts) {
+        return NULL;
+    }
+    ret = g_new(BlockdevOptionsHybrid, 1);
+    *ret = opts->u.hybrid;
+    /* Steal the union member, then free the shell */
+    memset(&opts->u.hybrid, 0, sizeof(opts->u.hybrid));
+    opts->u.hybrid.file = ret->file;
+    ret->file = NULL;
+    qapi_free_BlockdevOptions(opts);
+
+    qdict_del(options, HYBRID_OPT_RAM_SIZE);
+    qdict_del(options, HYBRID_OPT_MODE);
+    qdict_del(options, HYBRID_OPT_DEDUP);
+    qdict_del(options, HYBRID_OPT_DIRTY_LIMIT);
+    qdict_del(options, HYBRID_OPT_RESTORE);
+    qdict_del(options, HYBRID_OPT_RAW);
+    qdict_del(options, HYBRID_OPT_BLOCK_SIZE);
+    return ret;
+}
+
+static int GRAPH_RDLOCK
+hybrid_read_geometry(BlockDriverState *bs, BlockdevOptionsHybrid *o,
+                     Error **errp)
+{
+    BDRVHybridState *s = bs->opaque;
+    int64_t child_len;
+    int ret;
+
+    child_len = bdrv_getlength(bs->file->bs);
+    if (child_len < 0) {
+        error_setg_errno(errp, -child_len, "Could not get the size of the "
+                         "persistent tier");
+        return child_len;
+    }
+
+    if (s->raw) {
+        uint64_t bsz = o->has_block_size ? o->block_size
+                                         : HYBRID_DEFAULT_BLOCK_SIZE;
+
+        if (bsz < HYBRID_MIN_BLOCK_SIZE || bsz > HYBRID_MAX_BLOCK_SIZE ||
+            !is_power_of_2(bsz)) {
+            error_setg(errp, "block-size %" PRIu64 " is not a power of two "
+                       "in [%d, %d]", bsz, HYBRID_MIN_BLOCK_SIZE,
+                       HYBRID_MAX_BLOCK_SIZE);
+            return -EINVAL;
+        }
+        memset(&s->header, 0, sizeof(s->header));
+        s->header.version = HYBRID_VERSION;
+        s->header.block_size = bsz;
+        s->header.virtual_size = QEMU_ALIGN_DOWN(child_len, BDRV_SECTOR_SIZE);
+        s->header.ram_size = s->header.virtual_size;
+        s->header.data_offset = 0;
+    } else {
+        HybridHeader le;
+
+        if (o->has_block_size) {
+            error_setg(errp, "block-size is stored in the image; it can only "
+                       "be given with raw=on");
+            return -EINVAL;
+        }
+        if (child_len < sizeof(le)) {
+            error_setg(errp, "Image is not in hybrid format (persistent tier "
+                       "has %" PRId64 " bytes, the header needs %zu)",
+                       child_len, sizeof(le));
+            return -EINVAL;
+        }
+        ret = bdrv_pread(bs->file, 0, sizeof(le), &le, 0);
+        if (ret < 0) {
+            error_setg_errno(errp, -ret, "Could not read the hybrid header");
+            return ret;
+        }
+        ret = hybrid_header_check(&le, &s->header, errp);
+        if (ret < 0) {
+            return ret;
+        }
+    }
+    s->size = s->header.virtual_size;
+    s->data_offset = s->header.data_offset;
+    s->block_size = s->header.block_size;
+    s->block_shift = ctz32(s->block_size);
+    s->nb_blocks = DIV_ROUND_UP(s->size, s->block_size);
+    return 0;
+}
+
+static void hybrid_start_background(BDRVHybridState *s)
+{
+    hybrid_restore_kick(s);
+}
+
+static int hybrid_open(BlockDriverState *bs, QDict *options, int flags,
+                       Error **errp)
+{
+    ERRP_GUARD();
+    BDRVHybridState *s = bs->opaque;
+    g_autoptr(BlockdevOptionsHybrid) o = NULL;
+    int ret;
+
+    s->bs = bs;
+    o = hybrid_parse_options(options, errp);
+    if (!o) {
+        return -EINVAL;
+    }
+    ret = bdrv_open_file_child(NULL, options, "file", bs, errp);
+    if (ret < 0) {
+        return ret;
+    }
+
+    GRAPH_RDLOCK_GUARD_MAINLOOP();
+
+    s->raw = o->has_raw && o->raw;
+    ret = hybrid_read_geometry(bs, o, errp);
+    if (ret < 0) {
+        return ret;
+    }
+
+    s->mode = o->has_mode ? o->mode :
+              (s->header.mode == HYBRID_HDR_MODE_ASYNC ? HYBRID_MODE_ASYNC
+                                                       : HYBRID_MODE_SYNC);
+    s->dedup = o->has_dedup ? o->dedup : s->header.dedup;
+    s->ram_size = o->has_ram_size ? o->ram_size : s->header.ram_size;
+    s->dirty_limit = o->has_dirty_limit ? o->dirty_limit
+                                        : HYBRID_DEFAULT_DIRTY_LIMIT;
+    s->restore_enabled = o->has_restore ? o->restore : true;
+    if (s->dirty_limit < s->block_size) {
+        error_setg(errp, "dirty-limit %" PRIu64 " is smaller than the block "
+                   "size %" PRIu32, s->dirty_limit, s->block_size);
+        return -EINVAL;
+    }
+    s->ram_blocks = MIN(s->ram_size >> s->block_shift, s->nb_blocks);
+    if (s->ram_blocks > UINT32_MAX) {
+        error_setg(errp, "ram-size %" PRIu64 " is too large (at most %"
+                   PRIu64 " blocks of %" PRIu32 " bytes)", s->ram_size,
+                   (uint64_t)UINT32_MAX, s->block_size);
+        return -EINVAL;
+    }
+
+    ret = hybrid_ram_init(s, errp);
+    if (ret < 0) {
+        return ret;
+    }
+    qemu_co_queue_init(&s->busy_queue);
+    qemu_co_queue_init(&s->dirty_queue);
+    qemu_co_queue_init(&s->restore_queue);
+    s->inactive = flags & BDRV_O_INACTIVE;
+    qemu_co_mutex_init(&s->header_lock);
+    QTAILQ_INIT(&s->dirty_list);
+
+    bs->total_sectors = s->size / BDRV_SECTOR_SIZE;
+    bs->supported_zero_flags = BDRV_REQ_MAY_UNMAP;
+
+    trace_hybrid_open(s, s->size, s->block_size, s->ram_blocks, s->mode,
+                      s->dedup, !!(s->header.flags & HYBRID_FLAG_DIRTY));
+
+    /* An inactive image (incoming migration) restores when activated */
+    hybrid_start_background(s);
+    return 0;
+}
+
+/* Write everything back and clear the DIRTY flag.  Main loop only. */
+static int GRAPH_RDLOCK hybrid_make_clean(BlockDriverState *bs)
+{
+    BDRVHybridState *s = bs->opaque;
+    HybridHeader le;
+    int ret;
+
+    ret = bdrv_flush(bs);
+    if (ret < 0 || !QTAILQ_EMPTY(&s->dirty_list)) {
+        return ret < 0 ? ret : -EIO;
+    }
+    if (!s->header_dirty_on_disk || s->raw) {
+        return 0;
+    }
+    s->header.flags &= ~HYBRID_FLAG_DIRTY;
+    hybrid_header_to_le(&s->header, &le);
+    ret = bdrv_pwrite(bs->file, 0, sizeof(le), &le, 0);
+    if (ret == 0) {
+        ret = bdrv_flush(bs->file->bs);
+    }
+    if (ret == 0) {
+        s->header_dirty_on_disk = false;
+    }
+    trace_hybrid_make_clean(s, ret);
+    return ret;
+}
+
+static int GRAPH_RDLOCK hybrid_inactivate(BlockDriverState *bs)
+{
+    BDRVHybridState *s = bs->opaque;
+
+    /* Restore stops at its next request; activation starts it over */
+    s->inactive = true;
+    return hybrid_make_clean(bs);
+}
+
+/*
+ * Activation after incoming migration (or after a failed outgoing one):
+ * another process may have written the persistent tier, so RAM starts
+ * empty and is restored again.
+ */
+static void coroutine_fn GRAPH_RDLOCK
+hybrid_co_invalidate_cache(BlockDriverState *bs, Error **errp)
+{
+    BDRVHybridState *s = bs->opaque;
+    HybridHeader le, h;
+    int ret;
+
+    assert(QTAILQ_EMPTY(&s->dirty_list));
+    s->inactive = false;
+    while (s->restore_running) {
+        qemu_co_queue_wait(&s->restore_queue, NULL);
+    }
+    if (!s->raw) {
+        ret = bdrv_co_pread(bs->file, 0, sizeof(le), &le, 0);
+        if (ret < 0) {
+            error_setg_errno(errp, -ret, "Could not read the hybrid header");
+            return;
+        }
+        if (hybrid_header_check(&le, &h, errp) < 0) {
+            return;
+        }
+        if (h.virtual_size != s->size || h.block_size != s->block_size ||
+            h.data_offset != s->data_offset) {
+            error_setg(errp, "Hybrid image geometry changed while inactive");
+            return;
+        }
+        s->header = h;
+        s->header_dirty_on_disk = false;
+    }
+    hybrid_ram_unload_all(s);
+    s->restore_cursor = 0;
+    s->restore_bytes = 0;
+    s->restore_done = false;
+    s->restore_error = 0;
+    s->restore_start_ns = 0;
+    hybrid_start_background(s);
+}
+
+static void hybrid_close(BlockDriverState *bs)
+{
+    BDRVHybridState *s = bs->opaque;
+
+    if (s->slots) {
+        assert(!s->restore_running && s->flush_workers == 0);
+        if (bs->open_flags & BDRV_O_RDWR &&
+            !(bs->open_flags & BDRV_O_INACTIVE)) {
+            int ret;
+
+            bdrv_graph_rdlock_main_loop();
+            ret = hybrid_make_clean(bs);
+            bdrv_graph_rdunlock_main_loop();
+            if (ret < 0) {
+                /* Nothing else we can do: the image stays marked dirty */
+                error_report("hybrid: node '%s': could not write back all "
+                             "data at close: %s",
+                             bdrv_get_node_name(bs), strerror(-ret));
+                QTAILQ_INIT(&s->dirty_list);
+                for (uint64_t i = 0; i < s->ram_blocks; i++) {
+                    s->slots[i].flags &= ~(HYBRID_SLOT_DIRTY |
+                                           HYBRID_SLOT_LISTED);
+                }
+            }
+        }
+    }
+    hybrid_ram_free(s);
+}
+
+static int hybrid_reopen_prepare(BDRVReopenState *state,
+                                 BlockReopenQueue *queue, Error **errp)
+{
+    return 0;
+}
+
+/* ---- create ---- */
+
+static int coroutine_fn GRAPH_UNLOCKED
+hybrid_co_create(BlockdevCreateOptions *create_options, Error **errp)
+{
+    ERRP_GUARD();
+    BlockdevCreateOptionsHybrid *o;
+    BlockDriverState *bs_file = NULL;
+    BlockBackend *blk = NULL;
+    HybridHeader h, le;
+    uint64_t bsz, size, data_offset = HYBRID_DATA_OFFSET;
+    int ret;
+
+    assert(create_options->driver == BLOCKDEV_DRIVER_HYBRID);
+    o = &create_options->u.hybrid;
+
+    bsz = o->has_block_size ? o->block_size : HYBRID_DEFAULT_BLOCK_SIZE;
+    if (bsz < HYBRID_MIN_BLOCK_SIZE || bsz > HYBRID_MAX_BLOCK_SIZE ||
+        !is_power_of_2(bsz)) {
+        error_setg(errp, "block-size %" PRIu64 " is not a power of two in "
+                   "[%d, %d]", bsz, HYBRID_MIN_BLOCK_SIZE,
+                   HYBRID_MAX_BLOCK_SIZE);
+        return -EINVAL;
+    }
+    size = o->size;
+    if (size > HYBRID_MAX_VIRTUAL_SIZE || size % BDRV_SECTOR_SIZE) {
+        error_setg(errp, "size %" PRIu64 " is not a multiple of %llu up to %llu",
+                   size, BDRV_SECTOR_SIZE, HYBRID_MAX_VIRTUAL_SIZE);
+        return -EINVAL;
+    }
+    if (o->has_ram_size && (o->ram_size / bsz) > UINT32_MAX) {
+        error_setg(errp, "ram-size %" PRIu64 " is too large (at most %"
+                   PRIu64 " blocks of %" PRIu64 " bytes)", o->ram_size,
+                   (uint64_t)UINT32_MAX, bsz);
+        return -EINVAL;
+    }
+
+    memset(&h, 0, sizeof(h));
+    memcpy(h.magic, HYBRID_MAGIC, sizeof(h.magic));
+    h.version = HYBRID_VERSION;
+    h.header_size = HYBRID_HEADER_SIZE;
+    h.virtual_size = size;
+    h.data_offset = data_offset;
+    h.ram_size = o->has_ram_size ? o->ram_size : size;
+    h.block_size = bsz;
+    h.mode = (o->has_mode && o->mode == HYBRID_MODE_ASYNC) ?
+             HYBRID_HDR_MODE_ASYNC : HYBRID_HDR_MODE_SYNC;
+    h.dedup = o->has_dedup && o->dedup;
+    hybrid_header_to_le(&h, &le);
+
+    bs_file = bdrv_co_open_blockdev_ref(o->file, errp);
+    if (!bs_file) {
+        return -EIO;
+    }
+    blk = blk_co_new_with_bs(bs_file, BLK_PERM_WRITE | BLK_PERM_RESIZE,
+                             BLK_PERM_ALL, errp);
+    if (!blk) {
+        ret = -EPERM;
+        goto out;
+    }
+    blk_set_allow_write_beyond_eof(blk, true);
+
+    /* Size first: a header on a too small device must not be written */
+    ret = blk_co_truncate(blk, data_offset + ROUND_UP(size, bsz), false,
+                          PREALLOC_MODE_OFF, 0, errp);
+    if (ret < 0) {
+        error_prepend(errp, "Could not size the persistent tier to %" PRIu64
+                      " bytes: ", data_offset + ROUND_UP(size, bsz));
+        goto out;
+    }
+    ret = blk_co_pwrite_zeroes(blk, 0, data_offset, 0);
+    if (ret == 0) {
+        ret = blk_co_pwrite(blk, 0, sizeof(le), &le, 0);
+    }
+    if (ret == 0) {
+        ret = blk_co_flush(blk);
+    }
+    if (ret < 0) {
+        error_setg_errno(errp, -ret, "Could not write the hybrid header");
+    }
+out:
+    blk_co_unref(blk);
+    bdrv_co_unref(bs_file);
+    return ret;
+}
+
+static QemuOptsList hybrid_create_opts = {
+    .name = "hybrid-create-opts",
+    .head = QTAILQ_HEAD_INITIALIZER(hybrid_create_opts.head),
+    .desc = {
+        {
+            .name = BLOCK_OPT_SIZE,
+            .type = QEMU_OPT_SIZE,
+            .help = "Virtual disk size"
+        },
+        {
+            .name = HYBRID_OPT_BLOCK_SIZE,
+            .type = QEMU_OPT_SIZE,
+            .help = "Block size (power of two, 4k..2M, default 64k)"
+        },
+        {
+            .name = HYBRID_OPT_RAM_SIZE,
+            .type = QEMU_OPT_SIZE,
+            .help = "Default RAM tier size (default: the virtual size)"
+        },
+        {
+            .name = HYBRID_OPT_MODE,
+            .type = QEMU_OPT_STRING,
+            .help = "Default write mode (sync, async)"
+        },
+        {
+            .name = HYBRID_OPT_DEDUP,
+            .type = QEMU_OPT_BOOL,
+            .help = "Default for inline dedup of the RAM tier"
+        },
+        { /* end of list */ }
+    }
+};
+
+static int coroutine_fn GRAPH_UNLOCKED
+hybrid_co_create_opts(BlockDriver *drv, const char *filename, QemuOpts *opts,
+                      Error **errp)
+{
+    g_autoptr(QDict) qdict = NULL;
+    BlockdevCreateOptions *create_options = NULL;
+    BlockDriverState *bs_file = NULL;
+    Visitor *v;
+    int ret;
+
+    qdict = qemu_opts_to_qdict_filtered(opts, NULL, &hybrid_create_opts,
+                                        true);
+    ret = bdrv_co_create_file(filename, opts, errp);
+    if (ret < 0) {
+        goto done;
+    }
+    bs_file = bdrv_co_open(filename, NULL, NULL,
+                           BDRV_O_RDWR | BDRV_O_RESIZE | BDRV_O_PROTOCOL, errp);
+    if (!bs_file) {
+        ret = -EIO;
+        goto done;
+    }
+
+    qdict_put_str(qdict, "driver", "hybrid");
+    qdict_put_str(qdict, "file", bs_file->node_name);
+
+    v = qobject_input_visitor_new_flat_confused(qdict, errp);
+    if (!v) {
+        ret = -EINVAL;
+        goto done;
+    }
+    visit_type_BlockdevCreateOptions(v, NULL, &create_options, errp);
+    visit_free(v);
+    if (!create_options) {
+        ret = -EINVAL;
+        goto done;
+    }
+    /* Silently round up the size, like the other formats */
+    create_options->u.hybrid.size =
+        ROUND_UP(create_options->u.hybrid.size, BDRV_SECTOR_SIZE);
+
+    ret = hybrid_co_create(create_options, errp);
+done:
+    qapi_free_BlockdevCreateOptions(create_options);
+    bdrv_co_unref(bs_file);
+    return ret;
+}
+
+/* ---- information, check ---- */
+
+static int hybrid_probe(const uint8_t *buf, int buf_size,
+                        const char *filename)
+{
+    if (buf_size >= 8 && !memcmp(buf, HYBRID_MAGIC, 8)) {
+        return 100;
+    }
+    return 0;
+}
+
+static int64_t coroutine_fn GRAPH_RDLOCK
+hybrid_co_getlength(BlockDriverState *bs)
+{
+    BDRVHybridState *s = bs->opaque;
+
+    return s->size;
+}
+
+static int coroutine_fn GRAPH_RDLOCK
+hybrid_co_get_info(BlockDriverState *bs, BlockDriverInfo *bdi)
+{
+    BDRVHybridState *s = bs->opaque;
+
+    bdi->cluster_size = s->block_size;
+    bdi->is_dirty = !!(s->header.flags & HYBRID_FLAG_DIRTY);
+    return 0;
+}
+
+static ImageInfoSpecific * GRAPH_RDLOCK
+hybrid_get_specific_info(BlockDriverState *bs, Error **errp)
+{
+    BDRVHybridState *s = bs->opaque;
+    ImageInfoSpecific *spec = g_new0(ImageInfoSpecific, 1);
+    ImageInfoSpecificHybrid *h = g_new0(ImageInfoSpecificHybrid, 1);
+
+    *h = (ImageInfoSpecificHybrid) {
+        .version = s->header.version,
+        .block_size = s->block_size,
+        .data_offset = s->data_offset,
+        .ram_size = s->header.ram_size,
+        .mode = s->header.mode == HYBRID_HDR_MODE_ASYNC ? HYBRID_MODE_ASYNC
+                                                        : HYBRID_MODE_SYNC,
+        .dedup = s->header.dedup,
+        .dirty = !!(s->header.flags & HYBRID_FLAG_DIRTY),
+        .raw = s->raw,
+    };
+    spec->type = IMAGE_INFO_SPECIFIC_KIND_HYBRID;
+    spec->u.hybrid.data = h;
+    return spec;
+}
+
+/*
+ * Nothing in the layout can be inconsistent except the header (checked at
+ * open) and the persistent tier's length.  A DIRTY flag only means that
+ * writes acknowledged after the last flush of an async-mode run may be
+ * lost, which the format allows; repair clears it.
+ */
+static int coroutine_fn GRAPH_RDLOCK
+hybrid_co_check(BlockDriverState *bs, BdrvCheckResult *res,
+                BdrvCheckMode fix)
+{
+    BDRVHybridState *s = bs->opaque;
+    uint64_t need = s->data_offset + ROUND_UP(s->size, s->block_size);
+    int64_t len = bdrv_co_getlength(bs->file->bs);
+    int ret;
+
+    if (len < 0) {
+        res->check_errors++;
+        return len;
+    }
+    res->image_end_offset = need;
+    if (!s->raw && len < need) {
+        if (fix & BDRV_FIX_ERRORS) {
+            ret = bdrv_co_truncate(bs->file, need, false, PREALLOC_MODE_OFF,
+                                   0, NULL);
+            if (ret < 0) {
+                res->corruptions++;
+                res->check_errors++;
+            } else {
+                res->corruptions_fixed++;
+            }
+        } else {
+            fprintf(stderr, "ERROR persistent tier is %" PRId64 " bytes, the "
+                    "layout needs %" PRIu64 "\n", len, need);
+            res->corruptions++;
+        }
+    }
+    if (!s->raw && (s->header.flags & HYBRID_FLAG_DIRTY) &&
+        (fix & BDRV_FIX_LEAKS) && !s->header_dirty_on_disk &&
+        !bdrv_is_read_only(bs)) {
+        ret = hybrid_write_header(s, s->header.flags & ~HYBRID_FLAG_DIRTY);
+        if (ret < 0) {
+            res->check_errors++;
+        } else {
+            res->leaks_fixed++;
+        }
+    }
+    return 0;
+}
+
+static void GRAPH_RDLOCK
+hybrid_refresh_limits(BlockDriverState *bs, Error **errp)
+{
+    bs->bl.request_alignment = BDRV_SECTOR_SIZE;
+}
+
+static int GRAPH_RDLOCK hybrid_has_zero_init(BlockDriverState *bs)
+{
+    BDRVHybridState *s = bs->opaque;
+
+    return s->raw ? 0 : bdrv_has_zero_init(bs->file->bs);
+}
+
+/* ---- management (called from hybrid-qmp.c) ---- */
+
+void hybrid_set_mode(BlockDriverState *bs, HybridMode mode)
+{
+    BDRVHybridState *s = bs->opaque;
+
+    trace_hybrid_set_mode(s, s->mode, mode);
+    s->mode = mode;
+    /* Leaving async: start writing back what is owed */
+    hybrid_flusher_kick(s);
+}
+
+HybridInfo *hybrid_get_info(BlockDriverState *bs)
+{
+    BDRVHybridState *s = bs->opaque;
+    HybridInfo *info = g_new0(HybridInfo, 1);
+    uint64_t used = hybrid_ram_used_bytes(s);
+    uint64_t logical = s->dedup ? (s->nb_loaded << s->block_shift) : used;
+    uint64_t reads = s->read_hits + s->read_misses;
+
+    info->node_name = g_strdup(bdrv_get_node_name(bs));
+    info->mode = s->mode;
+    info->dedup = s->dedup;
+    info->block_size = s->block_size;
+    info->virtual_size = s->size;
+    info->ram_size = s->ram_blocks << s->block_shift;
+    info->ram_loaded = MIN(s->nb_loaded << s->block_shift, s->size);
+    info->ram_used = used;
+    info->metadata_bytes = hybrid_ram_metadata_bytes(s);
+    info->metadata_per_block = s->ram_blocks ?
+        (double)info->metadata_bytes / s->ram_blocks : 0;
+    info->dedup_ratio = used ? (double)logical / used : 1.0;
+    info->dirty_bytes = s->dirty_bytes;
+    info->dirty_limit = s->dirty_limit;
+    info->read_hits = s->read_hits;
+    info->read_misses = s->read_misses;
+    info->hit_rate = reads ? (double)s->read_hits / reads : 0;
+    info->writes_ram = s->write_ram;
+    info->writes_through = s->write_through;
+    info->flushed_bytes = s->flushed_bytes;
+    info->restore_active = s->restore_running;
+    info->restore_done = s->restore_done;
+    info->restore_bytes = s->restore_bytes;
+    info->restore_total = MIN(s->ram_blocks << s->block_shift, s->size);
+    if (s->restore_start_ns) {
+        int64_t end = s->restore_done ? s->restore_end_ns :
+                      qemu_clock_get_ns(QEMU_CLOCK_REALTIME);
+        info->restore_ms = (end - s->restore_start_ns) / SCALE_MS;
+    }
+    if (s->flush_error) {
+        info->error = g_strdup(strerror(-s->flush_error));
+    } else if (s->restore_error) {
+        info->error = g_strdup_printf("restore: %s",
+                                      strerror(-s->restore_error));
+    }
+    return info;
+}
+
+static const char *const hybrid_strong_runtime_opts[] = {
+    HYBRID_OPT_RAW,
+    HYBRID_OPT_BLOCK_SIZE,
+
+    NULL
+};
+
+BlockDriver bdrv_hybrid = {
+    .format_name                = "hybrid",
+    .instance_size              = sizeof(BDRVHybridState),
+    .is_format                  = true,
+    .create_opts                = &hybrid_create_opts,
+    .strong_runtime_opts        = hybrid_strong_runtime_opts,
+
+    /* open, close, create */
+    .bdrv_probe                 = hybrid_probe,
+    .bdrv_open                  = hybrid_open,
+    .bdrv_close                 = hybrid_close,
+    .bdrv_reopen_prepare        = hybrid_reopen_prepare,
+    .bdrv_child_perm            = bdrv_default_perms,
+    .bdrv_co_create             = hybrid_co_create,
+    .bdrv_co_create_opts        = hybrid_co_create_opts,
+    .bdrv_has_zero_init         = hybrid_has_zero_init,
+    .bdrv_refresh_limits        = hybrid_refresh_limits,
+
+    /* I/O */
+    .bdrv_co_preadv_part        = hybrid_co_preadv_part,
+    .bdrv_co_pwritev_part       = hybrid_co_pwritev_part,
+    .bdrv_co_pwrite_zeroes      = hybrid_co_pwrite_zeroes,
+    .bdrv_co_pdiscard           = hybrid_co_pdiscard,
+    .bdrv_co_flush_to_os        = hybrid_co_flush_to_os,
+    .bdrv_co_block_status       = hybrid_co_block_status,
+
+    /* background work and migration */
+    .bdrv_drain_begin           = hybrid_drain_begin,
+    .bdrv_drain_end             = hybrid_drain_end,
+    .bdrv_inactivate            = hybrid_inactivate,
+    .bdrv_co_invalidate_cache   = hybrid_co_invalidate_cache,
+
+    /* information */
+    .bdrv_co_getlength          = hybrid_co_getlength,
+    .bdrv_co_get_info           = hybrid_co_get_info,
+    .bdrv_get_specific_info     = hybrid_get_specific_info,
+    .bdrv_co_check              = hybrid_co_check,
+};
+
+static void bdrv_hybrid_init(void)
+{
+    bdrv_register(&bdrv_hybrid);
+}
+
+block_init(bdrv_hybrid_init);

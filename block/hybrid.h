@@ -1,0 +1,166 @@
+/*
+ * Hybrid block format: RAM tier in front of a persistent tier
+ *
+ * Copyright (c) 2026 The hybridvm authors
+ *
+ * This work is licensed under the terms of the GNU GPL, version 2 or later.
+ * See the COPYING file in the top-level directory.
+ *
+ * Internal interface shared by hybrid.c (driver), hybrid-ram.c (RAM tier)
+ * and hybrid-qmp.c (management).  The on-disk layout is specified in
+ * docs/hybrid-format.rst of the hybridvm repository.
+ */
+
+#ifndef BLOCK_HYBRID_H
+#define BLOCK_HYBRID_H
+
+#include "qemu/queue.h"
+#include "qemu/coroutine.h"
+#include "qapi/qapi-types-block-core.h"
+
+/* ---- On-disk header (little endian, see docs/hybrid-format.rst) ---- */
+
+#define HYBRID_MAGIC            "QHYBRID\0"
+#define HYBRID_VERSION          1
+#define HYBRID_HEADER_SIZE      72      /* bytes covered by header_crc */
+#define HYBRID_DATA_OFFSET      65536   /* default for new images */
+#define HYBRID_MIN_BLOCK_SIZE   4096
+#define HYBRID_MAX_BLOCK_SIZE   (2 * 1024 * 1024)
+#define HYBRID_DEFAULT_BLOCK_SIZE 65536
+/* Largest virtual size we accept: block indices must fit in 32 bits. */
+#define HYBRID_MAX_VIRTUAL_SIZE (1ULL << 50)
+
+#define HYBRID_FLAG_DIRTY       (1ULL << 0)   /* not cleanly closed */
+#define HYBRID_FLAGS_KNOWN      HYBRID_FLAG_DIRTY
+
+#define HYBRID_HDR_MODE_SYNC    0
+#define HYBRID_HDR_MODE_ASYNC   1
+
+typedef struct QEMU_PACKED HybridHeader {
+    uint8_t  magic[8];          /*  0: HYBRID_MAGIC */
+    uint32_t version;           /*  8: HYBRID_VERSION */
+    uint32_t header_size;       /* 12: HYBRID_HEADER_SIZE */
+    uint64_t incompat_features; /* 16: must be 0 in version 1 */
+    uint64_t flags;             /* 24: HYBRID_FLAG_* */
+    uint64_t virtual_size;      /* 32: bytes, multiple of 512 */
+    uint64_t data_offset;       /* 40: block N at data_offset + N * bs */
+    uint64_t ram_size;          /* 48: default RAM tier size, bytes */
+    uint32_t block_size;        /* 56: power of two, 4 KiB .. 2 MiB */
+    uint8_t  mode;              /* 60: HYBRID_HDR_MODE_* default */
+    uint8_t  dedup;             /* 61: 0 or 1, default for dedup= */
+    uint8_t  reserved[6];       /* 62: zero */
+    uint32_t header_crc;        /* 68: crc32c of bytes 0..71, this field 0 */
+} HybridHeader;
+
+QEMU_BUILD_BUG_ON(sizeof(HybridHeader) != HYBRID_HEADER_SIZE);
+
+/* ---- RAM tier ---- */
+
+/* Content-addressed block (dedup=on only). */
+typedef struct HybridChunk {
+    uint64_t fp;                /* fingerprint, hash table key */
+    uint32_t refcnt;            /* slots pointing here */
+    struct HybridChunk *next;   /* chain of chunks with an equal fp */
+    uint8_t data[];             /* block_size bytes */
+} HybridChunk;
+
+enum {
+    HYBRID_SLOT_LOADED  = 1 << 0,  /* RAM holds the block's current content */
+    HYBRID_SLOT_BUSY    = 1 << 1,  /* child I/O for this block in progress */
+    HYBRID_SLOT_DIRTY   = 1 << 2,  /* [dirty_lo, dirty_hi) not yet on child */
+    HYBRID_SLOT_LISTED  = 1 << 3,  /* on s->dirty_list (dirty or flushing) */
+    HYBRID_SLOT_ZERO    = 1 << 4,  /* plain mode: known zero, no pages */
+};
+
+/*
+ * One per block below the RAM boundary.  Everything here is protected by
+ * running in the node's AioContext: no field changes across a yield unless
+ * the slot is BUSY and the change is made by the BUSY holder.
+ */
+typedef struct HybridSlot {
+    QTAILQ_ENTRY(HybridSlot) dirty_next;  /* least recently written first */
+    HybridChunk *chunk;         /* dedup mode: content, NULL = zeros */
+    uint32_t dirty_lo, dirty_hi;
+    uint8_t flags;
+} HybridSlot;
+
+typedef struct BDRVHybridState {
+    BlockDriverState *bs;
+
+    /* Image geometry, from the header (or the child for raw=on) */
+    HybridHeader header;        /* CPU byte order */
+    bool raw;                   /* headerless: data at offset 0 */
+    uint64_t size;
+    uint64_t data_offset;
+    uint32_t block_size;
+    uint32_t block_shift;
+    uint64_t nb_blocks;
+
+    /* Options */
+    HybridMode mode;
+    bool dedup;
+    uint64_t ram_size;
+    uint64_t dirty_limit;
+
+    /* RAM tier: blocks [0, ram_blocks) live here once LOADED */
+    uint64_t ram_blocks;
+    HybridSlot *slots;
+    uint8_t *ram;               /* plain mode: ram_blocks * block_size */
+    GHashTable *dedup_table;    /* dedup mode: &fp -> HybridChunk chain */
+    uint64_t nb_chunks;         /* dedup mode: distinct non-zero blocks */
+    uint64_t nb_loaded;         /* LOADED slots */
+    uint64_t nb_nonzero;        /* plain mode: LOADED && !ZERO slots */
+
+    /* Waiters for any slot's BUSY bit to clear */
+    CoQueue busy_queue;
+
+    /* Async write-back */
+    QTAILQ_HEAD(, HybridSlot) dirty_list;
+    uint64_t dirty_bytes;
+    CoQueue dirty_queue;        /* writers waiting for dirty_bytes < limit */
+    int flush_workers;
+    int flush_error;            /* sticky: first write-back failure */
+    bool quiesced;              /* inside a drained section */
+    bool inactive;              /* BDRV_O_INACTIVE: no background I/O */
+
+    /* Header dirty bit */
+    CoMutex header_lock;
+    bool header_dirty_on_disk;
+
+    /* Restore */
+    bool restore_enabled;
+    bool restore_running;
+    CoQueue restore_queue;      /* waiters for restore_running to clear */
+    bool restore_done;
+    int restore_error;
+    uint64_t restore_cursor;    /* next block index to restore */
+    uint64_t restore_bytes;     /* bytes read by restore */
+    int64_t restore_start_ns;
+    int64_t restore_end_ns;
+
+    /* Statistics */
+    uint64_t read_hits, read_misses;        /* block segments */
+    uint64_t write_ram, write_through;      /* block segments */
+    uint64_t flushed_bytes;
+} BDRVHybridState;
+
+/* hybrid-ram.c */
+int hybrid_ram_init(BDRVHybridState *s, Error **errp);
+void hybrid_ram_free(BDRVHybridState *s);
+const uint8_t *hybrid_ram_peek(BDRVHybridState *s, uint64_t idx);
+uint8_t *hybrid_ram_plain_ptr(BDRVHybridState *s, uint64_t idx);
+int hybrid_ram_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
+                     QEMUIOVector *qiov, size_t qoff, uint32_t len);
+int hybrid_ram_fill(BDRVHybridState *s, uint64_t idx, const uint8_t *buf);
+void hybrid_ram_loaded_plain(BDRVHybridState *s, uint64_t idx);
+void hybrid_ram_unload_all(BDRVHybridState *s);
+uint64_t hybrid_ram_used_bytes(BDRVHybridState *s);
+uint64_t hybrid_ram_metadata_bytes(BDRVHybridState *s);
+uint64_t hybrid_fingerprint(const uint8_t *buf, size_t len);
+
+/* hybrid.c */
+extern BlockDriver bdrv_hybrid;
+void hybrid_set_mode(BlockDriverState *bs, HybridMode mode);
+HybridInfo *hybrid_get_info(BlockDriverState *bs);
+
+#endif /* BLOCK_HYBRID_H */
