@@ -1104,7 +1104,10 @@ static void portOpen(void) {
         portClose(1);
         return;
     }
-    RedisModule_Log(hm.dctx, "notice", "appassist: port %s open", path);
+    /* A virtio port without a host reads EOF at once and is retried every
+     * port-retry-ms: only the first open is worth a notice. */
+    RedisModule_Log(hm.dctx, hm.port_opens == 1 ? "notice" : "verbose",
+                    "appassist: port %s open", path);
 }
 
 /* ------------------------------------------------------------ configs */
