@@ -38,7 +38,8 @@ $SUDO apt-get install -y -q --no-install-recommends \
     seabios qemu-system-data ipxe-qemu \
     busybox-static cpio e2fsprogs kmod xz-utils zstd \
     redis-server redis-tools libhiredis-dev \
-    fio
+    fio \
+    libvirt-daemon-system libvirt-clients libvirt-daemon-driver-qemu
 
 # Python venv with pinned packages: meson for QEMU's configure, avocado for the functional tests.
 venv=$build/venv

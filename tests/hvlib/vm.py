@@ -24,6 +24,24 @@ def free_port():
         return s.getsockname()[1]
 
 
+def redis_client(port, timeout=30, name='guest', **kwargs):
+    """A redis-py client for 127.0.0.1:port, once the server there answers PING
+    (retried until `timeout`: a guest's Redis may still be starting)."""
+    import redis
+    deadline = time.monotonic() + timeout
+    while True:
+        client = redis.Redis(host='127.0.0.1', port=port, socket_timeout=30,
+                             socket_connect_timeout=5, **kwargs)
+        try:
+            client.ping()
+            return client
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            client.close()
+            if time.monotonic() > deadline:
+                raise GuestError(f'{name}: Redis on port {port} does not answer: {exc}')
+            time.sleep(0.2)
+
+
 class Guest:
     """A guest booted from build/guest/{vmlinuz,initrd.img}.
 
@@ -197,20 +215,7 @@ class Guest:
     # -- redis ------------------------------------------------------------
     def redis(self, timeout=30, **kwargs):
         """A redis-py client for the guest's Redis, once it answers PING."""
-        import redis
-        deadline = time.monotonic() + timeout
-        while True:
-            client = redis.Redis(host='127.0.0.1', port=self.redis_port,
-                                 socket_timeout=30, socket_connect_timeout=5, **kwargs)
-            try:
-                client.ping()
-                return client
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                client.close()
-                if time.monotonic() > deadline:
-                    raise GuestError(f'{self.name}: Redis on port {self.redis_port} '
-                                     f'does not answer: {exc}')
-                time.sleep(0.2)
+        return redis_client(self.redis_port, timeout=timeout, name=self.name, **kwargs)
 
     def boot(self, timeout=120):
         """launch() and wait until init reports it is done."""

@@ -1,0 +1,249 @@
+"""Private libvirtd instances on one machine, for migration tests through virsh.
+
+Each instance runs in its own mount namespace (`unshare -m --propagation private`)
+with private copies of libvirt's directories bind-mounted over the system ones,
+a distinct host UUID and its own migration port range (see PLATFORM.md).  The
+mounts exist only inside the namespace, so they vanish with its last process;
+stop() destroys the instance's domains, then its daemons, and kills any QEMU
+left behind, so nothing outlives a test.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from xml.sax.saxutils import escape, quoteattr
+
+BIND_DIRS = {  # system path -> name of the private copy
+    '/etc/libvirt': 'etc',
+    '/run/libvirt': 'run',
+    '/var/lib/libvirt': 'lib',
+    '/var/cache/libvirt': 'cache',
+    '/var/log/libvirt': 'log',
+}
+
+
+class LibvirtError(Exception):
+    pass
+
+
+def libvirt_available():
+    """None when libvirtd, virtlogd and virsh are installed, else the reason."""
+    for tool in ('libvirtd', 'virtlogd', 'virsh', 'unshare'):
+        if not shutil.which(tool, path=os.environ.get('PATH', '') + ':/usr/sbin:/sbin'):
+            return f'{tool} is not installed'
+    if os.geteuid() != 0:
+        return 'private libvirtd instances need root (mount namespaces)'
+    return None
+
+
+class LibvirtHost:
+    """One libvirtd instance: `uri` is what virsh -c takes."""
+
+    def __init__(self, name, root, migration_ports, hooks_dir=None):
+        self.name = name
+        self.root = root
+        self.migration_ports = migration_ports
+        self.hooks_dir = hooks_dir
+        self.host_uuid = str(uuid.uuid4())
+        self.uri = f'qemu+unix:///system?socket={root}/run/libvirt-sock'
+        self._proc = None
+        self._log = None
+
+    def _dir(self, key):
+        return os.path.join(self.root, key)
+
+    def _configure(self):
+        os.makedirs(self.root, exist_ok=True)
+        for src, key in BIND_DIRS.items():
+            dst = self._dir(key)
+            shutil.rmtree(dst, ignore_errors=True)
+            if src == '/etc/libvirt' and os.path.isdir(src):
+                shutil.copytree(src, dst, symlinks=True)
+            else:
+                os.makedirs(dst)
+        etc = self._dir('etc')
+        with open(os.path.join(etc, 'libvirtd.conf'), 'w') as f:
+            f.write(f'auth_unix_rw = "none"\nauth_unix_ro = "none"\n'
+                    f'unix_sock_group = "root"\nhost_uuid = "{self.host_uuid}"\n'
+                    f'log_outputs = "3:file:/var/log/libvirt/libvirtd.log"\n')
+        lo, hi = self.migration_ports
+        with open(os.path.join(etc, 'qemu.conf'), 'w') as f:
+            f.write('user = "root"\ngroup = "root"\nclear_emulator_capabilities = 0\n'
+                    'security_driver = "none"\nstdio_handler = "file"\n'
+                    f'migration_port_min = {lo}\nmigration_port_max = {hi}\n')
+        hooks = os.path.join(etc, 'hooks')
+        shutil.rmtree(hooks, ignore_errors=True)
+        if self.hooks_dir:
+            shutil.copytree(self.hooks_dir, hooks, symlinks=True)
+        else:
+            os.makedirs(hooks)
+
+    def start(self, timeout=60):
+        self._configure()
+        for src in BIND_DIRS:
+            os.makedirs(src, exist_ok=True)  # mount points must exist on the host
+        binds = ' && '.join(f'mount --bind {self._dir(k)} {src}' for src, k in BIND_DIRS.items())
+        # Pid files default to /run/*.pid, shared by all instances: keep them private.
+        script = (f'set -e; {binds}; virtlogd -d -p /run/libvirt/virtlogd.pid; '
+                  'exec libvirtd -p /run/libvirt/libvirtd.pid')
+        self._log = open(os.path.join(self.root, 'daemon.log'), 'ab')
+        env = dict(os.environ, PATH=os.environ.get('PATH', '') + ':/usr/sbin:/sbin')
+        self._proc = subprocess.Popen(
+            ['setpriv', '--pdeathsig', 'KILL', 'unshare', '-m', '--propagation', 'private',
+             'sh', '-c', script],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._proc.poll() is not None:
+                raise LibvirtError(f'{self.name}: libvirtd exited ({self._proc.returncode}); '
+                                   f'see {self.root}/daemon.log and {self._dir("log")}')
+            if self.virsh('list', '--all', check=False, timeout=30).returncode == 0:
+                return self
+            if time.monotonic() > deadline:
+                raise LibvirtError(f'{self.name}: libvirtd did not answer within {timeout}s')
+            time.sleep(0.2)
+
+    def virsh(self, *args, check=True, timeout=300):
+        """Run virsh against this instance; with check, raise on failure (stderr in
+        the message).  Returns the CompletedProcess."""
+        cp = subprocess.run(['virsh', '-q', '-c', self.uri, *args], capture_output=True,
+                            text=True, timeout=timeout)
+        if check and cp.returncode != 0:
+            raise LibvirtError(f'{self.name}: virsh {" ".join(args)}: {cp.stderr.strip()}')
+        return cp
+
+    def qemu_pids(self):
+        piddir = os.path.join(self._dir('run'), 'qemu')
+        pids = []
+        if os.path.isdir(piddir):
+            for fn in os.listdir(piddir):
+                if fn.endswith('.pid'):
+                    try:
+                        pids.append(int(open(os.path.join(piddir, fn)).read().strip()))
+                    except (OSError, ValueError):
+                        pass
+        return pids
+
+    def stop(self):
+        """Destroy every domain, stop the daemons, kill anything left; idempotent."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            cp = self.virsh('list', '--name', check=False, timeout=30)
+            for dom in cp.stdout.split():
+                self.virsh('destroy', dom, check=False, timeout=60)
+        leftovers = self.qemu_pids()
+        pidfile = os.path.join(self._dir('run'), 'virtlogd.pid')
+        if os.path.exists(pidfile):
+            try:
+                leftovers.append(int(open(pidfile).read().strip()))
+            except ValueError:
+                pass
+        if self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+        for pid in leftovers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._proc = None
+        if self._log:
+            self._log.close()
+            self._log = None
+
+
+class LibvirtPair:
+    """Two instances, `src` and `dst`, under one short temporary root (unix socket
+    paths must stay under 108 bytes).  stop() copies the daemons' logs (libvirtd,
+    QEMU's per-domain logs) into `log_dir`, then removes the root."""
+
+    def __init__(self, log_dir=None, hooks_dir=None):
+        self.root = tempfile.mkdtemp(prefix='hv-lv-')
+        self.log_dir = log_dir
+        self.src = LibvirtHost('src', os.path.join(self.root, 'a'), (49152, 49199), hooks_dir)
+        self.dst = LibvirtHost('dst', os.path.join(self.root, 'b'), (49200, 49249), hooks_dir)
+
+    def __enter__(self):
+        try:
+            self.src.start()
+            self.dst.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def stop(self):
+        self.dst.stop()
+        self.src.stop()
+        if self.log_dir:
+            for host in (self.src, self.dst):
+                dest = os.path.join(self.log_dir, f'libvirt-{host.name}')
+                shutil.copytree(host._dir('log'), dest, dirs_exist_ok=True)
+                if os.path.exists(os.path.join(host.root, 'daemon.log')):
+                    shutil.copy(os.path.join(host.root, 'daemon.log'), dest)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def domain_xml(name, paths, mem_mib=512, redis_port=6379, console_log=None,
+               append='hv.redis=1', qemu_args=(), disks=()):
+    """Domain XML for the test guest under TCG with our QEMU as the emulator.
+
+    libvirt 9.0 cannot express a slirp host forward for virtio-net with our
+    options, so the NIC (and anything else libvirt does not know, such as a
+    hybrid disk) goes through <qemu:commandline>.  `disks` are (path, format)
+    pairs attached as virtio disks vda, vdb, ...
+    """
+    kernel = paths.guest_file('vmlinuz')
+    initrd = paths.guest_file('initrd.img')
+    cmdline = f'console=ttyS0 panic=-1 quiet loglevel=3 {append}'.strip()
+    args = ['-L', '/usr/share/seabios', '-L', '/usr/share/qemu',
+            '-netdev', f'user,id=hn0,hostfwd=tcp:127.0.0.1:{redis_port}-:6379',
+            # A fixed slot, clear of the ones libvirt assigns to its own devices.
+            '-device', 'virtio-net-pci,netdev=hn0,romfile=,bus=pci.0,addr=0x1f', *qemu_args]
+    qargs = '\n'.join(f'    <qemu:arg value={quoteattr(a)}/>' for a in args)
+    disk_xml = '\n'.join(
+        f"""    <disk type='file' device='disk'>
+      <driver name='qemu' type='{fmt}'/>
+      <source file={quoteattr(path)}/>
+      <target dev='vd{chr(ord("a") + i)}' bus='virtio'/>
+    </disk>""" for i, (path, fmt) in enumerate(disks))
+    serial = (f"""    <serial type='file'><source path={quoteattr(console_log)}/></serial>"""
+              if console_log else "    <serial type='pty'/>")
+    return f"""<domain type='qemu' xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'>
+  <name>{escape(name)}</name>
+  <uuid>{uuid.uuid5(uuid.NAMESPACE_URL, 'hybridvm:' + name)}</uuid>
+  <memory unit='MiB'>{mem_mib}</memory>
+  <vcpu>1</vcpu>
+  <os>
+    <type arch='x86_64' machine='pc'>hvm</type>
+    <kernel>{escape(kernel)}</kernel>
+    <initrd>{escape(initrd)}</initrd>
+    <cmdline>{escape(cmdline)}</cmdline>
+  </os>
+  <features><acpi/></features>
+  <clock offset='utc'/>
+  <on_poweroff>destroy</on_poweroff>
+  <on_reboot>destroy</on_reboot>
+  <on_crash>destroy</on_crash>
+  <devices>
+    <emulator>{escape(paths.binary('qemu-system-x86_64'))}</emulator>
+{disk_xml}
+{serial}
+    <memballoon model='virtio'/>
+  </devices>
+  <qemu:commandline>
+{qargs}
+  </qemu:commandline>
+</domain>
+"""
