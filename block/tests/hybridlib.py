@@ -1,0 +1,215 @@
+"""Helpers for the hybrid block format tests: binaries, qemu-img, an
+interactive qemu-io driver and a qemu-storage-daemon with a QMP client."""
+
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD = os.environ.get('HYBRIDVM_BUILD', os.path.join(REPO, 'build'))
+BIN = os.path.join(BUILD, 'bin')
+LONG = os.environ.get('HYBRIDVM_LONG') == '1'
+
+
+def binary(name):
+    path = os.path.join(BIN, name)
+    if not os.access(path, os.X_OK):
+        raise FileNotFoundError(f'{path} not built (set HYBRIDVM_BUILD)')
+    return path
+
+
+def have_binaries():
+    return all(os.access(os.path.join(BIN, n), os.X_OK)
+               for n in ('qemu-img', 'qemu-io', 'qemu-storage-daemon'))
+
+
+def run(*args, check=True, timeout=120):
+    """Run a tool; return CompletedProcess with text output."""
+    p = subprocess.run([str(a) for a in args], capture_output=True, text=True,
+                       timeout=timeout)
+    if p.returncode < 0:
+        raise AssertionError(f'{args[0]} died from signal {-p.returncode}: '
+                             f'{p.stderr}')
+    if check and p.returncode != 0:
+        raise AssertionError(f'{args} failed ({p.returncode}): '
+                             f'{p.stdout}{p.stderr}')
+    return p
+
+
+def qemu_img(*args, **kw):
+    return run(binary('qemu-img'), *args, **kw)
+
+
+def qemu_io(*args, **kw):
+    return run(binary('qemu-io'), *args, **kw)
+
+
+def img_info(path, fmt='hybrid'):
+    return json.loads(qemu_img('info', '--output=json', '-f', fmt, path).stdout)
+
+
+class TempDir:
+    def __init__(self):
+        self.path = tempfile.mkdtemp(prefix='hybrid-test-')
+
+    def __call__(self, name):
+        return os.path.join(self.path, name)
+
+    def cleanup(self):
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+class QemuIo:
+    """qemu-io in interactive mode: one command at a time, waiting for the
+    prompt that says the previous one has completed."""
+
+    PROMPT = b'qemu-io> '
+
+    def __init__(self, image_opts, extra=()):
+        self.proc = subprocess.Popen([binary('qemu-io'), '-t', 'writeback'] +
+                                     list(extra) + ['--image-opts',
+                                                    image_opts],
+                                     stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT)
+        self.buf = b''
+        self._wait_prompt(30)
+
+    def _wait_prompt(self, timeout):
+        deadline = time.monotonic() + timeout
+        while self.PROMPT not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f'qemu-io: no prompt; output {self.buf!r}')
+            r, _, _ = select.select([self.proc.stdout], [], [], left)
+            if r:
+                chunk = os.read(self.proc.stdout.fileno(), 65536)
+                if not chunk:
+                    raise EOFError(f'qemu-io exited: {self.buf!r}')
+                self.buf += chunk
+        out, self.buf = self.buf.split(self.PROMPT, 1)
+        return out.decode(errors='replace')
+
+    def cmd(self, line, timeout=60):
+        self.proc.stdin.write(line.encode() + b'\n')
+        self.proc.stdin.flush()
+        return self._wait_prompt(timeout)
+
+    def send(self, line):
+        """Send without waiting (the command may or may not complete)."""
+        self.proc.stdin.write(line.encode() + b'\n')
+        self.proc.stdin.flush()
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+    def quit(self):
+        try:
+            self.proc.stdin.write(b'quit\n')
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        rc = self.proc.wait(60)
+        self.proc.stdout.close()
+        return rc
+
+
+class StorageDaemon:
+    """qemu-storage-daemon with a QMP socket; events are collected."""
+
+    def __init__(self, tmp, *args):
+        self.sock_path = tmp('qmp.sock')
+        self.log = open(tmp('qsd.log'), 'w+')
+        self.proc = subprocess.Popen(
+            [binary('qemu-storage-daemon'),
+             '--chardev', f'socket,id=qmp,path={self.sock_path},server=on,wait=off',
+             '--monitor', 'chardev=qmp'] + list(args),
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.sock = socket.socket(socket.AF_UNIX)
+                self.sock.connect(self.sock_path)
+                break
+            except OSError:
+                self.sock.close()
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.log.seek(0)
+                    raise RuntimeError('qemu-storage-daemon did not start: ' +
+                                       self.log.read())
+                time.sleep(0.05)
+        self.file = self.sock.makefile('rw')
+        self.events = []
+        self._read()                      # greeting
+        self.qmp('qmp_capabilities')
+
+    def _read(self, timeout=60):
+        self.sock.settimeout(timeout)
+        line = self.file.readline()
+        if not line:
+            raise EOFError('QMP connection closed')
+        return json.loads(line)
+
+    def qmp(self, cmd, **args):
+        """Run a command; return the whole response (error or return)."""
+        self.file.write(json.dumps({'execute': cmd, 'arguments': args}) + '\n')
+        self.file.flush()
+        while True:
+            msg = self._read()
+            if 'event' in msg:
+                self.events.append(msg)
+            else:
+                return msg
+
+    def cmd(self, cmd, **args):
+        r = self.qmp(cmd, **args)
+        if 'error' in r:
+            raise AssertionError(f'{cmd} failed: {r["error"]}')
+        return r['return']
+
+    def wait_event(self, name, timeout=60):
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, e in enumerate(self.events):
+                if e['event'] == name:
+                    return self.events.pop(i)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f'no {name} event')
+            try:
+                msg = self._read(left)
+            except socket.timeout:
+                continue
+            if 'event' in msg:
+                self.events.append(msg)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            try:
+                self.qmp('quit')
+            except (OSError, EOFError, ValueError):
+                pass
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.sock.close()
+        self.log.close()
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.sock.close()
+        self.log.close()
