@@ -51,7 +51,8 @@
 #define HM_VERSION              1
 #define HM_AUX_ENCVER           1
 #define HM_ITEM_OVERHEAD        48      /* dictEntry+robj+sds headers, estimate */
-#define HM_PASS_PAUSE_MS        1000    /* between two full demotion passes */
+#define HM_PASS_PAUSE_MS        1000    /* between two passes that demoted */
+#define HM_IDLE_PASS_PAUSE_MS   5000    /* after a pass with nothing to demote */
 #define HM_MULTI_GRACE_US       (5 * 1000000ULL)
 #define HM_SCAN_PHASE_BIT       (1ULL << 63)
 #define HM_PORT_INBUF           (2 * RESP_MAX_REQ)
@@ -430,8 +431,11 @@ static void demoteSlice(uint64_t deadline) {
         RedisModule_ScanCursorDestroy(hm.cursor);
         hm.cursor = NULL;
         passEnd(ctx);
-        hm.next_pass_us = nowUs() + (hm.threshold == 0 ? 0 : HM_PASS_PAUSE_MS * 1000ULL);
-        if (hm.threshold == 0) hm.next_pass_us = nowUs() + 10000; /* aggressive: 10 ms */
+        /* Everything fits the budget: the pass only refreshes statistics,
+         * so run it rarely. hot-percent 0 (tests) demotes continuously. */
+        uint64_t pause_ms = hm.threshold == HM_BUCKETS ? HM_IDLE_PASS_PAUSE_MS :
+                            hm.threshold == 0 ? 10 : HM_PASS_PAUSE_MS;
+        hm.next_pass_us = nowUs() + pause_ms * 1000ULL;
     }
 }
 
@@ -1321,6 +1325,30 @@ static void onFlush(RedisModuleCtx *ctx, RedisModuleEvent e, uint64_t sub, void 
         arenaDrop(hm.arena, NULL);
 }
 
+/* A pure AOF rewrite (aof-use-rdb-preamble no) writes the keyspace only:
+ * no aux data. The start event runs in the rewriting child (or in-process
+ * for a synchronous rewrite) just before the keyspace is written, so the
+ * cold items are promoted there and the rewritten AOF holds them. In the
+ * child this only touches its copy-on-write copy of the data. */
+static void onPersistence(RedisModuleCtx *ctx, RedisModuleEvent e, uint64_t sub, void *data) {
+    (void)e;
+    (void)data;
+    if (sub != REDISMODULE_SUBEVENT_PERSISTENCE_AOF_START &&
+        sub != REDISMODULE_SUBEVENT_PERSISTENCE_SYNC_AOF_START)
+        return;
+    if (arenaCount(hm.arena) == 0) return;
+    int preamble = 1;
+    RedisModuleCallReply *r = RedisModule_Call(ctx, "CONFIG", "cc", "GET", "aof-use-rdb-preamble");
+    if (r && RedisModule_CallReplyType(r) == REDISMODULE_REPLY_ARRAY &&
+        RedisModule_CallReplyLength(r) == 2) {
+        size_t l;
+        const char *v = RedisModule_CallReplyStringPtr(RedisModule_CallReplyArrayElement(r, 1), &l);
+        preamble = !(l == 2 && strncasecmp(v, "no", 2) == 0);
+    }
+    if (r) RedisModule_FreeCallReply(r);
+    if (!preamble) promoteAll();
+}
+
 static void onShutdown(RedisModuleCtx *ctx, RedisModuleEvent e, uint64_t sub, void *data) {
     (void)ctx;
     (void)e;
@@ -1455,6 +1483,7 @@ int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
         return REDISMODULE_ERR;
     RedisModule_RegisterInfoFunc(ctx, infoFunc);
     RedisModule_SubscribeToServerEvent(ctx, RedisModuleEvent_FlushDB, onFlush);
+    RedisModule_SubscribeToServerEvent(ctx, RedisModuleEvent_Persistence, onPersistence);
     RedisModule_SubscribeToServerEvent(ctx, RedisModuleEvent_Shutdown, onShutdown);
 
     hm.dctx = RedisModule_GetDetachedThreadSafeContext(ctx);

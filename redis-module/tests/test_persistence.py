@@ -105,6 +105,34 @@ class PersistenceTest(ServerTestCase):
         c = s.client()
         self.assertEqual(c.keys('*'), [b'after'])
 
+    def test_aof_rewrite_without_preamble(self):
+        """A pure AOF rewrite (no RDB preamble) holds the cold items too."""
+        s = self.server(configs=aggressive(),
+                        extra=['--appendonly', 'yes', '--aof-use-rdb-preamble', 'no'])
+        c = s.client()
+        want = self.populate(c, n=500)
+        self.wait_for(lambda: c.info('appassist')['appassist_cold_items'] == 500, what='all cold')
+        c.bgrewriteaof()
+        self.wait_for(lambda: c.info('persistence')['aof_rewrite_in_progress'] == 0
+                      and c.info('persistence')['aof_rewrite_scheduled'] == 0, what='rewrite')
+        self.assertEqual(c.info('persistence')['aof_last_bgrewrite_status'], 'ok')
+        # the parent keeps its cold items
+        self.assertEqual(c.info('appassist')['appassist_cold_items'], 500)
+        s.stop()
+        s.start()
+        self.check(s.client(), want)
+
+    def test_aof_rewrite_with_preamble(self):
+        s = self.server(configs=aggressive(), extra=['--appendonly', 'yes'])
+        c = s.client()
+        want = self.populate(c, n=500)
+        c.bgrewriteaof()
+        self.wait_for(lambda: c.info('persistence')['aof_rewrite_in_progress'] == 0
+                      and c.info('persistence')['aof_rewrite_scheduled'] == 0, what='rewrite')
+        s.stop()
+        s.start()
+        self.check(s.client(), want)
+
     def test_replica_full_sync(self):
         """A replica (with the module) gets the cold items in the full sync
         and serves them; the master's writes reach it as plain commands."""
