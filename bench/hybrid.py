@@ -1,0 +1,338 @@
+#!/usr/bin/env python3
+"""Benchmark the hybrid block format against baselines, block layer only.
+
+Every node is exported by one qemu-storage-daemon over an NBD unix socket
+and driven by fio's nbd engine (no guest).  Shapes follow CrystalDiskMark 5:
+4 KiB random read/write at QD32 and 128 KiB sequential read/write at QD32,
+with p50/p99 completion latency.  Writes are run with fio's
+dedupe_percentage 0, 50 and 90 so a dedup device is not flattered by a
+repeated buffer.  Also: restore throughput against dd of the same image
+(both O_DIRECT), and RAM tier bytes for a cloned image with and without
+dedup.
+
+Usage: bench/hybrid.py [--size 512M] [--runtime 5] [--out docs/bench]
+Binaries from $HYBRIDVM_BUILD/bin (default <repo>/build/bin).
+Writes docs/bench/hybrid.md, hybrid.json and hybrid.png.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, 'block', 'tests'))
+import hybridlib as H   # noqa: E402
+
+MiB = 1024 * 1024
+
+
+def parse_size(s):
+    mult = {'K': 1024, 'M': MiB, 'G': 1024 * MiB}
+    return int(s[:-1]) * mult[s[-1].upper()] if s[-1].upper() in mult \
+        else int(s)
+
+
+def sh(*args, **kw):
+    return subprocess.run([str(a) for a in args], check=True,
+                          capture_output=True, text=True, **kw)
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.size = parse_size(args.size)
+        self.disk = tempfile.mkdtemp(prefix='hybrid-bench-',
+                                     dir=args.disk_dir)
+        self.shm = tempfile.mkdtemp(prefix='hybrid-bench-', dir='/dev/shm')
+        self.sock = os.path.join(self.disk, 'nbd.sock')
+        self.results = {'size': self.size, 'runtime': args.runtime,
+                        'nodes': {}, 'restore': {}, 'clone_ram': {}}
+
+    def p(self, name, shm=False):
+        return os.path.join(self.shm if shm else self.disk, name)
+
+    def cleanup(self):
+        shutil.rmtree(self.disk, ignore_errors=True)
+        shutil.rmtree(self.shm, ignore_errors=True)
+
+    # ---- images ----
+
+    def make_images(self):
+        src = self.p('src.raw')
+        # incompressible, non-repeating content: reads move real data
+        with open(src, 'wb') as f:
+            left = self.size
+            while left:
+                n = min(left, 64 * MiB)
+                f.write(os.urandom(n))
+                left -= n
+        img = H.binary('qemu-img')
+        sh(img, 'convert', '-O', 'raw', src, self.p('raw.img'))
+        sh('cp', src, self.p('tmpfs.raw', shm=True))
+        sh(img, 'convert', '-O', 'qcow2', src, self.p('qcow2.img'))
+        for name, o in (('sync', 'mode=sync'), ('async', 'mode=async'),
+                        ('dedup', 'mode=async,dedup=on')):
+            sh(img, 'convert', '-O', 'hybrid', '-o', o, src,
+               self.p(f'{name}.hyb'))
+        return src
+
+    def nodes(self):
+        d = 'cache.direct=on'
+        return [
+            ('hybrid-sync', f'driver=hybrid,node-name=n,mode=sync,'
+             f'file.driver=file,file.filename={self.p("sync.hyb")},'
+             f'file.{d}'),
+            ('hybrid-async', f'driver=hybrid,node-name=n,mode=async,'
+             f'file.driver=file,file.filename={self.p("async.hyb")},'
+             f'file.{d}'),
+            ('hybrid-dedup', f'driver=hybrid,node-name=n,mode=async,'
+             f'dedup=on,file.driver=file,'
+             f'file.filename={self.p("dedup.hyb")},file.{d}'),
+            ('raw-direct', f'driver=raw,node-name=n,file.driver=file,'
+             f'file.filename={self.p("raw.img")},file.{d}'),
+            ('raw-pagecache', f'driver=raw,node-name=n,file.driver=file,'
+             f'file.filename={self.p("raw.img")}'),
+            ('qcow2', f'driver=qcow2,node-name=n,file.driver=file,'
+             f'file.filename={self.p("qcow2.img")}'),
+            ('null-co', f'driver=null-co,node-name=n,read-zeroes=on,'
+             f'size={self.size}'),
+            ('raw-tmpfs', f'driver=raw,node-name=n,file.driver=file,'
+             f'file.filename={self.p("tmpfs.raw", shm=True)}'),
+        ]
+
+    # ---- one node ----
+
+    def start(self, blockdev):
+        tmp = H.TempDir()
+        qsd = H.StorageDaemon(tmp, '--nbd-server',
+                              f'addr.type=unix,addr.path={self.sock}')
+        qsd.tmpdir = tmp
+        opts = dict(kv.split('=', 1) for kv in blockdev.split(','))
+        qsd.cmd('blockdev-add', **to_qapi(opts))
+        return qsd
+
+    def stop(self, qsd):
+        qsd.stop()
+        qsd.tmpdir.cleanup()
+
+    def wait_restore(self, qsd):
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            info = qsd.cmd('query-hybrid')
+            if not info or info[0]['restore-done']:
+                return info[0] if info else None
+            time.sleep(0.2)
+        raise TimeoutError('restore did not finish')
+
+    def fio(self, rw, bs, dedupe=None):
+        uri = f'nbd+unix:///n?socket={self.sock}'
+        cmd = ['fio', '--name=job', '--ioengine=nbd', f'--uri={uri}',
+               f'--rw={rw}', f'--bs={bs}', '--iodepth=32', '--numjobs=1',
+               f'--size={self.size}', f'--runtime={self.args.runtime}',
+               '--time_based', '--ramp_time=1', '--output-format=json',
+               '--randrepeat=0', '--norandommap']
+        if dedupe is not None:
+            cmd += [f'--dedupe_percentage={dedupe}', '--refill_buffers']
+        out = json.loads(sh(*cmd).stdout)
+        job = out['jobs'][0]
+        d = job['read' if 'read' in rw else 'write']
+        pct = d['clat_ns'].get('percentile', {})
+        return {'iops': round(d['iops']), 'MBps': round(d['bw_bytes'] / 1e6, 1),
+                'p50_us': round(pct.get('50.000000', 0) / 1000, 1),
+                'p99_us': round(pct.get('99.000000', 0) / 1000, 1)}
+
+    def run_node(self, name, blockdev):
+        res = {}
+        qsd = self.start(blockdev)
+        try:
+            qsd.cmd('nbd-server-add', device='n', writable=True)
+            if name.startswith('hybrid'):
+                self.wait_restore(qsd)
+            res['randread-4k'] = self.fio('randread', '4k')
+            res['seqread-128k'] = self.fio('read', '128k')
+            for dd in (0, 50, 90):
+                res[f'randwrite-4k-dd{dd}'] = self.fio('randwrite', '4k', dd)
+                res[f'seqwrite-128k-dd{dd}'] = self.fio('write', '128k', dd)
+            if name.startswith('hybrid'):
+                info = qsd.cmd('query-hybrid')[0]
+                res['ram_used'] = info['ram-used']
+                res['dedup_ratio'] = round(info['dedup-ratio'], 2)
+        finally:
+            self.stop(qsd)
+        print(name, json.dumps(res), flush=True)
+        return res
+
+    # ---- restore vs dd, cloned image RAM ----
+
+    def restore(self):
+        img = self.p('sync.hyb')
+        t = time.monotonic()
+        sh('dd', f'if={img}', 'of=/dev/null', 'bs=4M', 'iflag=direct')
+        dd_s = time.monotonic() - t
+        qsd = self.start(f'driver=hybrid,node-name=n,file.driver=file,'
+                         f'file.filename={img},file.cache.direct=on')
+        try:
+            ev = qsd.wait_event('HYBRID_RESTORE_COMPLETED', 600)
+        finally:
+            self.stop(qsd)
+        size = os.path.getsize(img)
+        r = {'dd_MBps': round(size / dd_s / 1e6, 1),
+             'restore_MBps': round(ev['data']['bytes'] /
+                                   max(ev['data']['duration-ms'], 1) / 1e3, 1)}
+        r['ratio'] = round(r['restore_MBps'] / r['dd_MBps'], 2)
+        self.results['restore'] = r
+        print('restore', r, flush=True)
+
+    def clone_ram(self, base):
+        """An image holding a base image and a clone of it."""
+        img = H.binary('qemu-img')
+        base_size = os.path.getsize(base)
+        clone = self.p('clone.hyb')
+        sh(img, 'create', '-q', '-f', 'hybrid', clone, str(2 * base_size))
+        o = f'driver=hybrid,file.driver=file,file.filename={clone}'
+        for off in (0, base_size):
+            sh(H.binary('qemu-io'), '-t', 'writeback', '--image-opts', o,
+               '-c', f'write -s {base} {off} {base_size}')
+        for dedup in ('off', 'on'):
+            qsd = self.start(f'driver=hybrid,node-name=n,dedup={dedup},'
+                             f'file.driver=file,file.filename={clone}')
+            try:
+                info = self.wait_restore(qsd)
+            finally:
+                self.stop(qsd)
+            self.results['clone_ram'][f'dedup-{dedup}'] = {
+                'virtual': 2 * base_size, 'ram_used': info['ram-used'],
+                'metadata': info['metadata-bytes'],
+                'metadata_per_block': round(info['metadata-per-block'], 1),
+                'dedup_ratio': round(info['dedup-ratio'], 2)}
+        print('clone', self.results['clone_ram'], flush=True)
+
+    # ---- report ----
+
+    def report(self):
+        out = self.args.out
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, 'hybrid.json'), 'w') as f:
+            json.dump(self.results, f, indent=1)
+        n = self.results['nodes']
+        cols = ['randread-4k', 'seqread-128k'] + \
+            [f'{s}-dd{d}' for d in (0, 50, 90)
+             for s in ('randwrite-4k', 'seqwrite-128k')]
+        lines = [f'# hybrid benchmark ({time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})',
+                 '',
+                 f'Measured by `bench/hybrid.py`: qemu-storage-daemon, NBD unix '
+                 f'socket, fio nbd engine, QD32, {self.args.runtime} s per '
+                 f'job, {self.size // MiB} MiB images of random data, '
+                 f'2 shared cores (Debian 12, TCG host).  IOPS, MB/s, '
+                 f'p50/p99 completion latency in µs.  `ddN` = fio '
+                 f'`dedupe_percentage=N`.', '']
+        for c in cols:
+            lines += [f'## {c}', '', '| node | IOPS | MB/s | p50 µs | p99 µs |',
+                      '|---|---:|---:|---:|---:|']
+            for name, r in n.items():
+                x = r[c]
+                lines.append(f'| {name} | {x["iops"]} | {x["MBps"]} | '
+                             f'{x["p50_us"]} | {x["p99_us"]} |')
+            lines.append('')
+        t = n.get('raw-tmpfs', {})
+        dct = n.get('raw-direct', {})
+
+        def ratio(a, b, col):
+            try:
+                return round(n[a][col]['iops'] / b[col]['iops'], 2)
+            except (KeyError, ZeroDivisionError):
+                return None
+        lines += ['## Targets', '', '| target | measured | goal |',
+                  '|---|---:|---:|',
+                  f'| hybrid-async random read / raw-tmpfs | '
+                  f'{ratio("hybrid-async", t, "randread-4k")} | ≥ 0.8 |',
+                  f'| hybrid-async random write / raw-tmpfs (dd0) | '
+                  f'{ratio("hybrid-async", t, "randwrite-4k-dd0")} | ≥ 0.7 |',
+                  f'| hybrid-sync random write / raw-direct (dd0) | '
+                  f'{ratio("hybrid-sync", dct, "randwrite-4k-dd0")} | ≥ 0.9 |',
+                  f'| restore / dd (O_DIRECT, 4 MiB) | '
+                  f'{self.results["restore"].get("ratio")} | ≥ 0.8 |', '']
+        r = self.results['restore']
+        lines += ['## Restore', '',
+                  f'restore {r.get("restore_MBps")} MB/s, dd {r.get("dd_MBps")} MB/s', '']
+        lines += ['## RAM tier for a cloned image (base + identical clone)', '',
+                  '| dedup | virtual bytes | RAM used | metadata | metadata/block | dedup ratio |',
+                  '|---|---:|---:|---:|---:|---:|']
+        for k, v in self.results['clone_ram'].items():
+            lines.append(f'| {k} | {v["virtual"]} | {v["ram_used"]} | '
+                         f'{v["metadata"]} | {v["metadata_per_block"]} | '
+                         f'{v["dedup_ratio"]} |')
+        with open(os.path.join(out, 'hybrid.md'), 'w') as f:
+            f.write('\n'.join(lines) + '\n')
+        self.chart(os.path.join(out, 'hybrid.png'), cols)
+
+    def chart(self, path, cols):
+        try:
+            import matplotlib
+            matplotlib.use('Agg')
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print('matplotlib missing: no chart', file=sys.stderr)
+            return
+        n = self.results['nodes']
+        names = list(n)
+        fig, axes = plt.subplots(2, 4, figsize=(18, 8))
+        for ax, c in zip(axes.flat, cols):
+            vals = [n[k][c]['iops'] for k in names]
+            ax.barh(names, vals, color=['tab:red' if k.startswith('hybrid')
+                                        else 'tab:gray' for k in names])
+            ax.set_title(c)
+            ax.set_xlabel('IOPS')
+            ax.tick_params(axis='y', labelsize=8)
+        fig.suptitle('hybrid vs baselines (fio nbd, QD32)')
+        fig.tight_layout()
+        fig.savefig(path, dpi=80)
+
+
+def to_qapi(opts):
+    """Flat dotted key=value -> nested dict with typed leaves."""
+    root = {}
+    for k, v in opts.items():
+        cur = root
+        parts = k.split('.')
+        for p in parts[:-1]:
+            cur = cur.setdefault(p, {})
+        if v in ('on', 'off'):
+            v = v == 'on'
+        elif v.isdigit():
+            v = int(v)
+        cur[parts[-1]] = v
+    return root
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument('--size', default='512M')
+    ap.add_argument('--runtime', type=int, default=5)
+    ap.add_argument('--out', default=os.path.join(REPO, 'docs', 'bench'))
+    ap.add_argument('--disk-dir', default=os.path.join(REPO, 'build'))
+    ap.add_argument('--only', default='')
+    args = ap.parse_args()
+    b = Bench(args)
+    try:
+        src = b.make_images()
+        for name, bd in b.nodes():
+            if args.only and name not in args.only.split(','):
+                continue
+            b.results['nodes'][name] = b.run_node(name, bd)
+        b.restore()
+        # "an OS image and its clone": the guest root file system if built
+        rootfs = os.path.join(H.BUILD, 'guest', 'rootfs.ext4')
+        b.clone_ram(rootfs if os.path.exists(rootfs) else src)
+        b.report()
+    finally:
+        b.cleanup()
+
+
+if __name__ == '__main__':
+    main()
