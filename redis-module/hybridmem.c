@@ -58,6 +58,8 @@
 #define HM_PORT_INBUF           (2 * RESP_MAX_REQ)
 #define HM_PORT_OUTBUF          (64 * 1024)
 #define HM_BUCKETS              64
+#define HM_SWEEP_ITEMS          1024    /* arena items checked per slice */
+#define HM_SWEEP_PAUSE_MS       1000    /* between two full expiry sweeps */
 
 #define DEFAULT_PORT_PATH       "/dev/virtio-ports/org.qemu.app-assist.0"
 #define DEFAULT_SPILL_PATH      "appassist.spill"
@@ -111,6 +113,7 @@ static struct {
 
     /* expiry sweep of the arena */
     uint64_t sweep_cursor;
+    uint64_t next_sweep_us;
 
     /* statistics */
     long long demotions, promotions, expired_promotions, demote_errors;
@@ -388,6 +391,10 @@ static void passEnd(RedisModuleCtx *ctx) {
         if (sum + hm.pass_bytes[b] > (uint64_t)budget) { thr = b; break; }
         sum += hm.pass_bytes[b];
     }
+    /* Items used within the last LRU clock tick (bucket 0) stay hot unless
+     * the budget is zero: demoting what is being read right now would only
+     * make it bounce back. */
+    if (thr == 0) thr = 1;
     if (budget <= 0) thr = 0;
     hm.threshold = thr;
     for (int b = 0; b < HM_BUCKETS; b++) items += hm.pass_bytes[b] ? 1 : 0;
@@ -440,7 +447,10 @@ static void demoteSlice(uint64_t deadline) {
 }
 
 /* Expired cold items are promoted (Redis then expires them with the stock
- * notification and propagation). Walks the arena a bounded step at a time. */
+ * notification and propagation). Walks the arena at most HM_SWEEP_ITEMS
+ * items per slice, one full cycle per HM_SWEEP_PAUSE_MS at most: like
+ * Redis's active expire cycle it bounds when an expired item is reclaimed,
+ * not whether a command sees it (an access promotes and expires at once). */
 static void expiredCb(void *priv, const ColdItem *it) {
     long long now = *(long long *)((void **)priv)[1];
     if (it->expire != ARENA_NO_EXPIRE && it->expire <= now)
@@ -449,8 +459,11 @@ static void expiredCb(void *priv, const ColdItem *it) {
 
 static void sweepSlice(uint64_t deadline) {
     if (arenaCount(hm.arena) == 0 || arenaHasSpilled(hm.arena)) return;
+    if (hm.sweep_cursor == 0 && nowUs() < hm.next_sweep_us) return;
     long long now = nowMs();
-    while (nowUs() < deadline) {
+    unsigned budget = HM_SWEEP_ITEMS;
+    while (budget && nowUs() < deadline) {
+        budget = budget > 256 ? budget - 256 : 0;
         KeyList l = {0};
         void *priv[2] = {&l, &now};
         hm.sweep_cursor = arenaIterate(hm.arena, hm.sweep_cursor, 256, expiredCb, priv);
@@ -465,6 +478,7 @@ static void sweepSlice(uint64_t deadline) {
         RedisModule_Free(l.v);
         if (hm.sweep_cursor == 0 || hm.sweep_cursor == UINT64_MAX) {
             hm.sweep_cursor = 0;
+            hm.next_sweep_us = nowUs() + HM_SWEEP_PAUSE_MS * 1000ULL;
             break;
         }
     }

@@ -26,7 +26,7 @@ class PersistenceTest(ServerTestCase):
             else:
                 c.set(k, v)
             want[k] = v
-        self.wait_for(lambda: c.info('appassist')['appassist_cold_items'] >= n * 0.9,
+        self.wait_for(lambda: c.info('appassist')['appassist_cold_items'] == n,
                       what='demotion')
         return want
 

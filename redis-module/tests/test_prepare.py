@@ -49,8 +49,10 @@ class PrepareTest(ServerTestCase):
         c = s.client()
         fill(c, 3000, 1)
         self.demote_all(c, 3000)
+        c.config_set('appassist.demote', 'no')
         c.set('hot', 'h')
         rep = asmap(c.execute_command('APPASSIST.PREPARE', 5000))
+        c.config_set('appassist.demote', 'yes')
         for f in (b'freed_bytes', b'items', b'used_memory', b'rss', b'time_us', b'policy'):
             self.assertIn(f, rep)
         self.assertEqual(rep[b'items'], 3000)
@@ -60,7 +62,8 @@ class PrepareTest(ServerTestCase):
         self.assertIsNone(c.get('k1'))
         self.assertEqual(c.dbsize(), 1)
         time.sleep(0.1)
-        self.assertEqual(c.get('hot'), b'h')     # not demoted while prepared
+        self.assertEqual(c.execute_command('APPASSIST.ISCOLD', 'hot'), 0)  # paused
+        self.assertEqual(c.get('hot'), b'h')
         info = c.info('appassist')
         self.assertEqual(info['appassist_state'], 'prepared')
         self.assertEqual(info['appassist_last_prepare_items'], 3000)
