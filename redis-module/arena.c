@@ -10,15 +10,16 @@
 #include <time.h>
 #include <unistd.h>
 
-#define SLOT_EMPTY      UINT32_MAX
-#define SLOT_TOMB       (UINT32_MAX - 1)
+#define SLOT_FREE       0u              /* never used: fresh mmap pages are zero */
+#define SLOT_DEAD       UINT32_MAX      /* tombstone */
+#define NO_CHUNK        UINT32_MAX
 #define MAX_CHUNKS      (UINT32_MAX - 2)
 #define MIN_SLOTS       1024u
 #define REHASH_STEP     64u     /* slots moved per insert/delete while rehashing */
 
 typedef struct Slot {
     uint32_t hash;      /* low 32 bits of the key hash */
-    uint32_t chunk;     /* SLOT_EMPTY, SLOT_TOMB or a chunk id */
+    uint32_t chunk;     /* SLOT_FREE, SLOT_DEAD or chunk id + 1 */
     uint32_t off;
 } Slot;
 
@@ -47,7 +48,7 @@ struct ColdArena {
 
     Chunk *chunks;              /* malloc'd table of chunk descriptors */
     uint32_t nchunks;           /* ids in use or free */
-    uint32_t cur;               /* chunk being appended to, SLOT_EMPTY: none */
+    uint32_t cur;               /* chunk being appended to, NO_CHUNK: none */
     uint32_t *free_ids;
     uint32_t nfree;
 
@@ -117,8 +118,8 @@ static int tableInit(Table *t, uint64_t cap) {
     size_t len = pageRound(cap * sizeof(Slot));
     Slot *s = mapBytes(len);
     if (!s) return -1;
-    /* SLOT_EMPTY is all ones: one memset marks every slot empty. */
-    memset(s, 0xff, cap * sizeof(Slot));
+    /* SLOT_FREE is 0: a fresh anonymous mapping is an empty table, no
+     * page is touched until used (a 16M-slot table costs no memset). */
     t->slots = s;
     t->cap = cap;
     t->used = t->tombs = 0;
@@ -168,16 +169,16 @@ static void chunkRelease(ColdArena *a, uint32_t id) {
     Chunk *c = &a->chunks[id];
     if (c->mem) munmap(c->mem, c->cap);
     if (c->spilled) a->nspilled--;
-    if (a->iter_buf_chunk == id) a->iter_buf_chunk = SLOT_EMPTY;
+    if (a->iter_buf_chunk == id) a->iter_buf_chunk = NO_CHUNK;
     memset(c, 0, sizeof(*c));
-    if (a->cur == id) a->cur = SLOT_EMPTY;
+    if (a->cur == id) a->cur = NO_CHUNK;
     a->free_ids[a->nfree++] = id;
 }
 
 /* Return a chunk id with room for 'need' bytes, mapping a new chunk if the
- * current one is full. SLOT_EMPTY on failure (errno set). */
+ * current one is full. NO_CHUNK on failure (errno set). */
 static uint32_t chunkFor(ColdArena *a, size_t need) {
-    if (a->cur != SLOT_EMPTY) {
+    if (a->cur != NO_CHUNK) {
         Chunk *c = &a->chunks[a->cur];
         if ((size_t)c->cap - c->used >= need) return a->cur;
     }
@@ -186,16 +187,16 @@ static uint32_t chunkFor(ColdArena *a, size_t need) {
     if (a->nfree) {
         id = a->free_ids[--a->nfree];
     } else {
-        if (a->nchunks == MAX_CHUNKS) { errno = ENOMEM; return SLOT_EMPTY; }
+        if (a->nchunks == MAX_CHUNKS) { errno = ENOMEM; return NO_CHUNK; }
         uint32_t n = a->nchunks + 1;
         if ((n & (n - 1)) == 0 || a->nchunks == 0) {
             /* grow the descriptor tables at powers of two */
             uint32_t ncap = n < 16 ? 16 : n * 2;
             Chunk *nc = realloc(a->chunks, (size_t)ncap * sizeof(Chunk));
-            if (!nc) { errno = ENOMEM; return SLOT_EMPTY; }
+            if (!nc) { errno = ENOMEM; return NO_CHUNK; }
             a->chunks = nc;
             uint32_t *nf = realloc(a->free_ids, (size_t)ncap * sizeof(uint32_t));
-            if (!nf) { errno = ENOMEM; return SLOT_EMPTY; }
+            if (!nf) { errno = ENOMEM; return NO_CHUNK; }
             a->free_ids = nf;
         }
         id = a->nchunks++;
@@ -206,7 +207,7 @@ static uint32_t chunkFor(ColdArena *a, size_t need) {
     if (!c->mem) {
         a->free_ids[a->nfree++] = id;
         errno = ENOMEM;
-        return SLOT_EMPTY;
+        return NO_CHUNK;
     }
     c->cap = (uint32_t)cap;
     a->cur = id;
@@ -287,22 +288,23 @@ static uint64_t tableFind(ColdArena *a, Table *t, uint64_t h,
     uint64_t mask = t->cap - 1;
     for (uint64_t i = h & mask, n = 0; n < t->cap; i = (i + 1) & mask, n++) {
         Slot *s = &t->slots[i];
-        if (s->chunk == SLOT_EMPTY) return UINT64_MAX;
-        if (s->chunk == SLOT_TOMB || s->hash != (uint32_t)h) continue;
-        int eq = keyAt(a, s->chunk, s->off, key, klen);
+        if (s->chunk == SLOT_FREE) return UINT64_MAX;
+        if (s->chunk == SLOT_DEAD || s->hash != (uint32_t)h) continue;
+        int eq = keyAt(a, s->chunk - 1, s->off, key, klen);
         if (eq < 0) { *err = 1; return UINT64_MAX; }
         if (eq) return i;
     }
     return UINT64_MAX;
 }
 
-/* Place a slot into t (which has room: fill < cap). */
+/* Place a slot into t (which has room: fill < cap); 'chunk' is the stored
+ * form, chunk id + 1. */
 static void tablePut(Table *t, uint64_t h, uint32_t chunk, uint32_t off) {
     uint64_t mask = t->cap - 1;
     uint64_t i = h & mask;
-    while (t->slots[i].chunk != SLOT_EMPTY && t->slots[i].chunk != SLOT_TOMB)
+    while (t->slots[i].chunk != SLOT_FREE && t->slots[i].chunk != SLOT_DEAD)
         i = (i + 1) & mask;
-    if (t->slots[i].chunk == SLOT_TOMB) t->tombs--;
+    if (t->slots[i].chunk == SLOT_DEAD) t->tombs--;
     t->slots[i] = (Slot){(uint32_t)h, chunk, off};
     t->used++;
 }
@@ -317,10 +319,10 @@ int arenaRehashStep(ColdArena *a, unsigned slots) {
     Table *o = &a->ht[0], *n = &a->ht[1];
     while (slots-- && a->rehashidx < o->cap) {
         Slot *s = &o->slots[a->rehashidx++];
-        if (s->chunk == SLOT_EMPTY || s->chunk == SLOT_TOMB) continue;
+        if (s->chunk == SLOT_FREE || s->chunk == SLOT_DEAD) continue;
         tablePut(n, s->hash, s->chunk, s->off);
         /* A tombstone keeps later probe chains in ht[0] intact. */
-        s->chunk = SLOT_TOMB;
+        s->chunk = SLOT_DEAD;
         o->used--;
         o->tombs++;
     }
@@ -375,7 +377,7 @@ int arenaLookup(ColdArena *a, const char *key, size_t klen, ColdRef *ref) {
     Table *t;
     uint64_t s;
     int r = findSlot(a, key, klen, &t, &s);
-    if (r == 1) *ref = (ColdRef){t->slots[s].chunk, t->slots[s].off};
+    if (r == 1) *ref = (ColdRef){t->slots[s].chunk - 1, t->slots[s].off};
     return r;
 }
 
@@ -387,7 +389,7 @@ int arenaInsert(ColdArena *a, const char *key, size_t klen,
     if (maybeGrow(a) < 0) return -1;
     size_t need = ARENA_ITEM_HDR + klen + vlen;
     uint32_t id = chunkFor(a, need);
-    if (id == SLOT_EMPTY) return -1;
+    if (id == NO_CHUNK) return -1;
     Chunk *c = &a->chunks[id];
     char *p = c->mem + c->used;
     uint32_t kl = (uint32_t)klen, vl = (uint32_t)vlen;
@@ -397,7 +399,7 @@ int arenaInsert(ColdArena *a, const char *key, size_t klen,
     memcpy(p + ARENA_ITEM_HDR, key, klen);
     if (vlen) memcpy(p + ARENA_ITEM_HDR + klen, val, vlen);
     uint64_t h = hashKey(a->seed, key, klen);
-    tablePut(&a->ht[a->rehashing], h, id, c->used);
+    tablePut(&a->ht[a->rehashing], h, id + 1, c->used);
     c->used += (uint32_t)need;
     c->live_items++;
     c->live_bytes += need;
@@ -412,7 +414,7 @@ int arenaDelete(ColdArena *a, const char *key, size_t klen) {
     int r = findSlot(a, key, klen, &t, &s);
     if (r != 1) return r;
     Slot *sl = &t->slots[s];
-    uint32_t id = sl->chunk;
+    uint32_t id = sl->chunk - 1;
     ColdItem it;
     /* The header gives the item size; in memory this is a memcpy. */
     uint64_t size = 0;
@@ -428,7 +430,7 @@ int arenaDelete(ColdArena *a, const char *key, size_t klen) {
     } else {
         return -1;
     }
-    sl->chunk = SLOT_TOMB;
+    sl->chunk = SLOT_DEAD;
     t->used--;
     t->tombs++;
     c->live_items--;
@@ -446,9 +448,9 @@ ColdArena *arenaCreate(uint64_t seed) {
     ColdArena *a = calloc(1, sizeof(*a));
     if (!a) return NULL;
     a->seed = seed;
-    a->cur = SLOT_EMPTY;
+    a->cur = NO_CHUNK;
     a->spill_fd = -1;
-    a->iter_buf_chunk = SLOT_EMPTY;
+    a->iter_buf_chunk = NO_CHUNK;
     return a;
 }
 
@@ -483,9 +485,9 @@ uint64_t arenaDrop(ColdArena *a, uint64_t *items) {
     uint64_t seed = a->seed;
     memset(a, 0, sizeof(*a));
     a->seed = seed;
-    a->cur = SLOT_EMPTY;
+    a->cur = NO_CHUNK;
     a->spill_fd = -1;
-    a->iter_buf_chunk = SLOT_EMPTY;
+    a->iter_buf_chunk = NO_CHUNK;
     return freed;
 }
 
@@ -561,9 +563,9 @@ int64_t arenaSpill(ColdArena *a, const char *path, uint64_t deadline_us,
         c->mem = NULL;
         c->spilled = 1;
         a->nspilled++;
-        if (a->iter_buf_chunk == i) a->iter_buf_chunk = SLOT_EMPTY;
+        if (a->iter_buf_chunk == i) a->iter_buf_chunk = NO_CHUNK;
     }
-    a->cur = SLOT_EMPTY;
+    a->cur = NO_CHUNK;
     *done = 1;
     for (uint32_t i = 0; i < a->nchunks; i++)
         if (a->chunks[i].mem) { *done = 0; break; }
@@ -610,7 +612,7 @@ uint64_t arenaIterate(ColdArena *a, uint64_t cursor, unsigned max,
                 if (!b) return UINT64_MAX;
                 a->iter_buf = b;
                 if (readFull(a->spill_fd, b, c->used, c->file_off) < 0) {
-                    a->iter_buf_chunk = SLOT_EMPTY;
+                    a->iter_buf_chunk = NO_CHUNK;
                     return UINT64_MAX;
                 }
                 a->iter_buf_chunk = id;
