@@ -18,6 +18,7 @@ Usage: build/venv/bin/python bench/redis-module.py [--quick] [--cold 1000000,500
 import argparse
 import csv
 import io
+import json
 import os
 import random
 import shutil
@@ -34,6 +35,7 @@ TOP = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 MODULE = os.path.join(TOP, 'build', 'redis-module', 'hybridmem.so')
 OUT_MD = os.path.join(TOP, 'docs', 'bench', 'redis-module.md')
 OUT_PNG = os.path.join(TOP, 'docs', 'bench', 'redis-module.png')
+OUT_JSON = os.path.join(TOP, 'docs', 'bench', 'redis-module.json')
 ALPHA = b'0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ'
 
 
@@ -244,7 +246,7 @@ def mib(b):
     return '%.1f' % (b / 2**20)
 
 
-def write(tp, setups, cold, promos, n, keyspace, prep, cpu):
+def write(tp, setups, cold, promos, n, keyspace, prep, cpu, loadavg):
     os.makedirs(os.path.dirname(OUT_MD), exist_ok=True)
     L = []
     L.append('# Redis module benchmark (bench/redis-module.py)')
@@ -262,7 +264,7 @@ def write(tp, setups, cold, promos, n, keyspace, prep, cpu):
         L.append('Targets: >= 0.9x stock throughput, p99 <= 1.1x stock. The machine is shared '
                  '(load average %s while measuring): wall-clock rps and p99 are noisy; the '
                  'server CPU time per request (utime+stime of redis-server / requests) is the '
-                 'steadier figure.' % open('/proc/loadavg').read().split()[0])
+                 'steadier figure.' % loadavg)
         L.append('')
         L.append('| test | pipeline | setup | rps | x stock | p99 ms | x stock | server CPU us/req | x stock |')
         L.append('|---|---|---|---|---|---|---|---|---|')
@@ -362,16 +364,32 @@ def main():
     sizes = [int(x) for x in (a.cold or ('100000,300000' if a.quick else '1000000,5000000')).split(',')]
     cpu = '%d cores' % os.cpu_count()
     workdir = tempfile.mkdtemp(prefix='hmbench-')
+    # A partial run (--no-throughput / --no-prepare) keeps the other part's
+    # last measured results from the JSON file next to the table.
+    saved = {}
+    if os.path.exists(OUT_JSON):
+        with open(OUT_JSON) as f:
+            saved = json.load(f)
     try:
-        tp = setups = cold = promos = n = keyspace = None
         if not a.no_throughput:
             tp, setups, cold, promos, n, keyspace = throughput(workdir, a.quick)
-        prep = []
+            saved['throughput'] = {'table': [[k[0], k[1], k[2]] + list(v) for k, v in tp.items()],
+                                   'setups': setups, 'cold': cold, 'promos': promos,
+                                   'n': n, 'keyspace': keyspace,
+                                   'loadavg': open('/proc/loadavg').read().split()[0]}
         if not a.no_prepare:
+            prep = []
             for c in sizes:
                 prep.append(prepare_vs_design(workdir, c))
                 print(prep[-1], flush=True)
-        write(tp, setups, cold, promos, n, keyspace, prep, cpu)
+            saved['prepare'] = prep
+        os.makedirs(os.path.dirname(OUT_JSON), exist_ok=True)
+        with open(OUT_JSON, 'w') as f:
+            json.dump(saved, f, indent=1)
+        t = saved.get('throughput')
+        tp = {(r[0], r[1], r[2]): tuple(r[3:]) for r in t['table']} if t else None
+        write(tp, t and t['setups'], t and t['cold'], t and t['promos'], t and t['n'],
+              t and t['keyspace'], saved.get('prepare', []), cpu, t and t['loadavg'])
         print(open(OUT_MD).read())
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -90,6 +90,10 @@ class Generator:
             (1, lambda: ('LLEN', [r.choice([k, 'list0'])])),
             (1, lambda: ('STRLEN', ['list0'])),
             (1, lambda: ('OBJECT', ['FREQ', 'nosuchkey'])),
+            (1, lambda: ('EVAL', ["return redis.call('GET', KEYS[1])", 1, k])),
+            (1, lambda: ('EVAL', ["return redis.call('INCR', KEYS[1])", 1, k])),
+            (1, lambda: ('EVAL', ["return redis.call('STRLEN', ARGV[1])", 0, k])),  # undeclared key
+            (1, lambda: ('TX', [k, key(r), value(r)])),
         ]
         if r.random() < 0.004:
             return (r.choice(['FLUSHDB', 'FLUSHALL']), [])
@@ -112,6 +116,15 @@ def run(client, name, args):
                 seen.update(ks)
                 if int(cur) == 0:
                     return ('scan', sorted(seen))
+        if name == 'TX':
+            k1, k2, v = args
+            p = client.pipeline(transaction=True)
+            p.get(k1)
+            p.append(k2, v)
+            p.get(k2)
+            p.ttl(k1)
+            return ('ok', [('err', str(x)) if isinstance(x, Exception) else x
+                           for x in p.execute(raise_on_error=False)])
         return ('ok', client.execute_command(name, *args))
     except redis.ResponseError as e:
         return ('err', str(e))
