@@ -209,6 +209,23 @@ class PrepareTest(ServerTestCase):
         self.assertEqual(pipe.execute(), [str(i).encode() for i in range(50)])
         self.assertHealthy(s)
 
+    def test_memory_usage_and_object_of_cold_key(self):
+        """MEMORY USAGE / OBJECT on a cold key answer like for a hot key
+        (the key is promoted first); the stock figure is matched within
+        the encoding difference documented in docs/redis-module.md."""
+        stock = self.server('stock', module=False)
+        s = self.server(configs=aggressive())
+        c, sc = s.client(), stock.client()
+        c.set('mu', 'x' * 500)
+        sc.set('mu', 'x' * 500)
+        self.wait_for(lambda: c.execute_command('APPASSIST.ISCOLD', 'mu'), what='demotion')
+        got = c.memory_usage('mu')
+        want = sc.memory_usage('mu')
+        self.assertIsNotNone(got)
+        self.assertLessEqual(abs(got - want), 16)
+        self.assertEqual(c.object('encoding', 'mu'), sc.object('encoding', 'mu'))
+        self.assertIsNone(c.memory_usage('nosuchkey'))
+
     def test_other_db_untouched(self):
         """Only db 0 is managed; keys in db 1 stay hot and correct."""
         s = self.server(configs=aggressive())
