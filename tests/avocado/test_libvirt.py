@@ -1,8 +1,12 @@
 """Our QEMU driven by libvirt: two private libvirtd instances, virsh migrate."""
 import os
 import random
+import shutil
 
 from hvtest import HybridVMTest
+
+
+HOOK = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..', 'libvirt-hooks', 'qemu')
 
 
 class VirshPostcopy(HybridVMTest):
@@ -14,40 +18,59 @@ class VirshPostcopy(HybridVMTest):
         if reason:
             self.cancel(reason)
 
+    def hooks_dir(self, reserve):
+        """A hooks directory for a libvirtd instance: our hook and its config."""
+        d = os.path.join(self.workdir, f'hooks-{reserve}')
+        os.makedirs(d)
+        shutil.copy(HOOK, os.path.join(d, 'qemu'))
+        with open(os.path.join(d, 'hybridvm.conf'), 'w') as f:
+            f.write(f'[memory]\nreserve = {reserve}\n')
+        return d
+
+    def start_loaded_guest(self, pair, count=5000):
+        """Define and start the Redis guest on pair.src, load `count` values;
+        return (values, src port, destination XML path, dst port)."""
+        import hvlib
+        from hvlib.libvirt import domain_xml
+        src_port, dst_port = hvlib.free_port(), hvlib.free_port()
+        src_xml = os.path.join(pair.root, 'src.xml')
+        dst_xml = os.path.join(pair.root, 'dst.xml')
+        with open(src_xml, 'w') as f:
+            f.write(domain_xml('hvguest', self.paths, redis_port=src_port,
+                               console_log=os.path.join(self.logdir, 'src-console.log')))
+        # Same guest, destination-host specifics (its own forwarded port).
+        with open(dst_xml, 'w') as f:
+            f.write(domain_xml('hvguest', self.paths, redis_port=dst_port,
+                               console_log=os.path.join(self.logdir, 'dst-console.log')))
+        pair.src.virsh('define', src_xml)
+        pair.src.virsh('start', 'hvguest')
+        r = hvlib.redis_client(src_port, timeout=120, name='src')
+        rng = random.Random(6)
+        data = {f'k{i}': rng.randbytes(512) for i in range(count)}
+        pipe = r.pipeline(transaction=False)
+        for k, v in data.items():
+            pipe.set(k, v)
+        pipe.execute()
+        r.close()
+        return data, src_port, dst_xml, dst_port
+
+    def migrate_args(self, pair, dst_xml):
+        import hvlib
+        return ('migrate', '--live', '--postcopy', '--postcopy-after-precopy',
+                '--xml', dst_xml, 'hvguest', pair.dst.uri,
+                '--migrateuri', f'tcp://127.0.0.1:{hvlib.free_port()}',
+                '--listen-address', '127.0.0.1')
+
     def test_virsh_migrate_postcopy(self):
         """define + start the Redis guest on one libvirtd, `virsh migrate --live
         --postcopy --postcopy-after-precopy` to a second one: the domain runs
         there, the source no longer has it running, and every value reads back."""
         import hvlib
-        from hvlib.libvirt import LibvirtPair, domain_xml
+        from hvlib.libvirt import LibvirtPair
 
-        with LibvirtPair(log_dir=self.logdir) as pair:
-            src_port, dst_port = hvlib.free_port(), hvlib.free_port()
-            src_xml = os.path.join(pair.root, 'src.xml')
-            dst_xml = os.path.join(pair.root, 'dst.xml')
-            with open(src_xml, 'w') as f:
-                f.write(domain_xml('hvguest', self.paths, redis_port=src_port,
-                                   console_log=os.path.join(self.logdir, 'src-console.log')))
-            # Same guest, destination-host specifics (its own forwarded port).
-            with open(dst_xml, 'w') as f:
-                f.write(domain_xml('hvguest', self.paths, redis_port=dst_port,
-                                   console_log=os.path.join(self.logdir, 'dst-console.log')))
-            pair.src.virsh('define', src_xml)
-            pair.src.virsh('start', 'hvguest')
-
-            r = hvlib.redis_client(src_port, timeout=120, name='src')
-            rng = random.Random(6)
-            data = {f'k{i}': rng.randbytes(512) for i in range(5000)}
-            pipe = r.pipeline(transaction=False)
-            for k, v in data.items():
-                pipe.set(k, v)
-            pipe.execute()
-            r.close()
-
-            pair.src.virsh('migrate', '--live', '--postcopy', '--postcopy-after-precopy',
-                           '--xml', dst_xml, 'hvguest', pair.dst.uri,
-                           '--migrateuri', f'tcp://127.0.0.1:{hvlib.free_port()}',
-                           '--listen-address', '127.0.0.1', timeout=600)
+        with LibvirtPair(log_dir=self.logdir, hooks_dir=self.hooks_dir('64M')) as pair:
+            data, _, dst_xml, dst_port = self.start_loaded_guest(pair)
+            pair.src.virsh(*self.migrate_args(pair, dst_xml), timeout=600)
 
             self.assertEqual(pair.dst.virsh('domstate', 'hvguest').stdout.strip(), 'running')
             self.assertNotEqual(pair.src.virsh('domstate', 'hvguest', check=False).stdout.strip(),
@@ -61,3 +84,24 @@ class VirshPostcopy(HybridVMTest):
             for i in range(0, len(keys), 1000):
                 chunk = keys[i:i + 1000]
                 self.assertEqual(r.mget(chunk), [data[k] for k in chunk])
+
+        # The destination's hook admitted the incoming guest (its log is kept).
+        with open(os.path.join(self.logdir, 'libvirt-dst', 'hybridvm-hook.log')) as f:
+            self.assertIn('hvguest: migrate: admitted (guest 512 MiB)', f.read())
+
+    def test_hook_refuses_migration_that_cannot_fit(self):
+        """The destination's hook refuses an incoming migration when guest RAM
+        plus the configured reserve exceeds the host's memory: `virsh migrate`
+        fails with the hook's reason and the guest keeps running on the source."""
+        import hvlib
+        from hvlib.libvirt import LibvirtPair
+
+        with LibvirtPair(log_dir=self.logdir, dst_hooks_dir=self.hooks_dir('100T')) as pair:
+            data, src_port, dst_xml, _ = self.start_loaded_guest(pair, count=500)
+            cp = pair.src.virsh(*self.migrate_args(pair, dst_xml), check=False, timeout=600)
+            self.assertNotEqual(cp.returncode, 0)
+            self.assertIn('hybridvm: refusing hvguest on this host: not enough memory', cp.stderr)
+            self.assertEqual(pair.src.virsh('domstate', 'hvguest').stdout.strip(), 'running')
+            self.assertNotIn('hvguest', pair.dst.virsh('list', '--all', '--name').stdout)
+            r = hvlib.redis_client(src_port, timeout=30, name='src')
+            self.assertEqual(r.get('k7'), data['k7'])

@@ -8,6 +8,7 @@ stop() destroys the instance's domains, then its daemons, and kills any QEMU
 left behind, so nothing outlives a test.
 """
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -165,11 +166,17 @@ class LibvirtPair:
     paths must stay under 108 bytes).  stop() copies the daemons' logs (libvirtd,
     QEMU's per-domain logs) into `log_dir`, then removes the root."""
 
-    def __init__(self, log_dir=None, hooks_dir=None):
+    def __init__(self, log_dir=None, hooks_dir=None, dst_hooks_dir=None):
+        """hooks_dir: copied to both instances' /etc/libvirt/hooks (the destination
+        takes dst_hooks_dir instead when given)."""
         self.root = tempfile.mkdtemp(prefix='hv-lv-')
         self.log_dir = log_dir
-        self.src = LibvirtHost('src', os.path.join(self.root, 'a'), (49152, 49199), hooks_dir)
-        self.dst = LibvirtHost('dst', os.path.join(self.root, 'b'), (49200, 49249), hooks_dir)
+        # Distinct migration port ranges per instance, and per pair: tests and
+        # CI jobs may run pairs side by side.
+        base = random.randrange(20000, 60000, 100)
+        self.src = LibvirtHost('src', os.path.join(self.root, 'a'), (base, base + 49), hooks_dir)
+        self.dst = LibvirtHost('dst', os.path.join(self.root, 'b'), (base + 50, base + 99),
+                               dst_hooks_dir or hooks_dir)
 
     def __enter__(self):
         try:

@@ -1,0 +1,216 @@
+"""Unit tests of libvirt-hooks/qemu: run as libvirt runs it (argv + XML on stdin),
+with its configuration, ledger, log and meminfo redirected to a temp dir."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import unittest
+
+HOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'qemu')
+GiB = 1 << 30
+
+
+def domain(memory_mib=512, qemu_args=(), emulator=None, disks=()):
+    args = ''.join(f"<qemu:arg value='{a}'/>" for a in qemu_args)
+    emu = f'<emulator>{emulator}</emulator>' if emulator else ''
+    dsk = ''.join(f"<disk type='file' device='disk'><source file='{d}'/>"
+                  f"<target dev='vda' bus='virtio'/></disk>" for d in disks)
+    return (f"<domain type='qemu' xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'>"
+            f"<name>g1</name><memory unit='MiB'>{memory_mib}</memory>"
+            f"<devices>{emu}{dsk}</devices><qemu:commandline>{args}</qemu:commandline></domain>")
+
+
+class HookTest(unittest.TestCase):
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix='hook-test-')
+        self.meminfo = os.path.join(self.dir, 'meminfo')
+        self.set_memory(total=16 * GiB, available=8 * GiB)
+        self.config = os.path.join(self.dir, 'hybridvm.conf')
+        self.write_config()
+        self.image = os.path.join(self.dir, 'disk.hybrid')
+        open(self.image, 'wb').close()
+        # A stand-in emulator that answers the two help queries like ours does.
+        self.emulator = os.path.join(self.dir, 'qemu-system-x86_64')
+        with open(self.emulator, 'w') as f:
+            f.write(textwrap.dedent('''\
+                #!/bin/sh
+                case "$*" in
+                  "-drive format=help") echo "Supported formats: file hybrid qcow2 raw";;
+                  "-chardev help") echo "Available chardev backend types:"; echo "  app-assist"; echo "  socket";;
+                esac
+            '''))
+        os.chmod(self.emulator, 0o755)
+        self.plain_emulator = os.path.join(self.dir, 'stock-qemu')
+        with open(self.plain_emulator, 'w') as f:
+            f.write('#!/bin/sh\necho "Supported formats: file qcow2 raw"\n')
+        os.chmod(self.plain_emulator, 0o755)
+
+    def tearDown(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def set_memory(self, total, available):
+        with open(self.meminfo, 'w') as f:
+            f.write(f'MemTotal:       {total // 1024} kB\nMemFree:        1 kB\n'
+                    f'MemAvailable:   {available // 1024} kB\n')
+
+    def write_config(self, reserve='256M', paths=''):
+        with open(self.config, 'w') as f:
+            f.write(f'[memory]\nreserve = {reserve}\nmeminfo = {self.meminfo}\n'
+                    f'[state]\ndir = {self.dir}/ledger\nlog = {self.dir}/hook.log\n'
+                    f'[paths]\n{paths}\n')
+
+    def hook(self, op, subop, xml=''):
+        env = dict(os.environ, HYBRIDVM_HOOK_CONFIG=self.config)
+        return subprocess.run([sys.executable, HOOK, 'g1', op, subop, '-'], input=xml,
+                              capture_output=True, text=True, env=env, timeout=30)
+
+    def log(self):
+        with open(os.path.join(self.dir, 'hook.log')) as f:
+            return f.read()
+
+    def hybrid_args(self, ram='1G', path=None):
+        return ['-blockdev', f'driver=hybrid,node-name=hd0,file.driver=file,'
+                             f'file.filename={path or self.image},ram-size={ram}',
+                '-device', 'virtio-blk-pci,drive=hd0']
+
+    # -- admission --
+    def test_plain_domain_admitted(self):
+        """A domain without hybrid disks or app-assist only needs the memory."""
+        cp = self.hook('prepare', 'begin', domain())
+        self.assertEqual(cp.returncode, 0, cp.stderr)
+        self.assertEqual(cp.stdout, '')
+        self.assertIn('g1: prepare: admitted (guest 512 MiB)', self.log())
+
+    def test_hybrid_domain_admitted_and_recorded(self):
+        cp = self.hook('migrate', 'begin', domain(qemu_args=self.hybrid_args(), emulator=self.emulator))
+        self.assertEqual(cp.returncode, 0, cp.stderr)
+        self.assertEqual(cp.stdout, '', 'nothing rewritten, so no XML on stdout')
+        with open(os.path.join(self.dir, 'ledger', 'g1.json')) as f:
+            self.assertEqual(json.load(f)['bytes'], 512 * 2**20 + GiB)
+        self.assertIn('ram-size 1024 MiB', self.log())
+
+    def test_json_blockdev_understood(self):
+        spec = json.dumps({'driver': 'hybrid', 'node-name': 'hd0', 'ram-size': 2 * GiB,
+                           'file': {'driver': 'file', 'filename': self.image}})
+        cp = self.hook('prepare', 'begin', domain(qemu_args=['-blockdev', spec], emulator=self.emulator))
+        self.assertEqual(cp.returncode, 0, cp.stderr)
+        self.assertIn('ram-size 2048 MiB', self.log())
+
+    def test_refuse_emulator_without_hybrid(self):
+        cp = self.hook('migrate', 'begin', domain(qemu_args=self.hybrid_args(), emulator=self.plain_emulator))
+        self.assertEqual(cp.returncode, 1)
+        self.assertIn('has no hybrid block format', cp.stderr)
+        self.assertEqual(cp.stdout, '')
+
+    def test_refuse_emulator_without_app_assist(self):
+        args = ['-global', 'migration.x-app-assist=on']
+        cp = self.hook('prepare', 'begin', domain(qemu_args=args, emulator=self.plain_emulator))
+        self.assertEqual(cp.returncode, 1)
+        self.assertIn('has no app-assist chardev', cp.stderr)
+        cp = self.hook('prepare', 'begin', domain(qemu_args=args, emulator=self.emulator))
+        self.assertEqual(cp.returncode, 0, cp.stderr)
+
+    def test_refuse_missing_persistent_tier(self):
+        cp = self.hook('migrate', 'begin',
+                       domain(qemu_args=self.hybrid_args(path='/nonexistent/x.hybrid'), emulator=self.emulator))
+        self.assertEqual(cp.returncode, 1)
+        self.assertIn('/nonexistent/x.hybrid does not exist on this host', cp.stderr)
+        self.assertIn('refused', self.log())
+
+    def test_refuse_unreachable_nbd_tier(self):
+        args = ['-blockdev', 'driver=hybrid,node-name=hd0,file.driver=nbd,file.server.type=inet,'
+                             'file.server.host=127.0.0.1,file.server.port=1,ram-size=64M']
+        cp = self.hook('prepare', 'begin', domain(qemu_args=args, emulator=self.emulator))
+        self.assertEqual(cp.returncode, 1)
+        self.assertIn('NBD server 127.0.0.1:1 unreachable', cp.stderr)
+
+    def test_refuse_memory_reserve(self):
+        """Guest + tiers + reserve must fit what the host has available."""
+        self.write_config(reserve='8G')
+        cp = self.hook('prepare', 'begin', domain(qemu_args=self.hybrid_args(), emulator=self.emulator))
+        self.assertEqual(cp.returncode, 1)
+        self.assertIn('not enough memory: needs 1536 MiB (guest 512 MiB + hybrid RAM tiers 1024 MiB) '
+                      'plus reserve 8192 MiB, host has 8192 MiB available', cp.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.dir, 'ledger', 'g1.json')))
+
+    def test_ledger_counts_admitted_guests(self):
+        """Guests admitted but not yet resident count against the next one; release frees."""
+        self.set_memory(total=4 * GiB, available=4 * GiB)
+        os.makedirs(os.path.join(self.dir, 'ledger'))
+        with open(os.path.join(self.dir, 'ledger', 'other.json'), 'w') as f:
+            json.dump({'domain': 'other', 'bytes': 3 * GiB}, f)
+        cp = self.hook('prepare', 'begin', domain(memory_mib=1024))
+        self.assertEqual(cp.returncode, 1)
+        self.assertIn('3072 MiB is already reserved', cp.stderr)
+        os.rename(os.path.join(self.dir, 'ledger', 'other.json'), os.path.join(self.dir, 'ledger', 'g1.json'))
+        cp = self.hook('release', 'end', domain())
+        self.assertEqual(cp.returncode, 0)
+        self.assertIn('release: memory reservation removed', self.log())
+        self.assertEqual(os.listdir(os.path.join(self.dir, 'ledger')), [])
+        cp = self.hook('prepare', 'begin', domain(memory_mib=1024))
+        self.assertEqual(cp.returncode, 0, cp.stderr)
+
+    # -- path rewriting --
+    def test_paths_rewritten_on_migrate(self):
+        """[paths] maps the source host's image directory onto this host's; the
+        complete XML comes back on stdout, everything else untouched."""
+        self.write_config(paths=f'/srv/src-images = {self.dir}')
+        xml = domain(qemu_args=self.hybrid_args(path='/srv/src-images/disk.hybrid'),
+                     emulator=self.emulator, disks=['/srv/src-images/root.raw'])
+        cp = self.hook('migrate', 'begin', xml)
+        self.assertEqual(cp.returncode, 0, cp.stderr)
+        self.assertIn(f'file.filename={self.dir}/disk.hybrid,ram-size=1G', cp.stdout)
+        self.assertIn(f"file=\"{self.dir}/root.raw\"", cp.stdout)
+        self.assertIn('xmlns:qemu="http://libvirt.org/schemas/domain/qemu/1.0"', cp.stdout)
+        self.assertIn('<name>g1</name>', cp.stdout)
+        self.assertIn('paths rewritten', self.log())
+        # prepare never rewrites (its stdout is not used by libvirt)
+        cp = self.hook('prepare', 'begin', domain(qemu_args=self.hybrid_args(), emulator=self.emulator))
+        self.assertEqual(cp.stdout, '')
+
+    def test_prefix_is_whole_components(self):
+        self.write_config(paths=f'/srv/img = {self.dir}')
+        cp = self.hook('migrate', 'begin', domain(disks=['/srv/images2/x.raw']))
+        self.assertEqual(cp.returncode, 0, cp.stderr)
+        self.assertEqual(cp.stdout, '', '/srv/img must not match /srv/images2')
+
+    # -- bad input --
+    def test_malformed_xml(self):
+        cp = self.hook('migrate', 'begin', '<domain><name>g1</name')
+        self.assertEqual(cp.returncode, 1)
+        self.assertIn('domain XML does not parse', cp.stderr)
+        self.assertEqual(cp.stdout, '')
+
+    def test_missing_memory_element(self):
+        cp = self.hook('prepare', 'begin', "<domain><name>g1</name></domain>")
+        self.assertEqual(cp.returncode, 1)
+        self.assertIn('no <memory> element', cp.stderr)
+
+    def test_not_a_domain(self):
+        cp = self.hook('prepare', 'begin', "<network><name>n</name></network>")
+        self.assertEqual(cp.returncode, 1)
+        self.assertIn('expected a <domain> document', cp.stderr)
+
+    def test_bad_ram_size_and_config(self):
+        cp = self.hook('prepare', 'begin', domain(qemu_args=self.hybrid_args(ram='lots'), emulator=self.emulator))
+        self.assertEqual(cp.returncode, 1)
+        self.assertIn('cannot read size "lots"', cp.stderr)
+        self.write_config(reserve='a bit')
+        cp = self.hook('prepare', 'begin', domain())
+        self.assertEqual(cp.returncode, 1)
+        self.assertIn('reserve: cannot read size "a bit"', cp.stderr)
+        # release never fails, whatever the configuration says
+        self.assertEqual(self.hook('release', 'end', '').returncode, 0)
+
+    def test_other_operations_ignored(self):
+        for op, sub in (('start', 'begin'), ('started', 'begin'), ('stopped', 'end'), ('migrate', 'end')):
+            cp = self.hook(op, sub, 'not even xml')
+            self.assertEqual((cp.returncode, cp.stdout), (0, ''), (op, sub))
+
+
+if __name__ == '__main__':
+    unittest.main()
