@@ -385,7 +385,7 @@ static void scanCb(RedisModuleCtx *ctx, RedisModuleString *keyname,
 /* End of a pass: the hot set is what fits in the budget, hottest first. */
 static void passEnd(RedisModuleCtx *ctx) {
     long long budget = hotBudget(ctx);
-    uint64_t sum = 0, items = 0;
+    uint64_t sum = 0;
     int thr = HM_BUCKETS;
     for (int b = 0; b < HM_BUCKETS; b++) {
         if (sum + hm.pass_bytes[b] > (uint64_t)budget) { thr = b; break; }
@@ -397,14 +397,12 @@ static void passEnd(RedisModuleCtx *ctx) {
     if (thr == 0) thr = 1;
     if (budget <= 0) thr = 0;
     hm.threshold = thr;
-    for (int b = 0; b < HM_BUCKETS; b++) items += hm.pass_bytes[b] ? 1 : 0;
     hm.pass_hot_bytes = 0;
     for (int b = 0; b < HM_BUCKETS; b++) hm.pass_hot_bytes += hm.pass_bytes[b];
     hm.pass_hot_items = hm.pass_items;
     memset(hm.pass_bytes, 0, sizeof(hm.pass_bytes));
     hm.pass_items = 0;
     hm.passes++;
-    (void)items;
 }
 
 static int demotionAllowed(void) {
@@ -891,8 +889,6 @@ static int ScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
         return REDISMODULE_OK;
     }
     /* The reply's cursor comes first: collect keys, then reply. */
-    RedisModuleCtx *tctx = ctx;
-    (void)tctx;
     KeyList l = {0};
     uint64_t next = arenaIterate(hm.arena, acur, (unsigned)(count > 100000 ? 100000 : count),
                                  collectCb, &l);
