@@ -1,0 +1,47 @@
+/*
+ * App-assisted migration: internals shared by the chardev and the phase logic
+ *
+ * Copyright (c) 2026 hybridvm contributors
+ *
+ * SPDX-License-Identifier: GPL-2.0-or-later
+ */
+#ifndef MIGRATION_APP_ASSIST_INT_H
+#define MIGRATION_APP_ASSIST_INT_H
+
+#include "qapi/qapi-types-migration.h"
+#include "resp.h"
+
+#define TYPE_CHARDEV_APP_ASSIST "chardev-app-assist"
+
+/* The host end of one guest port: an app-assist character device. */
+typedef struct AppAssistPort AppAssistPort;
+
+/*
+ * All of the following run with the BQL held, which also serialises them
+ * with the frontend's calls into the chardev (virtio-serial runs under it).
+ */
+AppAssistPort *aa_port_next(AppAssistPort *prev);   /* NULL: the first one */
+int aa_port_count(void);
+const char *aa_port_id(AppAssistPort *port);
+bool aa_port_guest_open(AppAssistPort *port);
+
+/*
+ * Send "@cmd [@arg]" formatted as RESP.  With @want_reply the port's status
+ * becomes waiting until a reply, a failure or aa_port_expire().  Returns
+ * false (status no-app or disconnected) when nothing could be sent.
+ */
+bool aa_port_request(AppAssistPort *port, const char *cmd, const char *arg,
+                     bool want_reply);
+AppAssistPortStatus aa_port_status(AppAssistPort *port);
+const AAReply *aa_port_reply(AppAssistPort *port);  /* status answered */
+const char *aa_port_error(AppAssistPort *port);     /* other statuses */
+void aa_port_expire(AppAssistPort *port);           /* waiting -> timeout */
+
+/* Called by a port (BQL held) whenever its status changes. */
+void app_assist_wakeup(void);
+
+/* First app-assist chardev created / last one finalized. */
+void app_assist_ports_attach(void);
+void app_assist_ports_detach(void);
+
+#endif

@@ -1,0 +1,555 @@
+/*
+ * App-assisted migration: the set-up phase on the source, the resume on the
+ * destination, and the undo when a migration fails or is cancelled
+ *
+ * Copyright (c) 2026 hybridvm contributors
+ *
+ * SPDX-License-Identifier: GPL-2.0-or-later
+ *
+ * Source, migration thread, before the first RAM pass (state SETUP, so the
+ * time counts in setup-time):
+ *   1. APPASSIST.PREPARE <deadline-ms> to every port with an application, in
+ *      parallel; wait for the replies until the deadline.
+ *   2. Balloon target = actual - sum(freed bytes), clamped (each reply to the
+ *      guest's RAM, the target to a floor); inflate; wait until the balloon
+ *      reaches the target, stalls, or app-assist-balloon-wait runs out.
+ *   3. Return: the migration goes on.  The discarded pages read as zero and
+ *      cost a few bytes each in the stream instead of a page.
+ * Every wait is bounded and ends early on cancel.  Nothing here fails the
+ * migration: a guest that does not cooperate only loses the assist, and
+ * query-migrate's app-assist section says why.
+ *
+ * If the migration then fails or is cancelled (MIG_EVENT_PRECOPY_FAILED), the
+ * balloon goes back to its size before the phase and the applications that
+ * were sent PREPARE get APPASSIST.ABORT.
+ *
+ * Destination: the "app-assist" vmstate section (sent only when the phase
+ * changed something) carries the balloon size to restore.  Once the incoming
+ * migration has completed -- for post-copy, when all RAM has arrived -- and
+ * the guest runs, the balloon is deflated to that size and the applications
+ * get APPASSIST.RESUME.
+ */
+#include "qemu/osdep.h"
+#include "qemu/error-report.h"
+#include "qemu/main-loop.h"
+#include "qemu/thread.h"
+#include "qemu/timer.h"
+#include "qemu/units.h"
+#include "qapi/error.h"
+#include "qapi/qapi-commands-machine.h"
+#include "qapi/qapi-events-migration.h"
+#include "qapi/qapi-visit-migration.h"
+#include "qapi/clone-visitor.h"
+#include "hw/boards.h"
+#include "migration/misc.h"
+#include "migration/vmstate.h"
+#include "migration/migration.h"
+#include "migration/options.h"
+#include "monitor/monitor.h"
+#include "system/runstate.h"
+#include "trace.h"
+
+#include "app-assist.h"
+#include "app-assist-int.h"
+
+#define AA_POLL_MS              50
+#define AA_BALLOON_STALL_MS     3000    /* no progress for this long: stop */
+#define AA_MIN_GUEST_BYTES      (128 * MiB)
+#define AA_INCOMING_POLL_MS     100
+#define AA_BALLOON_PAGE         4096    /* VIRTIO_BALLOON_PFN_SHIFT */
+
+typedef struct AppAssistState {
+    /* Everything is protected by the BQL, except @wake. */
+    QemuSemaphore wake;             /* a port changed status */
+    NotifierWithReturn notifier;    /* migration events, source side */
+    AppAssistInfo *info;            /* last phase; NULL before the first */
+
+    /* What to undo (source) or redo (destination); migrated. */
+    bool prepared;                  /* some port was sent PREPARE */
+    bool balloon_changed;           /* we set a balloon target */
+    uint64_t balloon_restore;       /* balloon "actual" to go back to */
+
+    QEMUTimer *incoming_timer;      /* destination: wait for the end */
+} AppAssistState;
+
+static AppAssistState aa_state;
+
+void app_assist_wakeup(void)
+{
+    qemu_sem_post(&aa_state.wake);
+}
+
+static int64_t aa_now_ms(void)
+{
+    return qemu_clock_get_ms(QEMU_CLOCK_REALTIME);
+}
+
+/* One QAPI event per real state change, always through here. */
+static void aa_send_event(void)
+{
+    qapi_event_send_migration_app_assist(aa_state.info);
+}
+
+static void aa_set_reason(const char *fmt, ...) G_GNUC_PRINTF(1, 2);
+static void aa_set_reason(const char *fmt, ...)
+{
+    va_list ap;
+
+    if (aa_state.info->reason) {
+        return;     /* the first reason is the one that matters */
+    }
+    va_start(ap, fmt);
+    aa_state.info->reason = g_strdup_vprintf(fmt, ap);
+    va_end(ap);
+    trace_app_assist_skip(aa_state.info->reason);
+}
+
+static void aa_info_new(AppAssistStatus status)
+{
+    qapi_free_AppAssistInfo(aa_state.info);
+    aa_state.info = g_new0(AppAssistInfo, 1);
+    aa_state.info->status = status;
+}
+
+/* Per-port figures, from the ports' current state. */
+static void aa_collect_ports(void)
+{
+    AppAssistInfo *info = aa_state.info;
+    AppAssistPortInfoList **tail = &info->ports;
+    uint64_t ram = current_machine->ram_size;
+    AppAssistPort *port = NULL;
+
+    qapi_free_AppAssistPortInfoList(info->ports);
+    info->ports = NULL;
+    info->apps_answered = 0;
+    info->freed_bytes = 0;
+    while ((port = aa_port_next(port))) {
+        AppAssistPortInfo *pi = g_new0(AppAssistPortInfo, 1);
+        const AAReply *r = aa_port_reply(port);
+
+        pi->id = g_strdup(aa_port_id(port));
+        pi->status = aa_port_status(port);
+        if (pi->status == APP_ASSIST_PORT_STATUS_ANSWERED) {
+            /* Sane clamping: no application frees more than the guest has. */
+            pi->has_freed_bytes = true;
+            pi->freed_bytes = MIN(r->freed_bytes, ram);
+            pi->has_items = r->has_items;
+            pi->items = r->items;
+            pi->has_app_time = r->has_time_us;
+            pi->app_time = r->time_us;
+            info->apps_answered++;
+            info->freed_bytes = MIN(info->freed_bytes + pi->freed_bytes, ram);
+        } else if (aa_port_error(port)[0]) {
+            pi->error = g_strdup(aa_port_error(port));
+        }
+        QAPI_LIST_APPEND(tail, pi);
+    }
+}
+
+static bool aa_still_setting_up(MigrationState *s)
+{
+    return qatomic_read(&s->state) == MIGRATION_STATUS_SETUP;
+}
+
+/* Step 1 (BQL not held on entry or exit). */
+static void aa_prepare(MigrationState *s, uint32_t deadline_ms)
+{
+    g_autofree char *arg = g_strdup_printf("%u", deadline_ms);
+    int64_t start = aa_now_ms(), end = start + deadline_ms;
+    AppAssistPort *port = NULL;
+    uint32_t contacted = 0;
+    bool waiting;
+
+    bql_lock();
+    while ((port = aa_port_next(port))) {
+        if (aa_port_request(port, "APPASSIST.PREPARE", arg, true)) {
+            contacted++;
+        }
+    }
+    aa_state.info->apps_contacted = contacted;
+    aa_state.prepared = contacted > 0;
+    bql_unlock();
+
+    for (;;) {
+        int64_t now = aa_now_ms();
+
+        bql_lock();
+        waiting = false;
+        port = NULL;
+        while ((port = aa_port_next(port))) {
+            if (now >= end || !aa_still_setting_up(s)) {
+                aa_port_expire(port);
+            }
+            waiting |= aa_port_status(port) == APP_ASSIST_PORT_STATUS_WAITING;
+        }
+        bql_unlock();
+        if (!waiting) {
+            break;
+        }
+        qemu_sem_timedwait(&aa_state.wake, MIN(AA_POLL_MS, end - now));
+    }
+
+    bql_lock();
+    aa_collect_ports();
+    aa_state.info->prepare_time = aa_now_ms() - start;
+    trace_app_assist_prepare_done(contacted, aa_state.info->apps_answered,
+                                  aa_state.info->freed_bytes,
+                                  aa_state.info->prepare_time);
+    if (!contacted) {
+        aa_set_reason("no application has an app-assist port open");
+    } else if (!aa_state.info->apps_answered) {
+        aa_set_reason("no application answered PREPARE (see ports)");
+    } else if (aa_state.info->apps_answered < contacted) {
+        aa_set_reason("%u of %u applications did not answer PREPARE "
+                      "(see ports)", contacted - aa_state.info->apps_answered,
+                      contacted);
+    }
+    if (!aa_still_setting_up(s)) {
+        aa_set_reason("migration cancelled during PREPARE");
+    }
+    bql_unlock();
+}
+
+/* Step 2, setting the target (BQL held).  Returns the target, 0 for none. */
+static uint64_t aa_balloon_inflate(void)
+{
+    AppAssistInfo *info = aa_state.info;
+    uint64_t ram = current_machine->ram_size;
+    uint64_t min_bytes = MAX(AA_MIN_GUEST_BYTES, ram / 8);
+    g_autoptr(BalloonInfo) bi = NULL;
+    Error *err = NULL;
+    uint64_t target;
+
+    bi = qmp_query_balloon(&err);
+    if (!bi) {
+        aa_set_reason("cannot balloon: %s", error_get_pretty(err));
+        error_free(err);
+        return 0;
+    }
+    info->balloon_initial = bi->actual;
+    info->balloon_reached = bi->actual;
+    if (!info->freed_bytes) {
+        return 0;
+    }
+    target = bi->actual > info->freed_bytes ? bi->actual - info->freed_bytes
+                                            : 0;
+    target = ROUND_UP(MAX(target, min_bytes), AA_BALLOON_PAGE);
+    trace_app_assist_balloon_target(bi->actual, target, min_bytes);
+    if (target >= bi->actual) {
+        aa_set_reason("freed memory is below what the guest must keep "
+                      "(%" PRIu64 " bytes)", min_bytes);
+        return 0;
+    }
+    qmp_balloon(target, &err);
+    if (err) {
+        aa_set_reason("cannot balloon: %s", error_get_pretty(err));
+        error_free(err);
+        return 0;
+    }
+    if (!aa_state.balloon_changed) {
+        aa_state.balloon_changed = true;
+        aa_state.balloon_restore = bi->actual;
+    }
+    info->balloon_target = target;
+    return target;
+}
+
+/* Step 2, waiting (BQL not held on entry or exit). */
+static void aa_balloon(MigrationState *s, uint32_t wait_ms)
+{
+    int64_t start = aa_now_ms(), end = start + wait_ms, progress = start;
+    uint64_t target, last;
+
+    bql_lock();
+    aa_state.info->status = APP_ASSIST_STATUS_BALLOONING;
+    target = aa_balloon_inflate();
+    last = aa_state.info->balloon_reached;
+    bql_unlock();
+    if (!target) {
+        return;
+    }
+
+    for (;;) {
+        g_autoptr(BalloonInfo) bi = NULL;
+        int64_t now = aa_now_ms();
+        const char *why = NULL;
+
+        bql_lock();
+        bi = qmp_query_balloon(NULL);
+        if (bi) {
+            aa_state.info->balloon_reached = bi->actual;
+            if (bi->actual < last) {
+                last = bi->actual;
+                progress = now;
+            }
+        }
+        if (!bi) {
+            why = "the balloon device went away";
+        } else if (bi->actual <= target) {
+            why = "";
+        } else if (!aa_still_setting_up(s)) {
+            why = "migration cancelled while ballooning";
+        } else if (now >= end) {
+            why = "balloon did not reach its target in time";
+        } else if (now - progress >= AA_BALLOON_STALL_MS) {
+            why = "balloon stopped inflating before its target";
+        }
+        if (why && why[0]) {
+            aa_set_reason("%s", why);
+        }
+        bql_unlock();
+        if (why) {
+            break;
+        }
+        g_usleep(AA_POLL_MS * 1000);
+    }
+
+    bql_lock();
+    aa_state.info->balloon_time = aa_now_ms() - start;
+    trace_app_assist_balloon_done(aa_state.info->balloon_reached, target,
+                                  aa_state.info->balloon_time);
+    bql_unlock();
+}
+
+void app_assist_source_run(MigrationState *s)
+{
+    uint32_t deadline = migrate_app_assist_deadline();
+    uint32_t balloon_wait = migrate_app_assist_balloon_wait();
+    bool balloon = migrate_app_assist_balloon();
+
+    bql_lock();
+    aa_info_new(APP_ASSIST_STATUS_PREPARING);
+    aa_state.prepared = false;
+    aa_state.balloon_changed = false;
+    trace_app_assist_source_start(aa_port_count(), deadline, balloon_wait,
+                                  balloon);
+    if (!aa_port_count()) {
+        aa_set_reason("no app-assist port (-chardev app-assist + "
+                      "virtserialport)");
+    }
+    bql_unlock();
+
+    if (aa_port_count()) {
+        aa_prepare(s, deadline);
+    }
+
+    if (!aa_state.info->freed_bytes) {
+        /* Nothing to balloon away. */
+    } else if (!balloon) {
+        bql_lock();
+        aa_set_reason("ballooning disabled (app-assist-balloon=off)");
+        bql_unlock();
+    } else if (aa_still_setting_up(s)) {
+        aa_balloon(s, balloon_wait);
+    }
+
+    bql_lock();
+    if (!aa_state.prepared && !aa_state.balloon_changed) {
+        aa_state.info->status = APP_ASSIST_STATUS_SKIPPED;
+    } else {
+        aa_state.info->status = APP_ASSIST_STATUS_COMPLETED;
+    }
+    aa_send_event();
+    if (aa_state.info->reason) {
+        warn_report("migration: app-assist: %s", aa_state.info->reason);
+    }
+    bql_unlock();
+}
+
+/* Source: undo after a failed or cancelled migration (BQL held). */
+static void aa_undo(void)
+{
+    AppAssistPort *port = NULL;
+    int aborted = 0;
+
+    if (aa_state.balloon_changed) {
+        Error *err = NULL;
+
+        qmp_balloon(aa_state.balloon_restore, &err);
+        if (err) {
+            warn_report_err(err);
+        }
+    }
+    if (aa_state.prepared) {
+        while ((port = aa_port_next(port))) {
+            if (aa_port_guest_open(port) &&
+                aa_port_request(port, "APPASSIST.ABORT", NULL, false)) {
+                aborted++;
+            }
+        }
+    }
+    trace_app_assist_undo(aa_state.balloon_restore, aborted);
+    if (aa_state.info) {
+        aa_state.info->status = APP_ASSIST_STATUS_CANCELLED;
+        aa_send_event();
+    }
+    aa_state.prepared = false;
+    aa_state.balloon_changed = false;
+}
+
+static int aa_migration_notify(NotifierWithReturn *notifier,
+                               MigrationEvent *e, Error **errp)
+{
+    switch (e->type) {
+    case MIG_EVENT_PRECOPY_FAILED:
+        if (aa_state.prepared || aa_state.balloon_changed) {
+            aa_undo();
+        }
+        break;
+    case MIG_EVENT_PRECOPY_DONE:
+        /* The destination owns the undo now (it restores the balloon). */
+        aa_state.prepared = false;
+        aa_state.balloon_changed = false;
+        break;
+    default:
+        break;
+    }
+    return 0;
+}
+
+/* Destination: deflate and RESUME once the guest runs with all its RAM. */
+static void aa_incoming_check(void *opaque)
+{
+    MigrationIncomingState *mis = migration_incoming_get_current();
+    AppAssistPort *port = NULL;
+    int resumed = 0;
+
+    switch (mis->state) {
+    case MIGRATION_STATUS_COMPLETED:
+        if (runstate_is_running()) {
+            break;
+        }
+        /* fall through: not running yet */
+    default:
+        timer_mod(aa_state.incoming_timer,
+                  aa_now_ms() + AA_INCOMING_POLL_MS);
+        return;
+    case MIGRATION_STATUS_FAILED:
+    case MIGRATION_STATUS_CANCELLED:
+        /* The source undoes the phase on its side. */
+        aa_state.prepared = aa_state.balloon_changed = false;
+        return;
+    }
+
+    aa_info_new(APP_ASSIST_STATUS_RESUMED);
+    if (aa_state.balloon_changed) {
+        g_autoptr(BalloonInfo) bi = qmp_query_balloon(NULL);
+        Error *err = NULL;
+
+        aa_state.info->balloon_reached = bi ? bi->actual : 0;
+        aa_state.info->balloon_target = aa_state.balloon_restore;
+        qmp_balloon(aa_state.balloon_restore, &err);
+        if (err) {
+            aa_set_reason("cannot deflate the balloon: %s",
+                          error_get_pretty(err));
+            error_free(err);
+        }
+    }
+    if (aa_state.prepared) {
+        while ((port = aa_port_next(port))) {
+            if (aa_port_request(port, "APPASSIST.RESUME", NULL, false)) {
+                resumed++;
+            }
+        }
+        aa_state.info->apps_contacted = resumed;
+        if (!resumed) {
+            aa_set_reason("no application has an app-assist port open");
+        }
+    }
+    aa_collect_ports();
+    trace_app_assist_incoming_resume(aa_state.balloon_restore, resumed);
+    aa_send_event();
+    aa_state.prepared = aa_state.balloon_changed = false;
+}
+
+static bool aa_vmstate_needed(void *opaque)
+{
+    return aa_state.prepared || aa_state.balloon_changed;
+}
+
+static int aa_post_load(void *opaque, int version_id)
+{
+    trace_app_assist_incoming_loaded(aa_state.balloon_restore);
+    if (aa_state.balloon_changed &&
+        aa_state.balloon_restore > current_machine->ram_size) {
+        /* From the stream: clamp like anything else we are told. */
+        aa_state.balloon_restore = current_machine->ram_size;
+    }
+    if (!aa_state.incoming_timer) {
+        aa_state.incoming_timer = timer_new_ms(QEMU_CLOCK_REALTIME,
+                                               aa_incoming_check, NULL);
+    }
+    timer_mod(aa_state.incoming_timer, aa_now_ms() + AA_INCOMING_POLL_MS);
+    return 0;
+}
+
+static const VMStateDescription vmstate_app_assist = {
+    .name = "app-assist",
+    .version_id = 1,
+    .minimum_version_id = 1,
+    .needed = aa_vmstate_needed,
+    .post_load = aa_post_load,
+    .fields = (const VMStateField[]) {
+        VMSTATE_BOOL(prepared, AppAssistState),
+        VMSTATE_BOOL(balloon_changed, AppAssistState),
+        VMSTATE_UINT64(balloon_restore, AppAssistState),
+        VMSTATE_END_OF_LIST()
+    },
+};
+
+void app_assist_ports_attach(void)
+{
+    static bool sem_ready;
+
+    if (!sem_ready) {
+        qemu_sem_init(&aa_state.wake, 0);
+        sem_ready = true;
+    }
+    migration_add_notifier(&aa_state.notifier, aa_migration_notify);
+    vmstate_register(NULL, 0, &vmstate_app_assist, &aa_state);
+}
+
+void app_assist_ports_detach(void)
+{
+    vmstate_unregister(NULL, &vmstate_app_assist, &aa_state);
+    migration_remove_notifier(&aa_state.notifier);
+}
+
+void app_assist_fill_info(MigrationInfo *info)
+{
+    if (aa_state.info) {
+        info->app_assist = QAPI_CLONE(AppAssistInfo, aa_state.info);
+    }
+}
+
+void app_assist_hmp_print(Monitor *mon, AppAssistInfo *info)
+{
+    AppAssistPortInfoList *p;
+
+    monitor_printf(mon, "app-assist: %s\n",
+                   AppAssistStatus_str(info->status));
+    if (info->reason) {
+        monitor_printf(mon, "  reason: %s\n", info->reason);
+    }
+    monitor_printf(mon, "  apps contacted/answered: %u/%u\n",
+                   info->apps_contacted, info->apps_answered);
+    monitor_printf(mon, "  freed: %" PRIu64 " kbytes\n",
+                   info->freed_bytes >> 10);
+    monitor_printf(mon, "  balloon initial/target/reached: %" PRIu64 "/%"
+                   PRIu64 "/%" PRIu64 " MiB\n", info->balloon_initial >> 20,
+                   info->balloon_target >> 20, info->balloon_reached >> 20);
+    monitor_printf(mon, "  prepare time: %" PRIu64 " ms, balloon time: %"
+                   PRIu64 " ms\n", info->prepare_time, info->balloon_time);
+    for (p = info->ports; p; p = p->next) {
+        monitor_printf(mon, "  port %s: %s", p->value->id,
+                       AppAssistPortStatus_str(p->value->status));
+        if (p->value->has_freed_bytes) {
+            monitor_printf(mon, ", freed %" PRIu64 " kbytes",
+                           p->value->freed_bytes >> 10);
+        }
+        if (p->value->error) {
+            monitor_printf(mon, " (%s)", p->value->error);
+        }
+        monitor_printf(mon, "\n");
+    }
+}

@@ -1,0 +1,26 @@
+/*
+ * App-assisted migration: the hooks QEMU's migration code calls
+ *
+ * Copyright (c) 2026 hybridvm contributors
+ *
+ * SPDX-License-Identifier: GPL-2.0-or-later
+ */
+#ifndef MIGRATION_APP_ASSIST_H
+#define MIGRATION_APP_ASSIST_H
+
+#include "qapi/qapi-types-migration.h"
+
+/*
+ * Migration thread, set-up phase, without the BQL: ask every app-assist port
+ * to PREPARE, inflate the balloon by what the applications freed, and wait
+ * (bounded) for it.  Never fails the migration; cancel stops the waits.
+ */
+void app_assist_source_run(MigrationState *s);
+
+/* query-migrate: add the app-assist section when there is one. */
+void app_assist_fill_info(MigrationInfo *info);
+
+/* HMP "info migrate". */
+void app_assist_hmp_print(Monitor *mon, AppAssistInfo *info);
+
+#endif

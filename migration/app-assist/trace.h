@@ -1,0 +1,1 @@
+#include "trace/trace-migration_app_assist.h"

@@ -1,0 +1,265 @@
+"""App-assisted migration (migration/app-assist/) with real guests.
+
+The guest applications here are busybox shell scripts on the ports: a
+well-behaved one that answers PREPARE like the Redis module would, and hostile
+or absent ones.  The Redis module itself is exercised in
+test_app_assist_redis.py.
+"""
+import base64
+import os
+import time
+
+from hvtest import HybridVMTest
+
+MiB = 1 << 20
+PORT = 'org.qemu.app-assist.{}'
+
+# Make /dev/virtio-ports/<name> links (the test guest has no udev).
+LINK_PORTS = ('mkdir -p /dev/virtio-ports; for p in /sys/class/virtio-ports/vport*; do '
+              'ln -sf /dev/${p##*/} /dev/virtio-ports/$(cat $p/name); done')
+
+# Guest applications.  $1 = port path, $2 = log file; each logs what it read.
+APPS = {
+    # Answers PREPARE with freed-bytes=$3, logs every line it gets afterwards.
+    'good': r'''exec 3<>"$1"
+while read -r l <&3; do
+  echo "$l" >>"$2"
+  case "$l" in APPASSIST.PREPARE*)
+    printf '*6\r\n$11\r\nfreed-bytes\r\n:%s\r\n$5\r\nitems\r\n:7\r\n$7\r\ntime_us\r\n$3\r\n120\r\n' "$3" >&3;;
+  esac
+done''',
+    # Keeps the port open and never answers.
+    'sleeper': r'''exec 3<>"$1"
+echo open >"$2"
+sleep 100000''',
+    # Reads the request, answers garbage that is not RESP.
+    'garbage': r'''exec 3<>"$1"
+read -r l <&3; echo "$l" >"$2"
+printf 'HTTP/1.1 200 OK\r\n\r\n' >&3
+sleep 100000''',
+    # Well-formed RESP, wrong type for freed-bytes.
+    'wrongtype': r'''exec 3<>"$1"
+read -r l <&3; echo "$l" >"$2"
+printf '*2\r\n$11\r\nfreed-bytes\r\n$5\r\n-1e99\r\n' >&3
+sleep 100000''',
+    # A multi-bulk count of two billion.
+    'bigarray': r'''exec 3<>"$1"
+read -r l <&3; echo "$l" >"$2"
+printf '*2000000000\r\n$11\r\nfreed-bytes\r\n' >&3
+sleep 100000''',
+    # Floods: announces a 1 GB bulk string and sends 2 MB of it, then zeros.
+    'flood': r'''exec 3<>"$1"
+read -r l <&3; echo "$l" >"$2"
+printf '$1000000000\r\n' >&3
+head -c 2000000 /dev/zero >&3
+sleep 100000''',
+    # Refuses.
+    'refuse': r'''exec 3<>"$1"
+read -r l <&3; echo "$l" >"$2"
+printf -- '-ERR busy\r\n' >&3
+sleep 100000''',
+    # Reads the request, then closes the port.
+    'disconnect': r'''exec 3<>"$1"
+read -r l <&3; echo "$l" >"$2"
+exec 3<&-
+sleep 100000''',
+}
+
+
+def port_args(n):
+    args = ['-device', 'virtio-serial-pci,id=vser0']
+    for i in range(n):
+        args += ['-chardev', f'app-assist,id=aa{i}',
+                 '-device', f'virtserialport,bus=vser0.0,chardev=aa{i},name={PORT.format(i)}']
+    return args
+
+
+def start_app(guest, kind, port_index, *extra):
+    """Start guest application `kind` on port `port_index` in the background."""
+    script = APPS[kind].encode()
+    b64 = base64.b64encode(script).decode()
+    path = f'/tmp/app-{port_index}.sh'
+    guest.run(f'echo {b64} | base64 -d >{path}')
+    args = ' '.join(str(a) for a in extra)
+    guest.run(f'(sh {path} /dev/virtio-ports/{PORT.format(port_index)} '
+              f'/tmp/app-{port_index}.log {args} </dev/null >/dev/null 2>&1 &)')
+
+
+def wait_for(predicate, timeout, what, interval=0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f'timed out after {timeout}s waiting for {what}')
+        time.sleep(interval)
+
+
+def balloon_actual(guest):
+    return guest.qmp('query-balloon')['actual']
+
+
+class AppAssist(HybridVMTest):
+
+    MEM = '512M'
+
+    def boot_pair(self, nports, src_args=(), redis=False):
+        src = self.guest('src', mem=self.MEM, redis=redis,
+                         args=port_args(nports) + list(src_args)).boot()
+        dst = self.guest('dst', mem=self.MEM, redis=redis, incoming='defer',
+                         args=port_args(nports) + list(src_args)).launch()
+        src.run(LINK_PORTS)
+        return src, dst
+
+    def test_hostile_and_good_apps(self):
+        """Nine ports, one well-behaved application and every kind of hostile
+        or absent one, app-assist enabled with -global only (no QMP): the
+        migration completes, the good app's memory is ballooned away and
+        restored on the destination, where it gets RESUME; query-migrate
+        reports each port's failure."""
+        import hvlib
+        kinds = ['good', None, 'sleeper', 'garbage', 'wrongtype', 'bigarray',
+                 'flood', 'refuse', 'disconnect']
+        glob = ['-global', 'migration.x-app-assist=on',
+                '-global', 'migration.x-app-assist-deadline=2500']
+        src, dst = self.boot_pair(len(kinds), glob)
+        freed = 96 * MiB
+        for i, kind in enumerate(kinds):
+            if kind == 'good':
+                start_app(src, kind, i, freed)
+            elif kind:
+                start_app(src, kind, i)
+        # Every app has opened its port once its log exists.
+        for i, kind in enumerate(kinds):
+            if kind == 'sleeper':
+                src.run(f'while [ ! -e /tmp/app-{i}.log ]; do sleep 0.1; done', timeout=30)
+        full = balloon_actual(src)
+        self.assertEqual(full, 512 * MiB)
+
+        res = hvlib.migrate_postcopy(src, dst, precopy_seconds=0.5, bandwidth=125_000_000)
+        self.log.info('migration: %s', res.row())
+        self.assertEqual(res.status, 'completed')
+        aa = res.info['app-assist']
+        self.log.info('app-assist: %s', aa)
+        self.assertEqual(aa['status'], 'completed')
+        ports = {p['id']: p for p in aa['ports']}
+        expect = {'aa0': 'answered', 'aa1': 'no-app', 'aa2': 'timeout', 'aa3': 'invalid',
+                  'aa4': 'invalid', 'aa5': 'invalid', 'aa6': 'invalid', 'aa7': 'refused',
+                  'aa8': 'disconnected'}
+        self.assertEqual({k: v['status'] for k, v in ports.items()}, expect)
+        self.assertEqual(ports['aa0']['freed-bytes'], freed)
+        self.assertEqual(ports['aa0']['items'], 7)
+        self.assertEqual(ports['aa0']['app-time'], 120)
+        self.assertIn('busy', ports['aa7']['error'])
+        self.assertIn('longer than', ports['aa6']['error'])
+        self.assertIn('limits', ports['aa5']['error'])
+        self.assertIn('freed-bytes', ports['aa4']['error'])
+        self.assertIn('malformed', ports['aa3']['error'])
+        self.assertEqual(aa['apps-contacted'], 8)
+        self.assertEqual(aa['apps-answered'], 1)
+        self.assertEqual(aa['freed-bytes'], freed)
+        self.assertIn('did not answer', aa['reason'])
+        self.assertEqual(aa['balloon-initial'], full)
+        self.assertEqual(aa['balloon-target'], full - freed)
+        self.assertLessEqual(aa['balloon-reached'], aa['balloon-target'])
+        # The sleeper held the phase until the deadline: all of it is set-up time.
+        self.assertGreaterEqual(aa['prepare-time'], 2400)
+        self.assertLess(aa['prepare-time'], 4000)
+        self.assertGreaterEqual(res.setup_time_ms, aa['prepare-time'] + aa['balloon-time'])
+
+        # Destination: balloon back to full size, the good app got RESUME.
+        wait_for(lambda: balloon_actual(dst) == full, 60, 'balloon deflated on the destination')
+        out = dst.run('cat /tmp/app-0.log')
+        self.assertIn('APPASSIST.PREPARE', out)
+        self.assertIn('APPASSIST.RESUME', out)
+        self.assertNotIn('APPASSIST.ABORT', out)
+        dinfo = dst.qmp('query-migrate')['app-assist']
+        self.assertEqual(dinfo['status'], 'resumed')
+        self.assertEqual(dinfo['balloon-target'], full)
+        # HMP shows the section too.
+        hmp = src.qmp('human-monitor-command', **{'command-line': 'info migrate'})
+        self.assertIn('app-assist: completed', hmp)
+        self.assertIn('port aa2: timeout', hmp)
+
+    def test_no_ports(self):
+        """Capability on (QMP) but no app-assist port at all: the phase is
+        skipped, query-migrate says why, the migration completes."""
+        import hvlib
+        src = self.guest('src', mem=self.MEM, redis=False).boot()
+        dst = self.guest('dst', mem=self.MEM, redis=False, incoming='defer').launch()
+        res = hvlib.migrate_postcopy(src, dst, precopy_seconds=0.3, bandwidth=125_000_000,
+                                     capabilities=['app-assist'])
+        self.assertEqual(res.status, 'completed')
+        aa = res.info['app-assist']
+        self.assertEqual(aa['status'], 'skipped')
+        self.assertIn('no app-assist port', aa['reason'])
+        self.assertEqual(aa['ports'], [])
+
+    def test_no_app_and_balloon_off(self):
+        """Ports but no application: skipped, 'no application' reason.  Then
+        parameters over QMP: deadline bounds, balloon off is honoured."""
+        src, dst = self.boot_pair(2)
+        r = src.qmp_raw('migrate-set-parameters', **{'app-assist-deadline': 600001})
+        self.assertIn('error', r)
+        src.qmp('migrate-set-parameters', **{'app-assist-balloon': False,
+                                            'app-assist-deadline': 1000})
+        params = src.qmp('query-migrate-parameters')
+        self.assertEqual(params['app-assist-deadline'], 1000)
+        self.assertFalse(params['app-assist-balloon'])
+        r = src.qmp_raw('migrate-set-capabilities', capabilities=[
+            {'capability': 'app-assist', 'state': True},
+            {'capability': 'background-snapshot', 'state': True}])
+        self.assertIn('error', r)
+
+        start_app(src, 'good', 1, 64 * MiB)
+        import hvlib
+        res = hvlib.migrate_postcopy(src, dst, precopy_seconds=0.3, bandwidth=125_000_000,
+                                     capabilities=['app-assist'])
+        self.assertEqual(res.status, 'completed')
+        aa = res.info['app-assist']
+        self.assertEqual(aa['status'], 'completed')
+        self.assertEqual([p['status'] for p in aa['ports']], ['no-app', 'answered'])
+        self.assertEqual(aa['freed-bytes'], 64 * MiB)
+        self.assertEqual(aa['balloon-target'], 0)
+        self.assertIn('app-assist-balloon=off', aa['reason'])
+        out = wait_for(lambda: 'RESUME' in dst.run('cat /tmp/app-1.log') and
+                       dst.run('cat /tmp/app-1.log'), 30, 'RESUME on the destination')
+        self.assertIn('APPASSIST.RESUME', out)
+
+    def test_cancel_during_balloon(self):
+        """Cancel while the balloon inflates: the source deflates back to the
+        full size, the app gets ABORT and keeps running; a second migration
+        of the same guest then works."""
+        src, dst = self.boot_pair(1)
+        full = balloon_actual(src)
+        start_app(src, 'good', 0, 256 * MiB)
+        src.run('while [ ! -e /tmp/app-0.sh ]; do sleep 0.1; done')
+        caps = [{'capability': 'postcopy-ram', 'state': True},
+                {'capability': 'app-assist', 'state': True}]
+        src.qmp('migrate-set-capabilities', capabilities=caps)
+        src.qmp('migrate-set-parameters', **{'max-bandwidth': 125_000_000})
+        import hvlib
+        uri = f'tcp:127.0.0.1:{hvlib.free_port()}'
+        dst.qmp('migrate-set-capabilities', capabilities=caps)
+        dst.qmp('migrate-incoming', uri=uri)
+        src.qmp('migrate', uri=uri)
+        events = []
+
+        def ballooning():
+            info = src.qmp('query-migrate')
+            events.append(info.get('app-assist', {}).get('status'))
+            return info.get('app-assist', {}).get('status') == 'ballooning'
+        wait_for(ballooning, 30, 'the ballooning phase', interval=0.01)
+        src.qmp('migrate_cancel')
+        wait_for(lambda: src.qmp('query-migrate')['status'] == 'cancelled', 30, 'cancelled')
+        aa = src.qmp('query-migrate')['app-assist']
+        self.log.info('after cancel: %s', aa)
+        self.assertEqual(aa['status'], 'cancelled')
+        self.assertIn('cancelled', aa['reason'])
+        wait_for(lambda: balloon_actual(src) == full, 60, 'balloon deflated on the source')
+        out = wait_for(lambda: 'ABORT' in src.run('cat /tmp/app-0.log') and
+                       src.run('cat /tmp/app-0.log'), 30, 'ABORT in the app log')
+        self.assertIn('APPASSIST.ABORT', out)
+        self.assertEqual(src.qmp('query-status')['status'], 'running')
+        src.run('true')     # the guest still answers
