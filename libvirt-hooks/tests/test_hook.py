@@ -2,6 +2,7 @@
 with its configuration, ledger, log and meminfo redirected to a temp dir."""
 import json
 import os
+import struct
 import shutil
 import subprocess
 import sys
@@ -153,6 +154,48 @@ class HookTest(unittest.TestCase):
         self.assertEqual(os.listdir(os.path.join(self.dir, 'ledger')), [])
         cp = self.hook('prepare', 'begin', domain(memory_mib=1024))
         self.assertEqual(cp.returncode, 0, cp.stderr)
+
+    def write_hybrid_header(self, ram_size, virtual_size=GiB, magic=b'QHYBRID\0', version=1):
+        hdr = bytearray(72)
+        hdr[0:8] = magic
+        struct.pack_into('<IIQQQQQI', hdr, 8, version, 72, 0, 0, virtual_size, 65536, ram_size, 65536)
+        with open(self.image, 'wb') as f:
+            f.write(bytes(hdr))
+
+    def test_ram_size_from_image_header(self):
+        """Without ram-size=, the RAM tier is the header's default, capped at the
+        virtual size."""
+        self.write_hybrid_header(ram_size=256 << 20)
+        args = ['-blockdev', f'driver=hybrid,node-name=hd0,file.driver=file,file.filename={self.image}']
+        cp = self.hook('prepare', 'begin', domain(qemu_args=args, emulator=self.emulator))
+        self.assertEqual(cp.returncode, 0, cp.stderr)
+        self.assertIn('ram-size 256 MiB', self.log())
+        self.write_hybrid_header(ram_size=8 * GiB, virtual_size=GiB)
+        cp = self.hook('prepare', 'begin', domain(qemu_args=args, emulator=self.emulator))
+        self.assertIn('ram-size 1024 MiB', self.log())
+
+    def test_header_not_hybrid(self):
+        args = ['-blockdev', f'driver=hybrid,node-name=hd0,file.driver=file,file.filename={self.image}']
+        self.write_hybrid_header(ram_size=GiB, magic=b'QFI\xfb\0\0\0\0')
+        cp = self.hook('prepare', 'begin', domain(qemu_args=args, emulator=self.emulator))
+        self.assertEqual(cp.returncode, 1)
+        self.assertIn('is not a hybrid image', cp.stderr)
+        self.write_hybrid_header(ram_size=GiB, version=7)
+        cp = self.hook('prepare', 'begin', domain(qemu_args=args, emulator=self.emulator))
+        self.assertIn('format version 7 is not supported', cp.stderr)
+
+    def test_nbd_tier_needs_explicit_ram_size(self):
+        sock = os.path.join(self.dir, 'nbd.sock')
+        open(sock, 'w').close()
+        args = ['-blockdev', f'driver=hybrid,node-name=hd0,file.driver=nbd,'
+                             f'file.server.type=unix,file.server.path={sock}']
+        cp = self.hook('prepare', 'begin', domain(qemu_args=args, emulator=self.emulator))
+        self.assertEqual(cp.returncode, 1)
+        self.assertIn('give ram-size= in its -blockdev options', cp.stderr)
+        cp = self.hook('prepare', 'begin', domain(qemu_args=[args[0], args[1] + ',ram-size=64M'],
+                                                  emulator=self.emulator))
+        self.assertEqual(cp.returncode, 0, cp.stderr)
+        self.assertIn(f'hybrid nbd+unix://{sock} ram-size 64 MiB', self.log())
 
     # -- path rewriting --
     def test_paths_rewritten_on_migrate(self):

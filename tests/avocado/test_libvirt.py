@@ -105,3 +105,62 @@ class VirshPostcopy(HybridVMTest):
             self.assertNotIn('hvguest', pair.dst.virsh('list', '--all', '--name').stdout)
             r = hvlib.redis_client(src_port, timeout=30, name='src')
             self.assertEqual(r.get('k7'), data['k7'])
+
+    def test_virsh_migrate_hybrid_root(self):
+        """A guest booted from a hybrid root disk (async mode) on shared storage:
+        both hooks admit it (the emulator has the format, the persistent tier is
+        reachable, the RAM tier fits), `virsh migrate --live --postcopy
+        --postcopy-after-precopy` moves it, the destination reads the file the
+        guest flushed on the source, Redis values are intact, and after a clean
+        shutdown `qemu-img check` finds the image consistent."""
+        import subprocess
+        import hvlib
+        from hvlib.libvirt import LibvirtPair, domain_xml
+
+        qemu_img = self.paths.binary('qemu-img')
+        image = os.path.join(self.workdir, 'root.hybrid')
+        subprocess.run([qemu_img, 'convert', '-O', 'hybrid', '-o', 'mode=async,ram-size=128M',
+                        self.paths.guest_file('rootfs.ext4'), image], check=True)
+
+        with LibvirtPair(log_dir=self.logdir, hooks_dir=self.hooks_dir('64M')) as pair:
+            src_port, dst_port = hvlib.free_port(), hvlib.free_port()
+            consoles = {}
+            for side, port in (('src', src_port), ('dst', dst_port)):
+                sock = os.path.join(pair.root, f'{side}-serial.sock')
+                log = os.path.join(self.logdir, f'{side}-console.log')
+                with open(os.path.join(pair.root, f'{side}.xml'), 'w') as f:
+                    f.write(domain_xml('hvguest', self.paths, redis_port=port, console_log=log,
+                                       console_sock=sock, hybrid_root=image))
+                consoles[side] = hvlib.Console(side, sock, log)
+            pair.src.virsh('define', os.path.join(pair.root, 'src.xml'))
+            pair.src.virsh('start', 'hvguest')
+
+            con = consoles['src']
+            con.wait(r'HV-ONDISK /dev/vda', timeout=180)
+            con.wait(r'HV-BOOTED', timeout=120)
+            con.run('echo written-on-source-$((6 * 7)) >/root/marker && sync')
+            r = hvlib.redis_client(src_port, timeout=60, name='src')
+            values = {f'h{i}': f'value-{i}'.encode() * 8 for i in range(2000)}
+            r.mset(values)
+            r.close()
+
+            pair.src.virsh(*self.migrate_args(pair, os.path.join(pair.root, 'dst.xml')), timeout=600)
+            self.assertEqual(pair.dst.virsh('domstate', 'hvguest').stdout.strip(), 'running')
+
+            con = consoles['dst']
+            self.assertEqual(con.run('cat /root/marker', timeout=120).strip(), 'written-on-source-42')
+            con.run('echo written-on-destination >/root/marker2 && sync')
+            r = hvlib.redis_client(dst_port, timeout=60, name='dst')
+            self.assertEqual(r.mget(list(values)), list(values.values()))
+            stats = pair.dst.virsh('qemu-monitor-command', 'hvguest', '--pretty',
+                                   '{"execute": "query-hybrid"}').stdout
+            self.log.info('query-hybrid on the destination:\n%s', stats)
+            self.assertIn('"mode": "async"', stats)
+            con.run('sync; mount -o remount,ro /')
+            pair.dst.virsh('destroy', 'hvguest')
+
+        with open(os.path.join(self.logdir, 'libvirt-dst', 'hybridvm-hook.log')) as f:
+            self.assertRegex(f.read(), r'hvguest: migrate: admitted \(guest 512 MiB; hybrid '
+                                       r'\S+root.hybrid ram-size 128 MiB\)')
+        cp = subprocess.run([qemu_img, 'check', '-f', 'hybrid', image], capture_output=True, text=True)
+        self.assertEqual(cp.returncode, 0, cp.stdout + cp.stderr)

@@ -3,8 +3,8 @@
 Built on QEMU's own python package (build/qemu-src/python: qemu.machine, qemu.qmp).
 """
 from .paths import BuildPaths, MissingBuild
-from .vm import Guest, GuestError, free_port, redis_client
+from .vm import Console, Guest, GuestError, free_port, redis_client
 from .migrate import migrate_postcopy, MigrationResult
 
-__all__ = ['BuildPaths', 'MissingBuild', 'Guest', 'GuestError', 'free_port', 'redis_client',
+__all__ = ['BuildPaths', 'MissingBuild', 'Console', 'Guest', 'GuestError', 'free_port', 'redis_client',
            'migrate_postcopy', 'MigrationResult']

@@ -203,21 +203,35 @@ class LibvirtPair:
 
 
 def domain_xml(name, paths, mem_mib=512, redis_port=6379, console_log=None,
-               append='hv.redis=1', qemu_args=(), disks=()):
+               console_sock=None, append='hv.redis=1', qemu_args=(), disks=(),
+               hybrid_root=None, hybrid_opts=''):
     """Domain XML for the test guest under TCG with our QEMU as the emulator.
 
     libvirt 9.0 cannot express a slirp host forward for virtio-net with our
-    options, so the NIC (and anything else libvirt does not know, such as a
-    hybrid disk) goes through <qemu:commandline>.  `disks` are (path, format)
-    pairs attached as virtio disks vda, vdb, ...
+    options, nor a hybrid disk (it does not know the format), so those go
+    through <qemu:commandline>.  `disks` are (path, format) pairs attached as
+    virtio disks; `hybrid_root` is a hybrid image booted as the root disk
+    (/dev/vda: it takes the first virtio-blk slot), with extra -blockdev
+    options in `hybrid_opts` (e.g. 'mode=async').  With `console_sock` the
+    serial console is a unix socket to type into, logged to `console_log`
+    (see hvlib.Console); otherwise it is only logged.
     """
     kernel = paths.guest_file('vmlinuz')
     initrd = paths.guest_file('initrd.img')
     cmdline = f'console=ttyS0 panic=-1 quiet loglevel=3 {append}'.strip()
     args = ['-L', '/usr/share/seabios', '-L', '/usr/share/qemu',
             '-netdev', f'user,id=hn0,hostfwd=tcp:127.0.0.1:{redis_port}-:6379',
-            # A fixed slot, clear of the ones libvirt assigns to its own devices.
-            '-device', 'virtio-net-pci,netdev=hn0,romfile=,bus=pci.0,addr=0x1f', *qemu_args]
+            # Fixed slots, clear of the ones libvirt assigns to its own devices.
+            '-device', 'virtio-net-pci,netdev=hn0,romfile=,bus=pci.0,addr=0x1f']
+    if hybrid_root:
+        if disks:  # /dev/vda follows PCI order: keep the root disk the only one
+            raise ValueError('hybrid_root cannot be combined with other disks')
+        opts = f',{hybrid_opts}' if hybrid_opts else ''
+        args += ['-blockdev', f'driver=hybrid,node-name=hroot,file.driver=file,'
+                              f'file.filename={hybrid_root}{opts}',
+                 '-device', 'virtio-blk-pci,drive=hroot,bus=pci.0,addr=0x1e']
+        cmdline += ' hv.root=/dev/vda'
+    args += list(qemu_args)
     qargs = '\n'.join(f'    <qemu:arg value={quoteattr(a)}/>' for a in args)
     disk_xml = '\n'.join(
         f"""    <disk type='file' device='disk'>
@@ -225,8 +239,15 @@ def domain_xml(name, paths, mem_mib=512, redis_port=6379, console_log=None,
       <source file={quoteattr(path)}/>
       <target dev='vd{chr(ord("a") + i)}' bus='virtio'/>
     </disk>""" for i, (path, fmt) in enumerate(disks))
-    serial = (f"""    <serial type='file'><source path={quoteattr(console_log)}/></serial>"""
-              if console_log else "    <serial type='pty'/>")
+    if console_sock:
+        serial = (f"""    <serial type='unix'>
+      <source mode='bind' path={quoteattr(console_sock)}/>
+      <log file={quoteattr(console_log)} append='off'/>
+    </serial>""")
+    elif console_log:
+        serial = f"""    <serial type='file'><source path={quoteattr(console_log)}/></serial>"""
+    else:
+        serial = "    <serial type='pty'/>"
     return f"""<domain type='qemu' xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'>
   <name>{escape(name)}</name>
   <uuid>{uuid.uuid5(uuid.NAMESPACE_URL, 'hybridvm:' + name)}</uuid>

@@ -42,6 +42,98 @@ def redis_client(port, timeout=30, name='guest', **kwargs):
             time.sleep(0.2)
 
 
+class Console:
+    """A guest's serial console: a unix socket to type into and the log file
+    its output is written to (QEMU's socket chardev with logfile=, or libvirt's
+    <serial type='unix'> with <log file=...>).
+
+    wait() tails the log; send() connects on first use and then keeps reading
+    the socket in a thread, because QEMU logs console bytes only once the
+    connected socket has taken them.  `alive` is a callable that says whether
+    the guest still runs (so waits fail fast when it died)."""
+
+    def __init__(self, name, sock_path, log_path, alive=lambda: True, exit_info=lambda: ''):
+        self.name = name
+        self.sock_path = sock_path
+        self.log_path = log_path
+        self.alive = alive
+        self.exit_info = exit_info
+        self.pos = 0
+        self._sock = None
+
+    def text(self):
+        try:
+            with open(self.log_path, 'rb') as f:
+                return f.read().decode('utf-8', 'replace')
+        except FileNotFoundError:
+            return ''
+
+    def wait(self, pattern, timeout=60, fail_pattern=r'HV-ERROR|Kernel panic'):
+        """Wait until `pattern` (a regex) appears in console output after the
+        previous match; return the match.  Raises GuestError on `fail_pattern`,
+        on timeout or when the guest stops."""
+        deadline = time.monotonic() + timeout
+        rx = re.compile(pattern)
+        frx = re.compile(fail_pattern) if fail_pattern else None
+        while True:
+            text = self.text()
+            m = rx.search(text, self.pos)
+            if m:
+                self.pos = m.end()
+                return m
+            if frx:
+                f = frx.search(text, self.pos)
+                if f:
+                    raise GuestError(f'{self.name}: console shows "{f.group(0)}": '
+                                     f'{text[f.start():f.start() + 200]!r}')
+            if not self.alive():
+                raise GuestError(f'{self.name}: the guest stopped while waiting for '
+                                 f'{pattern!r}; {self.exit_info()}')
+            if time.monotonic() > deadline:
+                raise GuestError(f'{self.name}: timed out after {timeout}s waiting for '
+                                 f'{pattern!r}; console tail: {text[-500:]!r}')
+            time.sleep(0.1)
+
+    def send(self, line):
+        """Type a line into the guest's shell."""
+        if self._sock is None:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._sock.connect(self.sock_path)
+            threading.Thread(target=self._drain, args=(self._sock,), daemon=True).start()
+        self._sock.sendall(line.encode() + b'\n')
+
+    @staticmethod
+    def _drain(sock):
+        try:
+            while sock.recv(65536):
+                pass
+        except OSError:
+            pass
+
+    def run(self, command, timeout=60):
+        """Run a shell command in the guest and return its output.  A non-zero
+        exit status raises GuestError."""
+        tag = f'HVCMD{time.monotonic_ns()}'
+        start = self.pos
+        self.send(f'{command}; echo "{tag}-rc=$?"')
+        m = self.wait(rf'{tag}-rc=(\d+)\r?\n', timeout=timeout, fail_pattern=None)
+        text = m.string[start:m.start()]
+        # Drop the echoed command line: output starts after its last echo (the
+        # tty echoes type-ahead once before the shell runs, the shell once more).
+        echo_end = text.rfind(tag)
+        if echo_end >= 0:
+            nl = text.find('\n', echo_end)
+            text = text[nl + 1:] if nl >= 0 else ''
+        if m.group(1) != '0':
+            raise GuestError(f'{self.name}: "{command}" exited with {m.group(1)}: {text[-300:]!r}')
+        return text.replace('\r', '')
+
+    def close(self):
+        if self._sock:
+            self._sock.close()
+            self._sock = None
+
+
 class Guest:
     """A guest booted from build/guest/{vmlinuz,initrd.img}.
 
@@ -69,8 +161,6 @@ class Guest:
         self.serial_sock = os.path.join(self.sock_dir, 'serial.sock')
         self.redis_port = redis_port or free_port()
         self.incoming = incoming
-        self._console_pos = 0
-        self._serial = None
 
         cmdline = ['console=ttyS0', 'panic=-1', 'quiet', 'loglevel=3']
         if redis:
@@ -107,20 +197,22 @@ class Guest:
                               args=qargs, name=name, log_dir=log_dir,
                               base_temp_dir=self.sock_dir,
                               wrapper=['setpriv', '--pdeathsig', 'KILL'])
+        self.console = Console(name, self.serial_sock, self.console_log,
+                               alive=self.vm.is_running,
+                               exit_info=lambda: f'exit code {self.vm.exitcode}; log: {self.vm.get_log()}')
 
     # -- life cycle -------------------------------------------------------
     def launch(self):
         LOG.info('%s: launching', self.name)
         if os.path.exists(self.console_log):
             os.unlink(self.console_log)
+        self.console.pos = 0
         self.vm.launch()
         return self
 
     def shutdown(self, timeout=10):
         """Stop QEMU (quit, then SIGKILL after timeout).  Safe to call twice."""
-        if self._serial:
-            self._serial.close()
-            self._serial = None
+        self.console.close()
         try:
             self.vm.shutdown(timeout=timeout)
         except Exception as exc:  # the process is gone either way
@@ -142,75 +234,18 @@ class Guest:
     def qmp_raw(self, cmd, **args):
         return self.vm.qmp(cmd, **args)
 
-    # -- console ----------------------------------------------------------
+    # -- console (delegates to self.console) ------------------------------
     def console_text(self):
-        try:
-            with open(self.console_log, 'rb') as f:
-                return f.read().decode('utf-8', 'replace')
-        except FileNotFoundError:
-            return ''
+        return self.console.text()
 
     def wait_console(self, pattern, timeout=60, fail_pattern=r'HV-ERROR|Kernel panic'):
-        """Wait until `pattern` (a regex) appears in console output after the
-        previous match; return the match.  Raises GuestError on `fail_pattern`,
-        on timeout or when QEMU exits."""
-        deadline = time.monotonic() + timeout
-        rx = re.compile(pattern)
-        frx = re.compile(fail_pattern) if fail_pattern else None
-        while True:
-            text = self.console_text()
-            m = rx.search(text, self._console_pos)
-            if m:
-                self._console_pos = m.end()
-                return m
-            if frx:
-                f = frx.search(text, self._console_pos)
-                if f:
-                    raise GuestError(f'{self.name}: console shows "{f.group(0)}": '
-                                     f'{text[f.start():f.start() + 200]!r}')
-            if not self.vm.is_running():
-                raise GuestError(f'{self.name}: QEMU exited ({self.vm.exitcode}) '
-                                 f'while waiting for {pattern!r}; log: {self.vm.get_log()}')
-            if time.monotonic() > deadline:
-                raise GuestError(f'{self.name}: timed out after {timeout}s waiting for '
-                                 f'{pattern!r}; console tail: {text[-500:]!r}')
-            time.sleep(0.1)
+        return self.console.wait(pattern, timeout=timeout, fail_pattern=fail_pattern)
 
     def console_send(self, line):
-        """Type a line into the guest's shell on ttyS0."""
-        if self._serial is None:
-            self._serial = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._serial.connect(self.serial_sock)
-            # QEMU logs console output only once the connected socket has taken
-            # it: keep reading (the log file is where we look) so it never stalls.
-            threading.Thread(target=self._drain, args=(self._serial,), daemon=True).start()
-        self._serial.sendall(line.encode() + b'\n')
-
-    @staticmethod
-    def _drain(sock):
-        try:
-            while sock.recv(65536):
-                pass
-        except OSError:
-            pass
+        self.console.send(line)
 
     def run(self, command, timeout=60):
-        """Run a shell command in the guest and return its output.  A non-zero
-        exit status raises GuestError."""
-        tag = f'HVCMD{time.monotonic_ns()}'
-        start = self._console_pos
-        self.console_send(f'{command}; echo "{tag}-rc=$?"')
-        m = self.wait_console(rf'{tag}-rc=(\d+)\r?\n', timeout=timeout, fail_pattern=None)
-        text = m.string[start:m.start()]
-        # Drop the echoed command line: output starts after its last echo (the
-        # tty echoes type-ahead once before the shell runs, the shell once more).
-        echo_end = text.rfind(tag)
-        if echo_end >= 0:
-            nl = text.find('\n', echo_end)
-            text = text[nl + 1:] if nl >= 0 else ''
-        if m.group(1) != '0':
-            raise GuestError(f'{self.name}: "{command}" exited with {m.group(1)}: {text[-300:]!r}')
-        return text.replace('\r', '')
+        return self.console.run(command, timeout=timeout)
 
     # -- redis ------------------------------------------------------------
     def redis(self, timeout=30, **kwargs):
