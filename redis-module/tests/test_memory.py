@@ -1,22 +1,23 @@
 """Memory: what APPASSIST.PREPARE with `drop` gives back, against what the
 same cold items cost in stock Redis (stock RSS with all items minus stock RSS
 with the hot items only, measured in this test), for design-shaped items
-(1-8 byte keys, 100-byte values) and for 1 KiB values.
+(1-8 byte keys, 100-byte values; 1M cold + 30 % hot) and for 1 KiB values.
 
-Two figures are checked:
-- the fall across PREPARE itself: RSS falls by at least 90 % of the bytes the
-  reply says were freed (whole chunks really go back to the OS);
-- the fall from "all items loaded" (identical to stock) to "after PREPARE",
-  against the stock cost. The issue's target is 80 %. It is met for 1 KiB
-  values (~94 %); for 100-byte values it is NOT met (~70 %, measured): the
-  arena holds an item in ~140 bytes where stock Redis needs ~182, and the
-  general heap keeps ~5-7 MiB per 140k demoted items (jemalloc slabs pinned
-  by hot items, db dict buckets never shrink above 10 % fill). The test
-  asserts what is achieved (65 %) so that a regression fails; see
-  docs/redis-module.md, "Memory"."""
+Checked:
+- the process RSS falls, from "all items loaded" (the same state as stock)
+  to "after PREPARE", by at least 80 % of the stock cost of the cold items
+  (measured: ~88 % for 100-byte values, ~94 % for 1 KiB values);
+- across PREPARE itself RSS falls by at least 90 % of the reported
+  `freed_bytes` (whole chunks really go back to the OS). That fall alone is
+  ~79 % of the stock cost: the arena keeps an item in less memory than stock
+  Redis does (~140 vs ~183 bytes for 100-byte values), the rest of the stock
+  cost was already given back when the items were demoted.
+HYBRIDVM_LONG=1: 5M cold 100-byte items, 300k 1 KiB items."""
 
+import io
 import os
 import random
+import subprocess
 import sys
 import time
 import unittest
@@ -38,23 +39,26 @@ def short_key(i):
             return s
 
 
-def load(client, keys, vlen, seed):
+def load(srv, keys, vlen, seed):
+    """SET every key with redis-cli --pipe (millions of keys in seconds)."""
     rng = random.Random(seed)
-    pipe = client.pipeline(transaction=False)
-    for n, k in enumerate(keys):
-        pipe.set(k, rng.randbytes(vlen))
-        if n % 2000 == 1999:
-            pipe.execute()
-    pipe.execute()
+    buf = io.BytesIO()
+    for k in keys:
+        k = k.encode()
+        v = rng.randbytes(vlen)
+        buf.write(b'*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n' % (len(k), k, vlen, v))
+    subprocess.run(['redis-cli', '-s', srv.sock, '--pipe'], input=buf.getvalue(),
+                   check=True, stdout=subprocess.DEVNULL)
 
 
-def touch(client, keys):
-    pipe = client.pipeline(transaction=False)
-    for n, k in enumerate(keys):
-        pipe.get(k)
-        if n % 2000 == 1999:
-            pipe.execute()
-    pipe.execute()
+def touch(srv, keys):
+    """GET every key once (redis-cli --pipe)."""
+    buf = io.BytesIO()
+    for k in keys:
+        k = k.encode()
+        buf.write(b'*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n' % (len(k), k))
+    subprocess.run(['redis-cli', '-s', srv.sock, '--pipe'], input=buf.getvalue(),
+                   check=True, stdout=subprocess.DEVNULL)
 
 
 def settle(srv):
@@ -76,23 +80,28 @@ class MemoryTest(ServerTestCase):
         # Stock: what the cold items cost.
         stock = self.server('stock', module=False)
         sc = stock.client()
-        load(sc, hot, vlen, 1)
+        load(stock, hot, vlen, 1)
         rss_hot = settle(stock)
-        load(sc, cold, vlen, 2)
+        load(stock, cold, vlen, 2)
         rss_all = settle(stock)
         cost = rss_all - rss_hot
         stock.stop()
 
-        # Module: same load, the cold ones idle, then demoted, then dropped.
-        mod = self.server('mod', configs={'demote': 'no', 'hot-percent': 0,
-                                          'min-idle-ms': 1500})
+        # Module: same load; the hot ones read once, then the module's own
+        # classification demotes the rest. It uses Redis's LFU counters (no
+        # decay during the test): read keys have counter 6, unread ones 5,
+        # and the hot budget is sized 10 % above the hot items' estimated
+        # bytes, so exactly the unread keys are cold.
+        avg_klen = sum(len(k) for k in keys) / len(keys)
+        planned = int(nhot * (vlen + avg_klen + 48) * 1.1 / 0.3)
+        mod = self.server('mod', configs={'demote': 'no', 'hot-percent': 30,
+                                          'planned-memory': planned, 'min-idle-ms': 0},
+                          extra=['--maxmemory-policy', 'allkeys-lfu', '--lfu-decay-time', '0'])
         mc = mod.client()
-        load(mc, hot, vlen, 1)
-        load(mc, cold, vlen, 2)
+        load(mod, hot, vlen, 1)
+        load(mod, cold, vlen, 2)
         rss_mod_all = settle(mod)
-        time.sleep(2.1)                 # LRU clock resolution is 1 s
-        touch(mc, hot)
-        settle(mod)
+        touch(mod, hot)
         mc.config_set('appassist.demote', 'yes')
         demoted = 0
         deadline = time.monotonic() + 60
@@ -130,8 +139,8 @@ class MemoryTest(ServerTestCase):
 
     def test_drop_100_byte_values(self):
         """Design-shaped items: 30 % hot, 100-byte values, 1-8 byte keys."""
-        n = 1000000 if LONG else 200000
-        self.target = 0.65      # the issue asks 0.8: not met, see the docstring
+        n = 7000000 if LONG else 1430000      # 1M (5M) cold items
+        self.target = 0.8
         self.measure(100, int(n * 0.3), n - int(n * 0.3))
 
     def test_drop_1k_values(self):
