@@ -17,6 +17,7 @@ HYBRIDVM_LONG=1: 5M cold 100-byte items, 300k 1 KiB items."""
 import io
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -70,6 +71,11 @@ def settle(srv):
 
 
 class MemoryTest(ServerTestCase):
+
+    def setUp(self):
+        super().setUp()
+        if not shutil.which('redis-cli'):
+            self.skipTest('redis-cli not installed (redis-tools)')
 
     def measure(self, vlen, nhot, ncold):
         keys = [short_key(i) for i in range(nhot + ncold)]
