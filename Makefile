@@ -2,7 +2,7 @@
 BUILD ?= build
 MESON := $(BUILD)/venv/bin/meson
 
-.PHONY: all setup guest demo check check-long bench clean distclean
+.PHONY: all setup guest demo check check-long bench install clean distclean
 
 all: setup
 	@test -f $(BUILD)/build.ninja || $(MESON) setup $(BUILD) . >/dev/null
@@ -25,6 +25,15 @@ check-long: guest
 
 bench: guest
 	@./scripts/bench.sh
+
+# The libvirt hook, in libvirt's qemu.d/ layout (libvirt >= 6.5 runs every
+# executable there), and its configuration unless one exists.
+HOOKS_DIR ?= $(DESTDIR)/etc/libvirt/hooks
+install:
+	install -D -m 0755 libvirt-hooks/qemu $(HOOKS_DIR)/qemu.d/50-hybridvm
+	test -e $(HOOKS_DIR)/hybridvm.conf || \
+		install -m 0644 libvirt-hooks/hybridvm.conf.example $(HOOKS_DIR)/hybridvm.conf
+	@echo "installed; restart libvirtd so that it notices new hooks"
 
 clean:
 	rm -rf $(BUILD)/qemu-build $(BUILD)/guest $(BUILD)/meson-* $(BUILD)/build.ninja

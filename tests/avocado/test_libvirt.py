@@ -2,6 +2,8 @@
 import os
 import random
 import shutil
+import subprocess
+import tempfile
 
 from hvtest import HybridVMTest
 
@@ -18,13 +20,20 @@ class VirshPostcopy(HybridVMTest):
         if reason:
             self.cancel(reason)
 
-    def hooks_dir(self, reserve):
-        """A hooks directory for a libvirtd instance: our hook and its config."""
-        d = os.path.join(self.workdir, f'hooks-{reserve}')
-        os.makedirs(d)
-        shutil.copy(HOOK, os.path.join(d, 'qemu'))
+    def hooks_dir(self, reserve, layout='plain', paths=None):
+        """A hooks directory for a libvirtd instance: our hook and its config,
+        as /etc/libvirt/hooks/qemu ('plain') or as `make install` puts it
+        ('qemu.d': hooks/qemu.d/50-hybridvm)."""
+        d = tempfile.mkdtemp(prefix='hooks-', dir=self.workdir)
+        if layout == 'qemu.d':
+            subprocess.run(['make', '-s', '-C', os.path.dirname(os.path.dirname(HOOK)),
+                            'install', f'HOOKS_DIR={d}'], check=True, capture_output=True)
+        else:
+            shutil.copy(HOOK, os.path.join(d, 'qemu'))
         with open(os.path.join(d, 'hybridvm.conf'), 'w') as f:
             f.write(f'[memory]\nreserve = {reserve}\n')
+            if paths:
+                f.write('[paths]\n' + ''.join(f'{a} = {b}\n' for a, b in paths.items()))
         return d
 
     def start_loaded_guest(self, pair, count=5000):
@@ -96,7 +105,8 @@ class VirshPostcopy(HybridVMTest):
         import hvlib
         from hvlib.libvirt import LibvirtPair
 
-        with LibvirtPair(log_dir=self.logdir, dst_hooks_dir=self.hooks_dir('100T')) as pair:
+        # The destination has the hook as `make install` lays it out.
+        with LibvirtPair(log_dir=self.logdir, dst_hooks_dir=self.hooks_dir('100T', 'qemu.d')) as pair:
             data, src_port, dst_xml, _ = self.start_loaded_guest(pair, count=500)
             cp = pair.src.virsh(*self.migrate_args(pair, dst_xml), check=False, timeout=600)
             self.assertNotEqual(cp.returncode, 0)
@@ -112,17 +122,24 @@ class VirshPostcopy(HybridVMTest):
         reachable, the RAM tier fits), `virsh migrate --live --postcopy
         --postcopy-after-precopy` moves it, the destination reads the file the
         guest flushed on the source, Redis values are intact, and after a clean
-        shutdown `qemu-img check` finds the image consistent."""
-        import subprocess
+        shutdown `qemu-img check` finds the image consistent.  The destination
+        reaches the shared storage under another directory: its hook (installed
+        in the qemu.d layout) rewrites the image path, and QEMU there opens it."""
         import hvlib
         from hvlib.libvirt import LibvirtPair, domain_xml
 
         qemu_img = self.paths.binary('qemu-img')
-        image = os.path.join(self.workdir, 'root.hybrid')
+        storage_src = os.path.join(self.workdir, 'storage-on-src')
+        storage_dst = os.path.join(self.workdir, 'storage-on-dst')  # same storage, other path
+        os.makedirs(storage_src)
+        os.symlink(storage_src, storage_dst)
+        image = os.path.join(storage_src, 'root.hybrid')
         subprocess.run([qemu_img, 'convert', '-O', 'hybrid', '-o', 'mode=async,ram-size=128M',
                         self.paths.guest_file('rootfs.ext4'), image], check=True)
 
-        with LibvirtPair(log_dir=self.logdir, hooks_dir=self.hooks_dir('64M')) as pair:
+        with LibvirtPair(log_dir=self.logdir, hooks_dir=self.hooks_dir('64M'),
+                         dst_hooks_dir=self.hooks_dir('64M', 'qemu.d',
+                                                      paths={storage_src: storage_dst})) as pair:
             src_port, dst_port = hvlib.free_port(), hvlib.free_port()
             consoles = {}
             for side, port in (('src', src_port), ('dst', dst_port)):
@@ -160,7 +177,9 @@ class VirshPostcopy(HybridVMTest):
             pair.dst.virsh('destroy', 'hvguest')
 
         with open(os.path.join(self.logdir, 'libvirt-dst', 'hybridvm-hook.log')) as f:
-            self.assertRegex(f.read(), r'hvguest: migrate: admitted \(guest 512 MiB; hybrid '
-                                       r'\S+root.hybrid ram-size 128 MiB\)')
+            self.assertIn(f'hvguest: migrate: admitted (guest 512 MiB; hybrid {storage_dst}/root.hybrid '
+                          f'ram-size 128 MiB); paths rewritten', f.read())
+        with open(os.path.join(self.logdir, 'libvirt-dst', 'qemu', 'hvguest.log')) as f:
+            self.assertIn(f'file.filename={storage_dst}/root.hybrid', f.read())
         cp = subprocess.run([qemu_img, 'check', '-f', 'hybrid', image], capture_output=True, text=True)
         self.assertEqual(cp.returncode, 0, cp.stdout + cp.stderr)
