@@ -32,7 +32,7 @@ fi
 echo "build-guest: building guest ($kpkg $kver_pkg)"
 work=$build/guest-work
 rm -rf "$work"
-mkdir -p "$work/deb" "$out"
+mkdir -p "$work/deb" "$out" "$build/src"
 
 # Kernel package: fetched once per version.
 deb=$(ls "$build"/src/"$kpkg"_*.deb 2>/dev/null | head -1 || true)
