@@ -1,0 +1,183 @@
+/*
+ * Unit tests for the app-assist reply parser (../resp.c).
+ *
+ * Copyright (c) 2026 hybridvm contributors
+ *
+ * SPDX-License-Identifier: GPL-2.0-or-later
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../resp.h"
+
+static int failures;
+
+#define EXPECT(cond) do { \
+    if (!(cond)) { \
+        fprintf(stderr, "%s:%d: FAILED: %s\n", __FILE__, __LINE__, #cond); \
+        failures++; \
+    } \
+} while (0)
+
+static AARespParser *p;
+
+/* Feed @s whole (or byte by byte); return the state. */
+static AARespState parse(const char *s, size_t len, int bytewise, AAReply *r)
+{
+    AARespState st = AA_RESP_MORE;
+    size_t i;
+
+    aa_resp_parser_reset(p);
+    if (!bytewise) {
+        return aa_resp_feed(p, s, len, r);
+    }
+    for (i = 0; i < len && st == AA_RESP_MORE; i++) {
+        st = aa_resp_feed(p, s + i, 1, r);
+    }
+    return st;
+}
+
+#define PARSE(s, bw, r) parse(s, sizeof(s) - 1, bw, r)
+
+static void test_module_reply(void)
+{
+    /* What redis-module/hybridmem.c sends on the port (RESP2 flat map). */
+    static const char s[] =
+        "*18\r\n$11\r\nfreed_bytes\r\n:73400320\r\n$5\r\nitems\r\n:42000\r\n"
+        "$11\r\nused_memory\r\n:1234567\r\n$3\r\nrss\r\n:7654321\r\n"
+        "$10\r\nrss_before\r\n:99999999\r\n$7\r\ntime_us\r\n:3512\r\n"
+        "$6\r\npolicy\r\n$4\r\ndrop\r\n$8\r\ncomplete\r\n:1\r\n"
+        "$5\r\nstate\r\n$8\r\nprepared\r\n";
+    int bw;
+
+    for (bw = 0; bw < 2; bw++) {
+        AAReply r;
+
+        EXPECT(PARSE(s, bw, &r) == AA_RESP_DONE);
+        EXPECT(r.has_freed_bytes && r.freed_bytes == 73400320);
+        EXPECT(r.has_items && r.items == 42000);
+        EXPECT(r.has_used_memory && r.used_memory == 1234567);
+        EXPECT(r.has_rss && r.rss == 7654321);
+        EXPECT(r.has_time_us && r.time_us == 3512);
+        EXPECT(!r.is_error && !r.is_status);
+    }
+}
+
+static void test_aliases_and_strings(void)
+{
+    AAReply r;
+
+    EXPECT(PARSE("*4\r\n$11\r\nFREED-BYTES\r\n$4\r\n4096\r\n$7\r\ntime_ms\r\n:3\r\n",
+                 0, &r) == AA_RESP_DONE);
+    EXPECT(r.freed_bytes == 4096 && r.time_us == 3000);
+}
+
+static void test_refusals(void)
+{
+    AAReply r;
+
+    EXPECT(PARSE("-ERR busy\r\n", 0, &r) == AA_RESP_DONE);
+    EXPECT(r.is_error && !strcmp(r.message, "ERR busy"));
+    EXPECT(PARSE("-ERR \x01\xff\r\n", 0, &r) == AA_RESP_DONE);
+    EXPECT(!strcmp(r.message, "ERR ??"));
+    EXPECT(PARSE("+OK\r\n", 0, &r) == AA_RESP_DONE && r.is_status);
+}
+
+static void test_strict_types(void)
+{
+    AAReply r;
+
+    /* negative, text, float, nil, nested array as the value */
+    EXPECT(PARSE("*2\r\n$11\r\nfreed_bytes\r\n:-1\r\n", 0, &r) == AA_RESP_ERROR);
+    EXPECT(PARSE("*2\r\n$11\r\nfreed_bytes\r\n$3\r\n1e9\r\n", 0, &r) == AA_RESP_ERROR);
+    EXPECT(PARSE("*2\r\n$11\r\nfreed_bytes\r\n$0\r\n\r\n", 0, &r) == AA_RESP_ERROR);
+    EXPECT(PARSE("*2\r\n$11\r\nfreed_bytes\r\n$-1\r\n", 0, &r) == AA_RESP_ERROR);
+    EXPECT(PARSE("*2\r\n$11\r\nfreed_bytes\r\n*1\r\n:1\r\n", 0, &r) == AA_RESP_ERROR);
+    /* 20 digits overflow */
+    EXPECT(PARSE("*2\r\n$11\r\nfreed_bytes\r\n$20\r\n99999999999999999999\r\n", 0, &r)
+           == AA_RESP_ERROR);
+    /* odd count, integer key, missing freed-bytes, not an array */
+    EXPECT(PARSE("*1\r\n$11\r\nfreed_bytes\r\n", 0, &r) == AA_RESP_ERROR);
+    EXPECT(PARSE("*2\r\n:1\r\n:2\r\n", 0, &r) == AA_RESP_ERROR);
+    EXPECT(PARSE("*2\r\n$5\r\nitems\r\n:2\r\n", 0, &r) == AA_RESP_ERROR);
+    EXPECT(PARSE(":5\r\n", 0, &r) == AA_RESP_ERROR);
+    EXPECT(PARSE("*0\r\n", 0, &r) == AA_RESP_ERROR);
+    /* RESP3 map: not RESP2 */
+    EXPECT(PARSE("%1\r\n$11\r\nfreed_bytes\r\n:1\r\n", 0, &r) == AA_RESP_ERROR);
+    /* scale overflow */
+    EXPECT(PARSE("*4\r\n$11\r\nfreed_bytes\r\n:1\r\n$7\r\ntime_ms\r\n:9223372036854775807\r\n",
+                 0, &r) == AA_RESP_ERROR);
+}
+
+static void test_limits(void)
+{
+    static char big[AA_RESP_MAX_BYTES + 100];
+    AAReply r;
+    int n;
+
+    /* element count */
+    EXPECT(PARSE("*2000000000\r\n", 0, &r) == AA_RESP_ERROR);
+    EXPECT(PARSE("*65\r\n", 0, &r) == AA_RESP_ERROR);
+    /* nesting */
+    EXPECT(PARSE("*1\r\n*1\r\n*1\r\n:1\r\n", 0, &r) == AA_RESP_ERROR);
+    /* long key */
+    n = snprintf(big, sizeof(big), "*2\r\n$300\r\n%0300d\r\n:1\r\n", 0);
+    EXPECT(parse(big, n, 0, &r) == AA_RESP_ERROR);
+    /* a bulk string announced huge, and bytes beyond the byte limit */
+    EXPECT(PARSE("$1000000000\r\n", 0, &r) == AA_RESP_MORE);
+    memset(big, 'a', sizeof(big));
+    EXPECT(aa_resp_feed(p, big, sizeof(big), &r) == AA_RESP_ERROR);
+    EXPECT(strstr(aa_resp_error(p), "longer than"));
+    /* many small pieces add up too */
+    aa_resp_parser_reset(p);
+    EXPECT(aa_resp_feed(p, "+", 1, &r) == AA_RESP_MORE);
+    for (n = 0; n < AA_RESP_MAX_BYTES / 1024; n++) {
+        aa_resp_feed(p, big, 1024, &r);
+    }
+    EXPECT(aa_resp_feed(p, big, 1, &r) == AA_RESP_ERROR);
+    /* 64 elements is allowed */
+    {
+        char *s = big;
+        int i;
+
+        s += sprintf(s, "*64\r\n$11\r\nfreed_bytes\r\n:7\r\n");
+        for (i = 2; i < 64; i += 2) {
+            s += sprintf(s, "$3\r\nk%02d\r\n:1\r\n", i);
+        }
+        EXPECT(parse(big, s - big, 1, &r) == AA_RESP_DONE && r.freed_bytes == 7);
+    }
+}
+
+static void test_sticky_and_reset(void)
+{
+    AAReply r;
+
+    EXPECT(PARSE("garbage\r\n", 0, &r) == AA_RESP_ERROR);
+    EXPECT(aa_resp_feed(p, "*2\r\n$5\r\nfreed\r\n:1\r\n", 19, &r) == AA_RESP_ERROR);
+    EXPECT(PARSE("*2\r\n$5\r\nfreed\r\n:1\r\n", 0, &r) == AA_RESP_DONE);
+    EXPECT(r.freed_bytes == 1);
+    /* bytes after a complete reply are ignored */
+    EXPECT(aa_resp_feed(p, "garbage", 7, &r) == AA_RESP_DONE);
+}
+
+int main(void)
+{
+    p = aa_resp_parser_new();
+    if (!p) {
+        return 1;
+    }
+    test_module_reply();
+    test_aliases_and_strings();
+    test_refusals();
+    test_strict_types();
+    test_limits();
+    test_sticky_and_reset();
+    aa_resp_parser_free(p);
+    if (failures) {
+        fprintf(stderr, "test-resp: %d failures\n", failures);
+        return 1;
+    }
+    printf("test-resp: all passed\n");
+    return 0;
+}

@@ -1,0 +1,150 @@
+"""App-assisted post-copy with Redis and our module in the guest.
+
+The same data set (70 % of it cold in the module's arena) is migrated twice
+with post-copy: stock, and with app-assist.  The assisted migration must send
+fewer bytes by at least 80 % of the cold bytes the module reported freed; on
+the destination the hot items read back, the cold ones are misses (policy
+drop), the balloon is back to its full size and the module was resumed.
+"""
+import os
+import random
+import time
+
+from hvtest import HybridVMTest
+from test_app_assist import LINK_PORTS, MiB, balloon_actual, port_args, wait_for
+
+BANDWIDTH = 125_000_000     # 1 Gbit/s
+
+
+class Dataset(list):
+    """(key, value) pairs; a short repr keeps avocado's locals dump small."""
+
+    def __repr__(self):
+        return f'<{len(self)} items>'
+
+    def __getitem__(self, index):
+        item = super().__getitem__(index)
+        return Dataset(item) if isinstance(index, slice) else item
+
+
+def dataset(seed, count, size):
+    rng = random.Random(seed)
+    return Dataset((f'k{i}', rng.randbytes(size)) for i in range(count))
+
+
+class AppAssistRedis(HybridVMTest):
+
+    MEM = '1G'
+    COUNT = int(os.environ.get('HYBRIDVM_AA_ITEMS', 60000))
+    SIZE = 1024
+    HOT = 0.3
+
+    def redis_guest(self, name, incoming=None):
+        return self.guest(name, mem=self.MEM, module=True, incoming=incoming,
+                          args=port_args(1))
+
+    def load(self, src, data):
+        """Load `data`, make everything cold, then read the hot 30 % back
+        (an access promotes an item).  Returns (hot, cold) lists."""
+        src.wait_console(r'HV-READY redis', timeout=120)
+        src.run(LINK_PORTS)
+        r = src.redis()
+        if 'appassist_state' not in r.info('appassist'):
+            self.cancel('the guest image has no Redis module (build redis-module, '
+                        'then scripts/build-guest.sh)')
+        for i in range(0, len(data), 2000):
+            pipe = r.pipeline(transaction=False)
+            for k, v in data[i:i + 2000]:
+                pipe.set(k, v)
+            pipe.execute()
+        for k, v in {'hot-percent': 0, 'min-idle-ms': 0, 'interval-ms': 1}.items():
+            r.config_set(f'appassist.{k}', v)
+        deadline = time.monotonic() + 120
+        while r.info('appassist')['appassist_cold_items'] < len(data):
+            r.execute_command('APPASSIST.DEMOTE', 1000)
+            self.assertLess(time.monotonic(), deadline, 'demotion did not finish')
+        r.config_set('appassist.demote', 'no')
+        nhot = int(len(data) * self.HOT)
+        hot, cold = data[:nhot], data[nhot:]
+        for i in range(0, nhot, 1000):
+            chunk = hot[i:i + 1000]
+            self.assertTrue(r.mget([k for k, _ in chunk]) == [v for _, v in chunk],
+                            'hot items differ')
+        info = r.info('appassist')
+        self.assertEqual(info['appassist_cold_items'], len(cold))
+        wait_for(lambda: r.info('appassist')['appassist_port_connected'] == 1, 30,
+                 'the module to open its port')
+        self.log.info('%s: loaded %d items, %d cold (%d bytes in arena)', src.name, len(data),
+                      len(cold), info['appassist_cold_bytes'])
+        r.close()
+        return hot, cold
+
+    def migrate(self, src, dst, assisted):
+        import hvlib
+        caps = ['app-assist'] if assisted else []
+        return hvlib.migrate_postcopy(src, dst, precopy_seconds=1.0, bandwidth=BANDWIDTH,
+                                      capabilities=caps, timeout=600)
+
+    def test_stock_vs_assisted(self):
+        """Stock vs app-assisted post-copy of the same Redis data set."""
+        data = dataset(5, self.COUNT, self.SIZE)
+
+        # 1. Stock post-copy.
+        src = self.redis_guest('stock-src').launch()
+        self.load(src, data)
+        dst = self.redis_guest('stock-dst', incoming='defer').launch()
+        stock = self.migrate(src, dst, assisted=False)
+        self.log.info('stock: %s', stock.row())
+        self.assertEqual(stock.status, 'completed')
+        r = dst.redis()
+        self.assertEqual(r.dbsize(), len(data))     # DBSIZE counts cold items too
+        sample = data[-1000:]
+        self.assertTrue(r.mget([k for k, _ in sample]) == [v for _, v in sample],
+                        'items differ on the destination')
+        r.close()
+        src.shutdown()
+        dst.shutdown()
+
+        # 2. App-assisted post-copy.
+        src = self.redis_guest('aa-src').launch()
+        hot, cold = self.load(src, data)
+        full = balloon_actual(src)
+        dst = self.redis_guest('aa-dst', incoming='defer').launch()
+        aa = self.migrate(src, dst, assisted=True)
+        info = aa.info['app-assist']
+        self.log.info('assisted: %s', aa.row())
+        self.log.info('app-assist: %s', info)
+        self.assertEqual(aa.status, 'completed')
+        self.assertEqual(info['status'], 'completed')
+        self.assertEqual(info['apps-answered'], 1)
+        port = info['ports'][0]
+        self.assertEqual(port['items'], len(cold))
+        freed = info['freed-bytes']
+        self.assertGreater(freed, len(cold) * self.SIZE * 0.9)
+        self.assertLessEqual(info['balloon-reached'], info['balloon-target'])
+        saved = stock.transferred_bytes - aa.transferred_bytes
+        self.log.info('transferred: stock %d, assisted %d, saved %d = %.0f %% of the %d '
+                      'freed bytes; setup %d ms (prepare %d, balloon %d)',
+                      stock.transferred_bytes, aa.transferred_bytes, saved,
+                      100 * saved / freed, freed, aa.setup_time_ms, info['prepare-time'],
+                      info['balloon-time'])
+        self.assertGreaterEqual(saved, 0.8 * freed)
+        self.assertGreaterEqual(aa.setup_time_ms, info['prepare-time'] + info['balloon-time'])
+
+        # Destination: hot items intact, cold ones dropped, module resumed,
+        # balloon back to its full size.
+        wait_for(lambda: balloon_actual(dst) == full, 60, 'the balloon to deflate')
+        r = dst.redis()
+        for i in range(0, len(hot), 1000):
+            chunk = hot[i:i + 1000]
+            self.assertTrue(r.mget([k for k, _ in chunk]) == [v for _, v in chunk],
+                            'hot items differ on the destination')
+        for i in range(0, len(cold), 1000):
+            chunk = cold[i:i + 1000]
+            self.assertEqual(r.mget([k for k, _ in chunk]), [None] * len(chunk))
+        self.assertEqual(r.dbsize(), len(hot))
+        wait_for(lambda: r.info('appassist')['appassist_resumes'] == 1, 30, 'RESUME')
+        self.assertEqual(r.info('appassist')['appassist_state'], 'normal')
+        self.assertEqual(dst.qmp('query-migrate')['app-assist']['status'], 'resumed')
+        self.assertTrue(r.set('after-migration', b'1'))
+        r.close()
