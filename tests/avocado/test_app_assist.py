@@ -263,3 +263,23 @@ class AppAssist(HybridVMTest):
         self.assertIn('APPASSIST.ABORT', out)
         self.assertEqual(src.qmp('query-status')['status'], 'running')
         src.run('true')     # the guest still answers
+
+    def test_postcopy_preempt(self):
+        """With postcopy-preempt (libvirt turns it on when both sides have
+        it) the assisted migration completes and the app is resumed."""
+        import hvlib
+        src, dst = self.boot_pair(1)
+        full = balloon_actual(src)
+        start_app(src, 'good', 0, 48 * MiB)
+        src.run('while [ ! -e /tmp/app-0.sh ]; do sleep 0.1; done')
+        res = hvlib.migrate_postcopy(src, dst, precopy_seconds=0.2, bandwidth=50_000_000,
+                                     capabilities=['app-assist', 'postcopy-preempt'])
+        self.assertEqual(res.status, 'completed')
+        self.assertTrue(res.switched_to_postcopy)
+        aa = res.info['app-assist']
+        self.assertEqual(aa['status'], 'completed')
+        self.assertEqual(aa['balloon-target'], full - 48 * MiB)
+        wait_for(lambda: balloon_actual(dst) == full, 60, 'balloon deflated on the destination')
+        out = wait_for(lambda: 'RESUME' in dst.run('cat /tmp/app-0.log') and
+                       dst.run('cat /tmp/app-0.log'), 30, 'RESUME on the destination')
+        self.assertIn('APPASSIST.RESUME', out)

@@ -1,0 +1,400 @@
+#!/usr/bin/env python3
+"""Benchmark: app-assisted post-copy against the alternatives, Redis in the guest.
+
+For each configuration a fresh source guest is booted, loaded with the same
+data set (`--items` values of `--size` bytes, `--hot` of them hot), and
+migrated to a fresh destination over tcp:127.0.0.1 with the bandwidth capped
+(default 1 Gbit/s), while a load generator on the host GETs hot keys
+(following the guest to the destination when the source stops answering).
+
+Configurations (--configs, comma-separated):
+  precopy       stock pre-copy
+  precopy-fph   pre-copy, virtio-balloon free-page-hint=on
+  postcopy      stock post-copy (postcopy-ram, switch after --precopy-seconds)
+  design        the design's way: stock Redis, scan every key and delete the
+                cold ones, MEMORY PURGE, balloon by the RSS that went away,
+                then post-copy (the scan/delete/balloon time counts as set-up)
+  ours          our module + app-assist capability, post-copy
+  ours-fpr      our module + app-assist without ballooning, free-page
+                reporting on the balloon instead
+Writes a Markdown table and PNG charts into --out (docs/bench by default) and
+the raw figures as JSON.  Only measured numbers go there.
+"""
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import sys
+import threading
+import time
+
+TOP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(TOP, 'tests'))
+sys.path.insert(0, os.path.join(TOP, 'tests', 'avocado'))
+
+import hvlib  # noqa: E402
+from hvlib.vm import free_port  # noqa: E402
+
+MiB = 1 << 20
+PORT_NAME = 'org.qemu.app-assist.0'
+LINK_PORTS = ('mkdir -p /dev/virtio-ports; for p in /sys/class/virtio-ports/vport*; do '
+              'ln -sf /dev/${p##*/} /dev/virtio-ports/$(cat $p/name); done')
+CONFIGS = ['precopy', 'precopy-fph', 'postcopy', 'design', 'ours', 'ours-fpr']
+
+
+def log(msg):
+    print(f'[{time.strftime("%H:%M:%S")}] {msg}', flush=True)
+
+
+def guest_args(config):
+    args = ['-device', 'virtio-serial-pci,id=vser0',
+            '-chardev', 'app-assist,id=aa0',
+            '-device', f'virtserialport,bus=vser0.0,chardev=aa0,name={PORT_NAME}']
+    balloon = 'virtio-balloon-pci,id=balloon0'
+    if config == 'precopy-fph':
+        args += ['-object', 'iothread,id=bio0']
+        balloon += ',free-page-hint=on,iothread=bio0'
+    if config == 'ours-fpr':
+        balloon += ',free-page-reporting=on'
+    return args + ['-device', balloon]
+
+
+class Load:
+    """Host load generator: GET random hot keys in a loop, one connection,
+    recording (time, latency) per request; moves to the destination's port
+    when the source stops answering."""
+
+    def __init__(self, ports, keys):
+        import redis
+        self.redis = redis
+        self.ports = list(ports)
+        self.keys = keys
+        self.samples = []       # (t, latency s)
+        self.errors = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        rng = random.Random(1)
+        idx = 0
+        client = None
+        while not self.stop.is_set():
+            if client is None:
+                client = self.redis.Redis(host='127.0.0.1', port=self.ports[idx],
+                                          socket_timeout=2, socket_connect_timeout=1)
+            t0 = time.monotonic()
+            try:
+                client.get(self.keys[rng.randrange(len(self.keys))])
+                self.samples.append((t0, time.monotonic() - t0))
+            except (self.redis.ConnectionError, self.redis.TimeoutError):
+                self.errors += 1
+                client.close()
+                client = None
+                idx = min(idx + 1, len(self.ports) - 1) if self.errors > 1 else idx
+                time.sleep(0.05)
+        if client:
+            client.close()
+
+    def figures(self, t_start, t_end):
+        lat = sorted(d for t, d in self.samples if t_start <= t <= t_end)
+        span = max(t_end - t_start, 1e-3)
+        if not lat:
+            return {'ops/s': 0, 'p50 (ms)': None, 'p99 (ms)': None, 'max (ms)': None}
+        return {'ops/s': round(len(lat) / span),
+                'p50 (ms)': round(1000 * lat[len(lat) // 2], 2),
+                'p99 (ms)': round(1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))], 2),
+                'max (ms)': round(1000 * lat[-1], 1)}
+
+
+def load_data(g, args, module):
+    r = g.redis(timeout=120)
+    size, n = args.size, args.items
+    rng = random.Random(7)
+    blob = rng.randbytes(size + 4096)
+    t0 = time.monotonic()
+    for i in range(0, n, 5000):
+        pipe = r.pipeline(transaction=False)
+        for j in range(i, min(n, i + 5000)):
+            off = j % 4096
+            pipe.set(f'{j:x}', blob[off:off + size])
+        pipe.execute()
+    nhot = int(n * args.hot)
+    log(f'{g.name}: loaded {n} items in {time.monotonic() - t0:.0f} s')
+    if module:
+        for k, v in {'hot-percent': 0, 'min-idle-ms': 0, 'interval-ms': 1}.items():
+            r.config_set(f'appassist.{k}', v)
+        while r.info('appassist')['appassist_cold_items'] < n:
+            r.execute_command('APPASSIST.DEMOTE', 1000)
+        r.config_set('appassist.demote', 'no')
+        for i in range(0, nhot, 5000):
+            r.mget([f'{j:x}' for j in range(i, min(nhot, i + 5000))])
+        info = r.info('appassist')
+        log(f'{g.name}: {info["appassist_cold_items"]} cold items, '
+            f'{info["appassist_cold_bytes"]} bytes in the arena')
+    r.close()
+    return [f'{j:x}' for j in range(nhot)]
+
+
+def design_prepare(g, args):
+    """The design's way: scan every key, delete the cold ones, purge, balloon
+    by the RSS that went away.  Returns (seconds, freed bytes, balloon s)."""
+    r = g.redis()
+    nhot = int(args.items * args.hot)
+    t0 = time.monotonic()
+    rss0 = r.info('memory')['used_memory_rss']
+    cursor = 0
+    while True:
+        cursor, keys = r.scan(cursor, count=5000)
+        cold = [k for k in keys if int(k, 16) >= nhot]
+        if cold:
+            r.delete(*cold)
+        if cursor == 0:
+            break
+    r.execute_command('MEMORY', 'PURGE')
+    rss1 = r.info('memory')['used_memory_rss']
+    t_scan = time.monotonic() - t0
+    freed = max(0, rss0 - rss1)
+    r.close()
+    t1 = time.monotonic()
+    actual = g.qmp('query-balloon')['actual']
+    if freed >= 4 * MiB:
+        target = actual - freed
+        g.qmp('balloon', value=target)
+        last, progress = actual, time.monotonic()
+        while time.monotonic() - t1 < 15:
+            cur = g.qmp('query-balloon')['actual']
+            if cur <= target:
+                break
+            if cur < last:
+                last, progress = cur, time.monotonic()
+            elif time.monotonic() - progress > 3:
+                break
+            time.sleep(0.05)
+    return t_scan, freed, time.monotonic() - t1
+
+
+def migrate(src, dst, config, args):
+    postcopy = config not in ('precopy', 'precopy-fph')
+    caps = []
+    if postcopy:
+        caps.append({'capability': 'postcopy-ram', 'state': True})
+    if config.startswith('ours'):
+        caps.append({'capability': 'app-assist', 'state': True})
+    for g in (src, dst):
+        if caps:
+            g.qmp('migrate-set-capabilities', capabilities=caps)
+    params = {'max-bandwidth': args.bandwidth, 'max-postcopy-bandwidth': args.bandwidth,
+              'downtime-limit': 300}
+    if config == 'ours-fpr':
+        params['app-assist-balloon'] = False
+    src.qmp('migrate-set-parameters', **params)
+    uri = f'tcp:127.0.0.1:{free_port()}'
+    dst.qmp('migrate-incoming', uri=uri)
+    t0 = time.monotonic()
+    src.qmp('migrate', uri=uri)
+    switched = False
+    while True:
+        info = src.qmp('query-migrate')
+        st = info.get('status')
+        if st == 'completed':
+            break
+        if st in ('failed', 'cancelled'):
+            raise RuntimeError(f'{config}: migration {st}: {info.get("error-desc")}')
+        # Like virsh migrate --postcopy-after-precopy: switch once the first
+        # pass is done (second dirty sync), or after --precopy-seconds if set.
+        first_pass_done = info.get('ram', {}).get('dirty-sync-count', 0) >= 2
+        if (postcopy and not switched and st == 'active' and
+                (first_pass_done if args.precopy_seconds is None else
+                 time.monotonic() - t0 - info.get('setup-time', 0) / 1000 >= args.precopy_seconds)):
+            src.qmp('migrate-start-postcopy')
+            switched = True
+        if time.monotonic() - t0 > args.timeout:
+            raise RuntimeError(f'{config}: migration not done after {args.timeout} s')
+        time.sleep(0.02)
+    t1 = time.monotonic()
+    while dst.qmp('query-status')['status'] != 'running':
+        time.sleep(0.05)
+    return info, switched, t0, t1
+
+
+def run_config(config, args, logdir):
+    # Our module is transparent to clients: every configuration runs it (it
+    # holds the cold items in its arena) except the design's, which is stock
+    # Redis deleting its cold keys itself.
+    module = config != 'design'
+    log(f'=== {config}')
+    kw = dict(mem=args.mem, module=module, balloon=False, args=guest_args(config))
+    src = hvlib.Guest(f'{config}-src', logdir, **kw)
+    dst = None
+    try:
+        src.launch()
+        src.wait_console(r'HV-READY redis', timeout=180)
+        src.run(LINK_PORTS)
+        hot = load_data(src, args, module)
+        if module:
+            r = src.redis()
+            deadline = time.monotonic() + 30
+            while r.info('appassist')['appassist_port_connected'] != 1:
+                if time.monotonic() > deadline:
+                    raise RuntimeError('the module did not open its port')
+                time.sleep(0.2)
+            r.close()
+        pre = None
+        if config == 'design':
+            pre = design_prepare(src, args)
+            log(f'design: scan+delete {pre[0]:.1f} s, RSS freed {pre[1]} bytes, '
+                f'balloon {pre[2]:.1f} s')
+        dst = hvlib.Guest(f'{config}-dst', logdir, incoming='defer', **kw).launch()
+        load = Load([src.redis_port, dst.redis_port], hot)
+        load.thread.start()
+        time.sleep(1.0)
+        t_before = time.monotonic()
+        info, switched, t0, t1 = migrate(src, dst, config, args)
+        time.sleep(1.0)
+        load.stop.set()
+        load.thread.join(10)
+        ram = info.get('ram', {})
+        row = {
+            'config': config,
+            'transferred (MiB)': round(ram.get('transferred', 0) / MiB, 1),
+            'total time (ms)': info.get('total-time'),
+            'setup time (ms)': info.get('setup-time'),
+            'downtime (ms)': info.get('downtime'),
+            'switched to post-copy': switched,
+            'post-copy requests': ram.get('postcopy-requests', 0),
+        }
+        if pre:
+            # The design prepares before the migration starts: count it.
+            extra = round(1000 * (pre[0] + pre[2]))
+            row['setup time (ms)'] += extra
+            row['total time (ms)'] += extra
+            row['freed (MiB)'] = round(pre[1] / MiB, 1)
+            row['prepare (ms)'] = round(1000 * pre[0])
+            row['balloon (ms)'] = round(1000 * pre[2])
+        aa = info.get('app-assist')
+        if aa:
+            row['freed (MiB)'] = round(aa['freed-bytes'] / MiB, 1)
+            row['prepare (ms)'] = aa['prepare-time']
+            row['balloon (ms)'] = aa['balloon-time']
+            row['app-assist'] = aa
+        before = load.figures(t_before - 1.0, t_before)
+        during = load.figures(t0, t1)
+        row['load before: ops/s'] = before['ops/s']
+        row['load during: ops/s'] = during['ops/s']
+        row['load during: p50 (ms)'] = during['p50 (ms)']
+        row['load during: p99 (ms)'] = during['p99 (ms)']
+        row['load during: max (ms)'] = during['max (ms)']
+        log(f'{config}: {json.dumps({k: v for k, v in row.items() if k != "app-assist"})}')
+        return row
+    finally:
+        for g in (dst, src):
+            if g:
+                g.shutdown()
+
+
+def write_report(rows, args, out):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, 'app-assist.json'), 'w') as f:
+        json.dump({'args': vars(args), 'rows': rows}, f, indent=1)
+    cols = ['config', 'transferred (MiB)', 'total time (ms)', 'setup time (ms)',
+            'prepare (ms)', 'balloon (ms)', 'freed (MiB)', 'downtime (ms)',
+            'post-copy requests', 'load before: ops/s', 'load during: ops/s',
+            'load during: p50 (ms)', 'load during: p99 (ms)', 'load during: max (ms)']
+    lines = ['| ' + ' | '.join(cols) + ' |', '|' + '---|' * len(cols)]
+    for r in rows:
+        lines.append('| ' + ' | '.join('' if r.get(c) is None else str(r.get(c))
+                                       for c in cols) + ' |')
+    base = {r['config']: r for r in rows}
+    notes = []
+    if 'postcopy' in base and 'ours' in base:
+        p, o = base['postcopy'], base['ours']
+        cold = args.items * (1 - args.hot) * args.size
+        saved = (p['transferred (MiB)'] - o['transferred (MiB)']) * MiB
+        notes.append(f'- ours vs stock post-copy: transferred {o["transferred (MiB)"]} vs '
+                     f'{p["transferred (MiB)"]} MiB, saved {saved / MiB:.1f} MiB = '
+                     f'{100 * saved / (o["freed (MiB)"] * MiB):.0f} % of the '
+                     f'{o["freed (MiB)"]} MiB the module freed ({100 * saved / cold:.0f} % of the '
+                     f'{cold / MiB:.1f} MiB of cold values); total time '
+                     f'{o["total time (ms)"] / p["total time (ms)"]:.2f}x stock post-copy; '
+                     f'assist set-up {o["prepare (ms)"] + o["balloon (ms)"]} ms = '
+                     f'{100 * (o["prepare (ms)"] + o["balloon (ms)"]) / o["total time (ms)"]:.1f} %'
+                     f' of total time.')
+    text = [f'# App-assisted post-copy: benchmark ({time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})',
+            '',
+            f'Generated by `bench/app-assist.py` ({" ".join(sys.argv[1:]) or "defaults"}): '
+            f'{args.mem} TCG guest, {args.items} Redis items of {args.size} bytes, '
+            f'{int(100 * args.hot)} % hot, bandwidth {args.bandwidth * 8 / 1e9:.1f} Gbit/s, '
+            'post-copy ' + (f'after {args.precopy_seconds} s of pre-copy'
+                            if args.precopy_seconds is not None else
+                            'after the first pre-copy pass (like virsh --postcopy-after-precopy)') +
+            '. Every configuration but the design\'s runs our Redis module (cold items in '
+            'its arena); the design\'s runs stock Redis 7.0. One run per '
+            'configuration on a shared 2-core machine under TCG: compare ratios, not absolute '
+            'times. Load = one host client GETting hot keys (follows the guest to the '
+            'destination).', '', *lines, '', *notes, '',
+            '![transferred](app-assist-transferred.png) ![time](app-assist-time.png)', '']
+    with open(os.path.join(out, 'app-assist.md'), 'w') as f:
+        f.write('\n'.join(text))
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log('matplotlib missing: no charts')
+        return
+    rows = [r for r in rows if 'transferred (MiB)' in r]
+    names = [r['config'] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(names, [r['transferred (MiB)'] for r in rows], color='tab:blue')
+    ax.set_ylabel('MiB transferred')
+    ax.set_title('Memory transferred')
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, 'app-assist-transferred.png'), dpi=100)
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    setup = [r['setup time (ms)'] / 1000 for r in rows]
+    rest = [(r['total time (ms)'] - r['setup time (ms)']) / 1000 for r in rows]
+    ax.bar(names, setup, label='set-up', color='tab:orange')
+    ax.bar(names, rest, bottom=setup, label='rest of migration', color='tab:blue')
+    ax.set_ylabel('seconds')
+    ax.set_title('Total migration time (set-up stacked)')
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, 'app-assist-time.png'), dpi=100)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument('--mem', default='2G')
+    ap.add_argument('--items', type=int, default=1_000_000)
+    ap.add_argument('--size', type=int, default=100)
+    ap.add_argument('--hot', type=float, default=0.3)
+    ap.add_argument('--bandwidth', type=int, default=125_000_000, help='bytes/s')
+    ap.add_argument('--precopy-seconds', type=float, default=None,
+                    help='switch to post-copy after this long (default: after the first pass)')
+    ap.add_argument('--timeout', type=float, default=900)
+    ap.add_argument('--configs', default=','.join(CONFIGS))
+    ap.add_argument('--out', default=os.path.join(TOP, 'docs', 'bench'))
+    ap.add_argument('--logdir', default=None)
+    args = ap.parse_args()
+    build = os.environ.get('HYBRIDVM_BUILD') or os.path.join(TOP, 'build')
+    logdir = args.logdir or os.path.join(build, 'bench', time.strftime('app-assist-%Y%m%d-%H%M%S'))
+    log(f'logs in {logdir}')
+    rows = []
+    for config in args.configs.split(','):
+        if config not in CONFIGS:
+            ap.error(f'unknown configuration {config}')
+        try:
+            rows.append(run_config(config, args, logdir))
+        except Exception as exc:  # one broken configuration must not hide the others
+            log(f'{config}: FAILED: {exc!r}')
+            rows.append({'config': f'{config} (failed: {str(exc)[:80]})'})
+    args.logdir = logdir
+    write_report(rows, args, args.out)
+    log(f'report in {args.out}/app-assist.md')
+
+
+if __name__ == '__main__':
+    main()
