@@ -54,6 +54,7 @@
 #define HYBRID_OPT_RESTORE      "restore"
 #define HYBRID_OPT_RAW          "raw"
 #define HYBRID_OPT_BLOCK_SIZE   "block-size"
+#define HYBRID_OPT_PROMOTE_SIZE "promote-size"
 
 #define HYBRID_DEFAULT_DIRTY_LIMIT  (256 * MiB)
 /* Restore reads this much per request; also the dedup bounce buffer size */
@@ -488,6 +489,158 @@ hybrid_load_block(BDRVHybridState *s, uint64_t idx, bool overwrite)
     return ret;
 }
 
+/* ---- promotion beyond the boundary ---- */
+
+static void hybrid_hot_drop(BDRVHybridState *s, HybridHot *h)
+{
+    g_hash_table_remove(s->hot, &h->idx);
+    if (!h->loading) {
+        QTAILQ_REMOVE(&s->hot_lru, h, lru);
+    }
+    qemu_vfree(h->data);
+    g_free(h);
+}
+
+static void hybrid_hot_drop_all(BDRVHybridState *s)
+{
+    GHashTableIter it;
+    gpointer value;
+
+    if (!s->hot) {
+        return;
+    }
+    g_hash_table_iter_init(&it, s->hot);
+    while (g_hash_table_iter_next(&it, NULL, &value)) {
+        HybridHot *h = value;
+
+        assert(!h->loading);
+        QTAILQ_REMOVE(&s->hot_lru, h, lru);
+        g_hash_table_iter_remove(&it);
+        qemu_vfree(h->data);
+        g_free(h);
+    }
+}
+
+/* Count a child read of block @idx; true when it has turned hot. */
+static bool hybrid_heat(BDRVHybridState *s, uint64_t idx)
+{
+    uint32_t i = (idx * 0x9E3779B97F4A7C15ULL) >> 52;   /* 12 bits */
+
+    if (++s->heat_ops % (HYBRID_HEAT_SLOTS * 16) == 0) {
+        /* Decay, so that blocks hot long ago lose their claim */
+        for (int j = 0; j < HYBRID_HEAT_SLOTS; j++) {
+            s->heat[j] >>= 1;
+        }
+    }
+    if (s->heat[i] < UINT8_MAX) {
+        s->heat[i]++;
+    }
+    return s->heat[i] >= HYBRID_HEAT_PROMOTE;
+}
+
+/*
+ * Bring block @idx (beyond the boundary) into RAM, demoting the least
+ * recently used promoted block when full.
+ */
+static void coroutine_fn GRAPH_RDLOCK
+hybrid_promote(BDRVHybridState *s, uint64_t idx)
+{
+    HybridHot *h;
+    int ret;
+
+    if (g_hash_table_contains(s->hot, &idx)) {
+        return;
+    }
+    if (g_hash_table_size(s->hot) >= s->promote_blocks) {
+        h = QTAILQ_FIRST(&s->hot_lru);
+        if (!h) {
+            return;     /* all in flight */
+        }
+        trace_hybrid_demote(s, h->idx);
+        hybrid_hot_drop(s, h);
+        s->demotions++;
+    }
+    h = g_new0(HybridHot, 1);
+    h->data = qemu_try_blockalign(s->bs->file->bs, s->block_size);
+    if (!h->data) {
+        g_free(h);
+        return;
+    }
+    h->idx = idx;
+    h->loading = true;
+    g_hash_table_insert(s->hot, &h->idx, h);
+    ret = bdrv_co_pread(s->bs->file, hybrid_host_offset(s, idx << s->block_shift),
+                        hybrid_block_len(s, idx), h->data, 0);
+    h->loading = false;
+    QTAILQ_INSERT_TAIL(&s->hot_lru, h, lru);
+    trace_hybrid_promote(s, idx, ret, h->stale);
+    if (ret < 0 || h->stale) {
+        hybrid_hot_drop(s, h);
+        return;
+    }
+    s->promotions++;
+}
+
+/* Usable promoted copy of block @idx, or NULL. */
+static HybridHot *hybrid_hot_get(BDRVHybridState *s, uint64_t idx)
+{
+    HybridHot *h;
+
+    if (!s->hot) {
+        return NULL;
+    }
+    h = g_hash_table_lookup(s->hot, &idx);
+    if (!h || h->loading) {
+        return NULL;
+    }
+    QTAILQ_REMOVE(&s->hot_lru, h, lru);
+    QTAILQ_INSERT_TAIL(&s->hot_lru, h, lru);
+    return h;
+}
+
+/*
+ * A write beyond the boundary is about to go to the child: keep promoted
+ * copies equal to it (or mark loading ones stale).
+ */
+static void hybrid_hot_write(BDRVHybridState *s, int64_t offset,
+                             int64_t bytes, QEMUIOVector *qiov, size_t qoff)
+{
+    while (bytes > 0) {
+        uint64_t idx = offset >> s->block_shift;
+        uint32_t boff = offset & (s->block_size - 1);
+        uint32_t len = MIN(bytes, s->block_size - boff);
+        HybridHot *h = g_hash_table_lookup(s->hot, &idx);
+
+        if (h && h->loading) {
+            h->stale = true;
+        } else if (h && qiov) {
+            qemu_iovec_to_buf(qiov, qoff, h->data + boff, len);
+        } else if (h) {
+            memset(h->data + boff, 0, len);
+        }
+        offset += len;
+        bytes -= len;
+        qoff += len;
+    }
+}
+
+/* The child write failed: promoted copies may differ from it now. */
+static void hybrid_hot_invalidate(BDRVHybridState *s, int64_t offset,
+                                  int64_t bytes)
+{
+    uint64_t idx, last = (offset + bytes - 1) >> s->block_shift;
+
+    for (idx = offset >> s->block_shift; idx <= last; idx++) {
+        HybridHot *h = g_hash_table_lookup(s->hot, &idx);
+
+        if (h && h->loading) {
+            h->stale = true;
+        } else if (h) {
+            hybrid_hot_drop(s, h);
+        }
+    }
+}
+
 static int coroutine_fn GRAPH_RDLOCK
 hybrid_co_preadv_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
                       QEMUIOVector *qiov, size_t qiov_offset,
@@ -496,6 +649,7 @@ hybrid_co_preadv_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
     BDRVHybridState *s = bs->opaque;
     int64_t child_start = -1, child_len = 0;
     size_t child_qoff = 0;
+    int64_t promote = -1;
     int ret;
 
     while (bytes > 0) {
@@ -503,7 +657,16 @@ hybrid_co_preadv_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
         uint32_t boff = offset & (s->block_size - 1);
         uint32_t len = MIN(bytes, s->block_size - boff);
         HybridSlot *slot = hybrid_slot(s, idx);
+        HybridHot *h = slot ? NULL : hybrid_hot_get(s, idx);
 
+        if (h) {
+            qemu_iovec_from_buf(qiov, qiov_offset, h->data + boff, len);
+            s->read_hits++;
+            goto next;
+        }
+        if (!slot && s->hot && promote < 0 && hybrid_heat(s, idx)) {
+            promote = idx;
+        }
         if (slot && (slot->flags & HYBRID_SLOT_LOADED)) {
             const uint8_t *p;
 
@@ -552,8 +715,14 @@ next:
         qiov_offset += len;
     }
     if (child_len) {
-        return bdrv_co_preadv_part(bs->file, hybrid_host_offset(s, child_start),
-                                   child_len, qiov, child_qoff, 0);
+        ret = bdrv_co_preadv_part(bs->file, hybrid_host_offset(s, child_start),
+                                  child_len, qiov, child_qoff, 0);
+        if (ret < 0) {
+            return ret;
+        }
+    }
+    if (promote >= 0) {
+        hybrid_promote(s, promote);
     }
     return 0;
 }
@@ -640,14 +809,22 @@ hybrid_do_write(BlockDriverState *bs, int64_t offset, int64_t bytes,
         if (idx >= s->ram_blocks) {
             /* Beyond the RAM boundary: straight to the persistent tier */
             s->write_through++;
-            if (qiov) {
-                return bdrv_co_pwritev_part(bs->file,
-                                            hybrid_host_offset(s, offset),
-                                            bytes, qiov, qiov_offset, 0);
+            if (s->hot) {
+                hybrid_hot_write(s, offset, bytes, qiov, qiov_offset);
             }
-            return bdrv_co_pwrite_zeroes(bs->file,
-                                         hybrid_host_offset(s, offset), bytes,
-                                         flags & BDRV_REQ_MAY_UNMAP);
+            if (qiov) {
+                ret = bdrv_co_pwritev_part(bs->file,
+                                           hybrid_host_offset(s, offset),
+                                           bytes, qiov, qiov_offset, 0);
+            } else {
+                ret = bdrv_co_pwrite_zeroes(bs->file,
+                                            hybrid_host_offset(s, offset),
+                                            bytes, flags & BDRV_REQ_MAY_UNMAP);
+            }
+            if (ret < 0 && s->hot) {
+                hybrid_hot_invalidate(s, offset, bytes);
+            }
+            return ret;
         }
         len = MIN(bytes, s->block_size - boff);
         ret = hybrid_write_ram_block(s, idx, boff, len, qiov, qiov_offset,
@@ -898,6 +1075,7 @@ static BlockdevOptionsHybrid *hybrid_parse_options(QDict *options,
     qdict_del(options, HYBRID_OPT_RESTORE);
     qdict_del(options, HYBRID_OPT_RAW);
     qdict_del(options, HYBRID_OPT_BLOCK_SIZE);
+    qdict_del(options, HYBRID_OPT_PROMOTE_SIZE);
     return ret;
 }
 
@@ -1021,6 +1199,13 @@ static int hybrid_open(BlockDriverState *bs, QDict *options, int flags,
     if (ret < 0) {
         return ret;
     }
+    s->promote_blocks = o->has_promote_size ?
+                        o->promote_size >> s->block_shift : 0;
+    if (s->promote_blocks && s->ram_blocks < s->nb_blocks) {
+        s->hot = g_hash_table_new(g_int64_hash, g_int64_equal);
+        s->heat = g_new0(uint8_t, HYBRID_HEAT_SLOTS);
+        QTAILQ_INIT(&s->hot_lru);
+    }
     qemu_co_queue_init(&s->busy_queue);
     qemu_co_queue_init(&s->dirty_queue);
     qemu_co_queue_init(&s->restore_queue);
@@ -1109,6 +1294,7 @@ hybrid_co_invalidate_cache(BlockDriverState *bs, Error **errp)
         s->header = h;
         s->header_dirty_on_disk = false;
     }
+    hybrid_hot_drop_all(s);
     hybrid_ram_unload_all(s);
     s->restore_cursor = 0;
     s->restore_bytes = 0;
@@ -1144,6 +1330,12 @@ static void hybrid_close(BlockDriverState *bs)
             }
         }
     }
+    hybrid_hot_drop_all(s);
+    if (s->hot) {
+        g_hash_table_destroy(s->hot);
+        s->hot = NULL;
+    }
+    g_free(s->heat);
     hybrid_ram_free(s);
 }
 
@@ -1474,6 +1666,11 @@ HybridInfo *hybrid_get_info(BlockDriverState *bs)
     info->writes_ram = s->write_ram;
     info->writes_through = s->write_through;
     info->flushed_bytes = s->flushed_bytes;
+    info->promoted_bytes = s->hot ?
+        (uint64_t)g_hash_table_size(s->hot) << s->block_shift : 0;
+    info->promote_limit = s->hot ? s->promote_blocks << s->block_shift : 0;
+    info->promotions = s->promotions;
+    info->demotions = s->demotions;
     info->restore_active = s->restore_running;
     info->restore_done = s->restore_done;
     info->restore_bytes = s->restore_bytes;

@@ -84,6 +84,22 @@ typedef struct HybridSlot {
     uint8_t flags;
 } HybridSlot;
 
+/*
+ * A block beyond the storage boundary promoted into RAM because it turned
+ * hot.  Never dirty: writes go through to the child and update the copy,
+ * so demotion is just dropping it.
+ */
+typedef struct HybridHot {
+    uint64_t idx;               /* hash table key */
+    uint8_t *data;
+    bool loading;               /* child read in flight, not yet usable */
+    bool stale;                 /* written while loading: drop when loaded */
+    QTAILQ_ENTRY(HybridHot) lru;
+} HybridHot;
+
+#define HYBRID_HEAT_SLOTS       4096
+#define HYBRID_HEAT_PROMOTE     2   /* child reads of a block before promotion */
+
 typedef struct BDRVHybridState {
     BlockDriverState *bs;
 
@@ -110,6 +126,14 @@ typedef struct BDRVHybridState {
     uint64_t nb_chunks;         /* dedup mode: distinct non-zero blocks */
     uint64_t nb_loaded;         /* LOADED slots */
     uint64_t nb_nonzero;        /* plain mode: LOADED && !ZERO slots */
+
+    /* Promotion beyond the boundary (promote-size > 0) */
+    uint64_t promote_blocks;    /* capacity */
+    GHashTable *hot;            /* &idx -> HybridHot */
+    QTAILQ_HEAD(, HybridHot) hot_lru;   /* least recently used first */
+    uint8_t *heat;              /* approximate access counts, hashed */
+    uint64_t heat_ops;
+    uint64_t promotions, demotions;
 
     /* Waiters for any slot's BUSY bit to clear */
     CoQueue busy_queue;

@@ -127,13 +127,18 @@ class QemuIo:
 class StorageDaemon:
     """qemu-storage-daemon with a QMP socket; events are collected."""
 
-    def __init__(self, tmp, *args):
+    def __init__(self, tmp, *args, system=False):
+        """system=True: qemu-system-x86_64 -M none instead (has HMP)."""
         self.sock_path = tmp('qmp.sock')
         self.log = open(tmp('qsd.log'), 'w+')
+        prog = [binary('qemu-storage-daemon')]
+        if system:
+            prog = [binary('qemu-system-x86_64'), '-M', 'none', '-nodefaults',
+                    '-display', 'none']
         self.proc = subprocess.Popen(
-            [binary('qemu-storage-daemon'),
-             '--chardev', f'socket,id=qmp,path={self.sock_path},server=on,wait=off',
-             '--monitor', 'chardev=qmp'] + list(args),
+            prog +
+            ['--chardev', f'socket,id=qmp,path={self.sock_path},server=on,wait=off',
+             '--mon', 'chardev=qmp,mode=control'] + list(args),
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while True:

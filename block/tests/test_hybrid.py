@@ -265,6 +265,70 @@ class HybridTest(unittest.TestCase):
         finally:
             qsd.stop()
 
+    def test_promotion(self):
+        """Hot blocks beyond the boundary are promoted, the least recently
+        used one demoted when promote-size is full; writes keep the promoted
+        copy equal to the persistent tier."""
+        p = self.create(ram_size='1M')
+        H.qemu_io('-f', 'hybrid', '-c', 'write -P 9 8M 64k',
+                  '-c', 'write -P 10 12M 64k', p)
+        qsd = H.StorageDaemon(self.tmp, '--blockdev',
+                              f'driver=file,node-name=f0,filename={p}',
+                              '--blockdev', 'driver=hybrid,node-name=h0,'
+                              'file=f0,promote-size=64k', system=True)
+        try:
+            def io(cmd):
+                out = qsd.cmd('human-monitor-command', **{
+                    'command-line': f'qemu-io h0 "{cmd}"'})
+                self.assertNotIn('failed', out)
+            io('read -P 9 8M 64k')
+            io('read -P 9 8M 64k')          # second read: promoted
+            i = qsd.cmd('query-hybrid')[0]
+            self.assertEqual((i['promotions'], i['promoted-bytes']),
+                             (1, 65536))
+            hits = i['read-hits']
+            io('read -P 9 8M 64k')          # served from RAM
+            self.assertEqual(qsd.cmd('query-hybrid')[0]['read-hits'],
+                             hits + 1)
+            io('write -P 11 8M 4k')         # write-through updates the copy
+            io('read -P 11 8M 4k')
+            io('read -P 10 12M 64k')
+            io('read -P 10 12M 64k')        # promotes 12M, demotes 8M
+            i = qsd.cmd('query-hybrid')[0]
+            self.assertEqual((i['promotions'], i['demotions']), (2, 1))
+            io('read -P 11 8M 4k')
+            io('read -P 9 8196k 60k')
+        finally:
+            qsd.stop()
+
+    def test_hmp_info_hybrid(self):
+        """HMP 'info hybrid' in the system emulator prints the node's state;
+        an unknown node gives an error and the monitor keeps working."""
+        qemu = os.path.join(H.BIN, 'qemu-system-x86_64')
+        if not os.access(qemu, os.X_OK):
+            self.skipTest('qemu-system-x86_64 not built')
+        p = self.create(ram_size='4M')
+        cmds = [{'execute': 'qmp_capabilities'},
+                {'execute': 'human-monitor-command',
+                 'arguments': {'command-line': 'info hybrid'}},
+                {'execute': 'human-monitor-command',
+                 'arguments': {'command-line': 'info hybrid nope'}},
+                {'execute': 'query-hybrid'},
+                {'execute': 'quit'}]
+        r = H.subprocess.run(
+            [qemu, '-M', 'none', '-nodefaults', '-display', 'none',
+             '-qmp', 'stdio', '-blockdev',
+             f'driver=file,node-name=f,filename={p}',
+             '-blockdev', 'driver=hybrid,node-name=h,file=f'],
+            input=''.join(json.dumps(c) + '\n' for c in cmds),
+            capture_output=True, text=True, timeout=60)
+        replies = [json.loads(ln) for ln in r.stdout.splitlines()
+                   if ln.startswith('{') and 'return' in ln]
+        self.assertIn('h: mode sync, dedup off', replies[1]['return'])
+        self.assertIn('RAM tier:', replies[1]['return'])
+        self.assertIn("Cannot find node 'nope'", replies[2]['return'])
+        self.assertEqual(replies[3]['return'][0]['node-name'], 'h')
+
     def test_nbd_persistent_tier(self):
         """The persistent tier can be an NBD export."""
         raw = self.tmp('exp.raw')
