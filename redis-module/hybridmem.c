@@ -1435,7 +1435,10 @@ int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
         RedisModule_Log(ctx, "warning", "appassist: needs Redis >= 7.0");
         return REDISMODULE_ERR;
     }
-    RedisModule_SetModuleOptions(ctx, REDISMODULE_OPTION_NO_IMPLICIT_SIGNAL_MODIFIED);
+    /* HANDLE_IO_ERRORS: a short or corrupt read in aux_load returns an error
+     * that auxLoad checks after every load, instead of a panic. */
+    RedisModule_SetModuleOptions(ctx, REDISMODULE_OPTION_NO_IMPLICIT_SIGNAL_MODIFIED |
+                                      REDISMODULE_OPTIONS_HANDLE_IO_ERRORS);
 
     memset(&hm, 0, sizeof(hm));
     hm.port_fd = -1;

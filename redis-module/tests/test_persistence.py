@@ -133,6 +133,47 @@ class PersistenceTest(ServerTestCase):
         s.start()
         self.check(s.client(), want)
 
+    def test_forged_rdb(self):
+        """Truncated or corrupted aux data (cold items) in an RDB: the server
+        either loads (checksum off, harmless change) and stays healthy, or
+        refuses the file with an error exit; it never crashes (no signal)."""
+        s = self.server(configs=aggressive())
+        c = s.client()
+        self.populate(c, n=300)
+        c.save()
+        s.stop()
+        rdb = os.path.join(s.dir, 'dump.rdb')
+        with open(rdb, 'rb') as f:
+            good = f.read()
+        rng = random.Random(99)
+        # The aux data comes after the keyspace: mutate the last 40 %.
+        lo = int(len(good) * 0.6)
+        outcomes = {'loaded': 0, 'refused': 0}
+        for i in range(24):
+            data = bytearray(good)
+            if i % 3 == 0:
+                data = data[:rng.randrange(lo, len(good) - 1)]
+            else:
+                for _ in range(rng.randrange(1, 8)):
+                    data[rng.randrange(lo, len(good) - 9)] = rng.randrange(256)
+            with open(rdb, 'wb') as f:
+                f.write(data)
+            s.extra = ['--rdbchecksum', 'no'] if i % 2 else []
+            try:
+                s.start(timeout=10)
+            except RuntimeError:
+                rc = s.proc.wait(10)
+                self.assertNotEqual(rc, None)
+                self.assertGreaterEqual(rc, 0, 'killed by signal %d on mutation %d:\n%s'
+                                        % (-rc, i, s.logtail()))
+                self.assertIn('RDB', s.logtail())
+                outcomes['refused'] += 1
+                continue
+            self.assertHealthy(s)
+            s.stop()
+            outcomes['loaded'] += 1
+        self.assertGreater(outcomes["refused"], 0, outcomes)
+
     def test_replica_full_sync(self):
         """A replica (with the module) gets the cold items in the full sync
         and serves them; the master's writes reach it as plain commands."""
