@@ -138,7 +138,11 @@ class Bench:
                '--randrepeat=0', '--norandommap']
         if dedupe is not None:
             cmd += [f'--dedupe_percentage={dedupe}', '--refill_buffers']
-        out = json.loads(sh(*cmd).stdout)
+        text = sh(*cmd).stdout
+        # fio's nbd engine prints "fio: connected to NBD server" first
+        out = json.loads(text[text.find('{'):])
+        if out['jobs'][0]['error']:
+            raise RuntimeError(f'fio failed: {text[:2000]}')
         job = out['jobs'][0]
         d = job['read' if 'read' in rw else 'write']
         pct = d['clat_ns'].get('percentile', {})

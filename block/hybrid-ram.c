@@ -22,6 +22,9 @@
  *   the CPU per block on this machine and still need trusting the hash).
  *   A chunk is modified in place when its refcount is 1 (the common case
  *   for guest writes), otherwise the writer gets a private copy first.
+ *   In async mode a written chunk stays private (out of the table, not
+ *   hashed) until its block has been written back, so a burst of small
+ *   writes to one block hashes it once, not once per write.
  *
  * Callers run in the node's AioContext and never yield inside these
  * functions, so no locking is needed beyond the slot BUSY protocol of
@@ -178,6 +181,7 @@ static void chunk_insert(BDRVHybridState *s, HybridChunk *c)
         c->next = NULL;
         g_hash_table_insert(s->dedup_table, &c->fp, c);
     }
+    c->interned = true;
     s->nb_chunks++;
 }
 
@@ -200,6 +204,7 @@ static void chunk_remove(BDRVHybridState *s, HybridChunk *c)
         p->next = c->next;
     }
     c->next = NULL;
+    c->interned = false;
     s->nb_chunks--;
 }
 
@@ -207,7 +212,11 @@ static void chunk_unref(BDRVHybridState *s, HybridChunk *c)
 {
     assert(c->refcnt > 0);
     if (--c->refcnt == 0) {
-        chunk_remove(s, c);
+        if (c->interned) {
+            chunk_remove(s, c);
+        } else {
+            s->nb_private--;
+        }
         g_free(c);
     }
 }
@@ -328,7 +337,8 @@ int hybrid_ram_fill(BDRVHybridState *s, uint64_t idx, const uint8_t *buf)
  * or zeros when @qiov is NULL.  Never yields.
  */
 int hybrid_ram_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
-                     QEMUIOVector *qiov, size_t qoff, uint32_t len)
+                     QEMUIOVector *qiov, size_t qoff, uint32_t len,
+                     bool defer_intern)
 {
     HybridSlot *slot = &s->slots[idx];
     uint32_t bsz = s->block_size;
@@ -372,9 +382,11 @@ int hybrid_ram_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
             return 0;
         }
         if (old && old->refcnt == 1) {
-            /* Sole owner: detach and modify in place */
-            chunk_remove(s, old);
-            old->refcnt = 0;
+            /* Sole owner: make it private and modify in place */
+            if (old->interned) {
+                chunk_remove(s, old);
+                s->nb_private++;
+            }
             c = old;
         } else {
             c = g_try_malloc(sizeof(*c) + bsz);
@@ -389,24 +401,47 @@ int hybrid_ram_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
             } else if (len < bsz) {
                 memset(c->data, 0, bsz);
             }
-            c->refcnt = 0;
+            c->refcnt = 1;
+            c->interned = false;
             c->next = NULL;
+            s->nb_private++;
         }
         if (qiov) {
             qemu_iovec_to_buf(qiov, qoff, c->data + boff, len);
         } else {
             memset(c->data + boff, 0, len);
         }
-        slot->chunk = chunk_intern(s, c);
+        slot->chunk = c;
+        if (!defer_intern) {
+            hybrid_ram_intern(s, idx);
+        }
         return 0;
     }
+}
+
+/*
+ * Dedup mode: share block @idx's private chunk with an equal one, or put
+ * it into the table (or drop it if it is all zero).
+ */
+void hybrid_ram_intern(BDRVHybridState *s, uint64_t idx)
+{
+    HybridSlot *slot = &s->slots[idx];
+    HybridChunk *c = slot->chunk;
+
+    if (!s->dedup || !c || c->interned) {
+        return;
+    }
+    assert(c->refcnt == 1);
+    c->refcnt = 0;
+    s->nb_private--;
+    slot->chunk = chunk_intern(s, c);
 }
 
 /* Host memory holding block data. */
 uint64_t hybrid_ram_used_bytes(BDRVHybridState *s)
 {
     if (s->dedup) {
-        return s->nb_chunks * s->block_size;
+        return (s->nb_chunks + s->nb_private) * s->block_size;
     }
     return s->nb_nonzero * s->block_size;
 }
@@ -418,7 +453,8 @@ uint64_t hybrid_ram_metadata_bytes(BDRVHybridState *s)
 
     if (s->dedup) {
         /* chunk header + GHashTable node (key, value, hash ~ 24 bytes) */
-        bytes += s->nb_chunks * (sizeof(HybridChunk) + 24);
+        bytes += s->nb_chunks * (sizeof(HybridChunk) + 24) +
+                 s->nb_private * sizeof(HybridChunk);
     }
     return bytes;
 }

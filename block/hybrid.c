@@ -314,6 +314,8 @@ hybrid_writeback_slot(BDRVHybridState *s, HybridSlot *slot, uint8_t *bounce)
     if (!(slot->flags & HYBRID_SLOT_DIRTY)) {
         QTAILQ_REMOVE(&s->dirty_list, slot, dirty_next);
         slot->flags &= ~HYBRID_SLOT_LISTED;
+        /* Quiet now: worth hashing for dedup */
+        hybrid_ram_intern(s, idx);
     }
     return 0;
 }
@@ -758,7 +760,7 @@ hybrid_write_ram_block(BDRVHybridState *s, uint64_t idx, uint32_t boff,
             goto out;
         }
     }
-    ret = hybrid_ram_write(s, idx, boff, qiov, qoff, len);
+    ret = hybrid_ram_write(s, idx, boff, qiov, qoff, len, !sync);
     if (ret < 0) {
         goto out;
     }

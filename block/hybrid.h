@@ -60,6 +60,7 @@ QEMU_BUILD_BUG_ON(sizeof(HybridHeader) != HYBRID_HEADER_SIZE);
 typedef struct HybridChunk {
     uint64_t fp;                /* fingerprint, hash table key */
     uint32_t refcnt;            /* slots pointing here */
+    bool interned;              /* in the table; else private (refcnt 1) */
     struct HybridChunk *next;   /* chain of chunks with an equal fp */
     uint8_t data[];             /* block_size bytes */
 } HybridChunk;
@@ -124,6 +125,7 @@ typedef struct BDRVHybridState {
     uint8_t *ram;               /* plain mode: ram_blocks * block_size */
     GHashTable *dedup_table;    /* dedup mode: &fp -> HybridChunk chain */
     uint64_t nb_chunks;         /* dedup mode: distinct non-zero blocks */
+    uint64_t nb_private;        /* dedup mode: written, not yet interned */
     uint64_t nb_loaded;         /* LOADED slots */
     uint64_t nb_nonzero;        /* plain mode: LOADED && !ZERO slots */
 
@@ -174,7 +176,9 @@ void hybrid_ram_free(BDRVHybridState *s);
 const uint8_t *hybrid_ram_peek(BDRVHybridState *s, uint64_t idx);
 uint8_t *hybrid_ram_plain_ptr(BDRVHybridState *s, uint64_t idx);
 int hybrid_ram_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
-                     QEMUIOVector *qiov, size_t qoff, uint32_t len);
+                     QEMUIOVector *qiov, size_t qoff, uint32_t len,
+                     bool defer_intern);
+void hybrid_ram_intern(BDRVHybridState *s, uint64_t idx);
 int hybrid_ram_fill(BDRVHybridState *s, uint64_t idx, const uint8_t *buf);
 void hybrid_ram_loaded_plain(BDRVHybridState *s, uint64_t idx);
 void hybrid_ram_unload_all(BDRVHybridState *s);
