@@ -1,9 +1,11 @@
 """Our QEMU driven by libvirt: two private libvirtd instances, virsh migrate."""
+import json
 import os
 import random
 import shutil
 import subprocess
 import tempfile
+import time
 
 from hvtest import HybridVMTest
 
@@ -183,3 +185,96 @@ class VirshPostcopy(HybridVMTest):
             self.assertIn(f'file.filename={storage_dst}/root.hybrid', f.read())
         cp = subprocess.run([qemu_img, 'check', '-f', 'hybrid', image], capture_output=True, text=True)
         self.assertEqual(cp.returncode, 0, cp.stdout + cp.stderr)
+
+    def test_virsh_migrate_app_assisted(self):
+        """The whole stack under libvirt: a guest booted from a hybrid disk, Redis
+        with our module holding 70 % of its items cold, the app-assist port, and
+        `-global migration.x-app-assist=on` as the only switch (virsh sets no
+        such capability).  `virsh migrate --live --postcopy
+        --postcopy-after-precopy` moves it; on the destination the hot items
+        read back, the cold ones are misses (policy drop), the module was told
+        to resume, query-migrate there reports the phase, the balloon is back to
+        the guest's size and the disk's data is intact."""
+        import hvlib
+        from hvlib.libvirt import LibvirtPair, domain_xml
+
+        qemu_img = self.paths.binary('qemu-img')
+        image = os.path.join(self.workdir, 'root.hybrid')
+        subprocess.run([qemu_img, 'convert', '-O', 'hybrid', '-o', 'mode=sync,ram-size=64M',
+                        self.paths.guest_file('rootfs.ext4'), image], check=True)
+        aa_args = ['-device', 'virtio-serial-pci,id=aaserial,bus=pci.0,addr=0x1d',
+                   '-chardev', 'app-assist,id=aa0',
+                   '-device', 'virtserialport,bus=aaserial.0,chardev=aa0,name=org.qemu.app-assist.0',
+                   '-global', 'migration.x-app-assist=on']
+
+        with LibvirtPair(log_dir=self.logdir, hooks_dir=self.hooks_dir('64M')) as pair:
+            ports, consoles = {}, {}
+            for side in ('src', 'dst'):
+                ports[side] = hvlib.free_port()
+                sock = os.path.join(pair.root, f'{side}-serial.sock')
+                log = os.path.join(self.logdir, f'{side}-console.log')
+                with open(os.path.join(pair.root, f'{side}.xml'), 'w') as f:
+                    f.write(domain_xml('hvguest', self.paths, redis_port=ports[side],
+                                       console_log=log, console_sock=sock, hybrid_root=image,
+                                       append='hv.redis=1 hv.module=1', qemu_args=aa_args))
+                consoles[side] = hvlib.Console(side, sock, log)
+            pair.src.virsh('define', os.path.join(pair.root, 'src.xml'))
+            pair.src.virsh('start', 'hvguest')
+            con = consoles['src']
+            con.wait(r'HV-ONDISK /dev/vda', timeout=180)
+            con.wait(r'HV-READY redis', timeout=120)
+            con.run('echo on-the-hybrid-disk >/root/marker && sync')
+
+            # 20 000 items of 1 KiB; all demoted, then the first 30 % read back (hot).
+            r = hvlib.redis_client(ports['src'], timeout=60, name='src')
+            self.assertIn('appassist_state', r.info('appassist'), 'the guest has no Redis module')
+            rng = random.Random(11)
+            items = [(f'i{n}', rng.randbytes(1024)) for n in range(20000)]
+            for n in range(0, len(items), 2000):
+                r.mset(dict(items[n:n + 2000]))
+            for k, v in {'hot-percent': 0, 'min-idle-ms': 0, 'interval-ms': 1}.items():
+                r.config_set(f'appassist.{k}', v)
+            deadline = time.monotonic() + 120
+            while r.info('appassist')['appassist_cold_items'] < len(items):
+                r.execute_command('APPASSIST.DEMOTE', 1000)
+                self.assertLess(time.monotonic(), deadline, 'demotion did not finish')
+            r.config_set('appassist.demote', 'no')
+            hot, cold = items[:6000], items[6000:]
+            for n in range(0, len(hot), 1000):
+                self.assertEqual(r.mget([k for k, _ in hot[n:n + 1000]]), [v for _, v in hot[n:n + 1000]])
+            info = r.info('appassist')
+            self.assertEqual(info['appassist_cold_items'], len(cold))
+            deadline = time.monotonic() + 30
+            while r.info('appassist')['appassist_port_connected'] != 1:
+                self.assertLess(time.monotonic(), deadline, 'the module did not open its port')
+                time.sleep(0.2)
+            r.close()
+
+            pair.src.virsh(*self.migrate_args(pair, os.path.join(pair.root, 'dst.xml')), timeout=900)
+            self.assertEqual(pair.dst.virsh('domstate', 'hvguest').stdout.strip(), 'running')
+
+            def qmp(cmd):
+                out = pair.dst.virsh('qemu-monitor-command', 'hvguest', json.dumps({'execute': cmd})).stdout
+                return json.loads(out)['return']
+
+            aa = qmp('query-migrate').get('app-assist', {})
+            self.log.info('destination app-assist: %s', aa)
+            self.assertEqual(aa.get('status'), 'resumed', aa)
+
+            # The module's own record travelled with the guest's RAM: one PREPARE
+            # on the source that dropped the cold set, one RESUME here.
+            r = hvlib.redis_client(ports['dst'], timeout=60, name='dst')
+            info = r.info('appassist')
+            self.log.info('destination INFO appassist: %s', info)
+            self.assertEqual((info['appassist_prepares'], info['appassist_resumes']), (1, 1))
+            self.assertEqual(info['appassist_last_prepare_items'], len(cold))
+            self.assertGreater(info['appassist_last_prepare_freed_bytes'], len(cold) * 1024)
+            for n in range(0, len(hot), 1000):
+                self.assertEqual(r.mget([k for k, _ in hot[n:n + 1000]]), [v for _, v in hot[n:n + 1000]])
+            self.assertEqual(r.mget([k for k, _ in cold[:1000]]), [None] * 1000)
+            deadline = time.monotonic() + 60
+            while qmp('query-balloon')['actual'] != 512 * 2**20:
+                self.assertLess(time.monotonic(), deadline, 'the balloon did not deflate')
+                time.sleep(0.5)
+            self.assertEqual(consoles['dst'].run('cat /root/marker', timeout=120).strip(),
+                             'on-the-hybrid-disk')
