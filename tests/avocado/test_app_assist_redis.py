@@ -8,6 +8,8 @@ drop), the balloon is back to its full size and the module was resumed.
 """
 import os
 import random
+import shutil
+import subprocess
 import time
 
 from hvtest import HybridVMTest
@@ -147,4 +149,48 @@ class AppAssistRedis(HybridVMTest):
         self.assertEqual(r.info('appassist')['appassist_state'], 'normal')
         self.assertEqual(dst.qmp('query-migrate')['app-assist']['status'], 'resumed')
         self.assertTrue(r.set('after-migration', b'1'))
+        r.close()
+
+    def test_spill_policy(self):
+        """Policy spill: PREPARE writes the cold arena to a file on the guest's
+        disk (shared by both QEMUs, as for any migration without storage
+        copy); after the assisted migration every item, hot and cold, reads
+        back on the destination and the balloon is back to full size."""
+        import hvlib
+        img = os.path.join(self.workdir, 'spill.img')
+        with open(img, 'wb') as f:
+            f.truncate(256 * MiB)
+        if not shutil.which('mkfs.ext4'):
+            self.cancel('mkfs.ext4 (e2fsprogs) is not installed')
+        # The guest image has no mkfs: format on the host.
+        subprocess.run(['mkfs.ext4', '-q', '-F', img], check=True, timeout=60)
+        disk = ['-drive', f'file={img},if=none,id=d0,format=raw',
+                '-device', 'virtio-blk-pci,drive=d0']
+        kw = dict(mem=self.MEM, module=True, append='hv.mount=/dev/vda:/spill',
+                  args=port_args(1) + disk)
+        data = dataset(9, self.COUNT // 3, self.SIZE)
+        src = self.guest('spill-src', **kw).launch()
+        src.wait_console(r'HV-MOUNT /dev/vda /spill', timeout=120)
+        r = src.redis()
+        r.config_set('appassist.on-prepare', 'spill')
+        r.config_set('appassist.spill-path', '/spill/appassist.spill')
+        r.close()
+        hot, cold = self.load(src, data)
+        full = balloon_actual(src)
+        dst = self.guest('spill-dst', incoming='defer', **kw).launch()
+        res = self.migrate(src, dst, assisted=True)
+        info = res.info['app-assist']
+        self.log.info('spill: %s; app-assist: %s', res.row(), info)
+        self.assertEqual(res.status, 'completed')
+        self.assertEqual(info['apps-answered'], 1)
+        self.assertEqual(info['ports'][0]['items'], len(cold))
+        self.assertGreater(info['freed-bytes'], 0)
+        wait_for(lambda: balloon_actual(dst) == full, 60, 'the balloon to deflate')
+        r = dst.redis()
+        wait_for(lambda: r.info('appassist')['appassist_resumes'] == 1, 30, 'RESUME')
+        self.assertEqual(r.dbsize(), len(data))
+        for i in range(0, len(data), 1000):
+            chunk = data[i:i + 1000]
+            self.assertTrue(r.mget([k for k, _ in chunk]) == [v for _, v in chunk],
+                            'items differ on the destination')
         r.close()
