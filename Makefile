@@ -2,7 +2,7 @@
 BUILD ?= build
 MESON := $(BUILD)/venv/bin/meson
 
-.PHONY: all setup guest demo check check-long bench install clean distclean
+.PHONY: all setup guest demo demo-libvirt check check-long bench install clean distclean
 
 all: setup
 	@test -f $(BUILD)/build.ninja || $(MESON) setup $(BUILD) . >/dev/null
@@ -15,7 +15,10 @@ guest: all
 	@./scripts/build-guest.sh
 
 demo: guest
-	@$(BUILD)/venv/bin/python3 scripts/demo.py
+	@$(BUILD)/venv/bin/python3 scripts/demo.py $(DEMO_ARGS)
+
+demo-libvirt: guest
+	@$(BUILD)/venv/bin/python3 scripts/demo.py --libvirt $(DEMO_ARGS)
 
 check: guest
 	@./scripts/check.sh

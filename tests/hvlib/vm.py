@@ -17,6 +17,14 @@ class GuestError(Exception):
     pass
 
 
+def parse_mem(text):
+    """QEMU's -m syntax ('512M', '1G', plain MiB) -> bytes."""
+    m = re.fullmatch(r'(\d+)([KMGT]?)', str(text).strip().upper())
+    if not m:
+        raise ValueError(f'cannot read memory size {text!r}')
+    return int(m.group(1)) << {'K': 10, '': 20, 'M': 20, 'G': 30, 'T': 40}[m.group(2)]
+
+
 def free_port():
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
