@@ -1227,7 +1227,7 @@ static int registerConfigs(RedisModuleCtx *ctx) {
         {"min-idle-ms", 10000, 0, 86400000LL, 0},
         {"slice-us", 1000, 50, 1000000, 0},
         {"interval-ms", 10, 1, 10000, 0},
-        {"port-retry-ms", 1000, 10, 3600000, 0},
+        {"port-retry-ms", 200, 10, 3600000, 0},
     };
     for (size_t i = 0; i < sizeof(nums) / sizeof(nums[0]); i++)
         if (RedisModule_RegisterNumericConfig(ctx, nums[i].name, nums[i].def,
