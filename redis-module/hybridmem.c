@@ -1257,23 +1257,28 @@ typedef struct SaveCtx {
 
 static void saveCb(void *priv, const ColdItem *it) {
     SaveCtx *s = priv;
+    RedisModule_SaveUnsigned(s->rdb, 1);
     RedisModule_SaveStringBuffer(s->rdb, it->key, it->klen);
     RedisModule_SaveStringBuffer(s->rdb, it->val, it->vlen);
     RedisModule_SaveSigned(s->rdb, it->expire);
 }
 
-/* Cold items are saved after the keyspace: count, then key, value, expire.
- * Runs in the fork child for BGSAVE, on the parent for SAVE/DEBUG RELOAD. */
+/* Cold items are saved after the keyspace (encoding version 1): per item
+ * 1, key, value, expire (ms, -1 none); then 0. No count up front, so an
+ * I/O error reading spilled items still ends a well-formed field (the
+ * missing items are logged). Runs in the fork child for BGSAVE, in-process
+ * for SAVE and DEBUG RELOAD. */
 static void auxSave(RedisModuleIO *rdb, int when) {
     (void)when;
     SaveCtx s = {rdb};
-    RedisModule_SaveUnsigned(rdb, arenaCount(hm.arena));
     uint64_t cur = 0;
     do {
         cur = arenaIterate(hm.arena, cur, 1u << 20, saveCb, &s);
     } while (cur && cur != UINT64_MAX);
+    RedisModule_SaveUnsigned(rdb, 0);
     if (cur == UINT64_MAX)
-        RedisModule_LogIOError(rdb, "warning", "appassist: reading spilled cold items failed");
+        RedisModule_LogIOError(rdb, "warning", "appassist: reading spilled cold items failed: "
+                               "the RDB lacks some cold items");
 }
 
 /* Loaded data is hostile: no allocation sized by the count, I/O checked
@@ -1284,10 +1289,11 @@ static int auxLoad(RedisModuleIO *rdb, int encver, int when) {
         RedisModule_LogIOError(rdb, "warning", "appassist: unknown aux encoding version %d", encver);
         return REDISMODULE_ERR;
     }
-    uint64_t count = RedisModule_LoadUnsigned(rdb);
-    if (RedisModule_IsIOError(rdb)) return REDISMODULE_ERR;
     RedisModuleCtx *ctx = RedisModule_GetContextFromIO(rdb);
-    for (uint64_t i = 0; i < count; i++) {
+    for (;;) {
+        uint64_t more = RedisModule_LoadUnsigned(rdb);
+        if (RedisModule_IsIOError(rdb) || more > 1) return REDISMODULE_ERR;
+        if (more == 0) break;
         size_t kl, vl;
         char *k = RedisModule_LoadStringBuffer(rdb, &kl);
         if (RedisModule_IsIOError(rdb)) return REDISMODULE_ERR;
