@@ -14,7 +14,6 @@ prints both migrations' figures side by side.
 import argparse
 import json
 import os
-import random
 import re
 import sys
 import tempfile
@@ -37,52 +36,6 @@ def table(rows, columns):
     return '\n'.join(out)
 
 
-def items(count, size, seed=7):
-    rng = random.Random(seed)
-    return [(f'item:{i}', rng.randbytes(size)) for i in range(count)]
-
-
-def load(client, data, hot_fraction):
-    """Load `data`; let the module demote everything, then read the hot part
-    back (an access promotes an item).  Returns (hot, cold)."""
-    for i in range(0, len(data), 5000):
-        client.mset(dict(data[i:i + 5000]))
-    for k, v in {'hot-percent': 0, 'min-idle-ms': 0, 'interval-ms': 1}.items():
-        client.config_set(f'appassist.{k}', v)
-    deadline = time.monotonic() + 600
-    while client.info('appassist')['appassist_cold_items'] < len(data):
-        client.execute_command('APPASSIST.DEMOTE', 5000)
-        if time.monotonic() > deadline:
-            raise hvlib.GuestError('demotion did not finish in 600 s')
-    client.config_set('appassist.demote', 'no')
-    nhot = int(len(data) * hot_fraction)
-    hot, cold = data[:nhot], data[nhot:]
-    for i in range(0, nhot, 5000):
-        client.mget([k for k, _ in hot[i:i + 5000]])
-    deadline = time.monotonic() + 30
-    while client.info('appassist')['appassist_port_connected'] != 1:
-        if time.monotonic() > deadline:
-            raise hvlib.GuestError('the Redis module did not open its app-assist port')
-        time.sleep(0.2)
-    return hot, cold
-
-
-def check(client, hot, cold, assisted):
-    """Hot items must read back; cold ones are misses after an assisted
-    migration (policy drop: cache semantics) and present after a stock one."""
-    wrong = 0
-    for i in range(0, len(hot), 5000):
-        chunk = hot[i:i + 5000]
-        wrong += sum(1 for (_, v), got in zip(chunk, client.mget([k for k, _ in chunk])) if got != v)
-    sample = cold[:5000]
-    got = client.mget([k for k, _ in sample])
-    if assisted:
-        wrong_cold = sum(1 for g in got if g is not None)
-    else:
-        wrong_cold = sum(1 for (_, v), g in zip(sample, got) if g != v)
-    return wrong, wrong_cold
-
-
 def run_qemu(args, mode, log_dir, data):
     assisted = mode == 'app-assisted'
     src = hvlib.Guest(f'{mode}-src', log_dir, mem=args.mem, module=True, args=PORT_ARGS)
@@ -93,12 +46,12 @@ def run_qemu(args, mode, log_dir, data):
         src.wait_console(r'HV-READY redis', timeout=180)
         dst.launch()
         r = src.redis()
-        hot, cold = load(r, data, args.hot)
+        hot, cold = hvlib.load_hot_cold(r, data, args.hot)
         r.close()
         res = hvlib.migrate_postcopy(src, dst, precopy_seconds=args.precopy, bandwidth=args.bandwidth,
                                      capabilities=['app-assist'] if assisted else [], timeout=900)
         aa = res.info.get('app-assist', {})
-        wrong_hot, wrong_cold = check(dst.redis(), hot, cold, assisted)
+        wrong_hot, wrong_cold = hvlib.count_wrong(dst.redis(), hot, cold, cold_dropped=assisted)
         balloon = dst.qmp('query-balloon')['actual']
         row = {'migration': f'{mode} post-copy', **res.row(),
                'freed by apps (MiB)': round(aa.get('freed-bytes', 0) / 2**20, 1) if assisted else '-',
@@ -129,7 +82,7 @@ def run_libvirt(args, mode, log_dir, data):
         pair.src.virsh('define', os.path.join(pair.root, 'src.xml'))
         pair.src.virsh('start', 'hvdemo')
         r = hvlib.redis_client(ports['src'], timeout=180, name='src')
-        hot, cold = load(r, data, args.hot)
+        hot, cold = hvlib.load_hot_cold(r, data, args.hot)
         r.close()
         mibps = str(max(1, args.bandwidth // 2**20))  # virsh takes MiB/s
         t = time.monotonic()
@@ -144,7 +97,8 @@ def run_libvirt(args, mode, log_dir, data):
             m = re.search(rf'^{name}:\s+(.*)$', job, re.M)
             return ' '.join(m.group(1).split()) if m else '-'
 
-        wrong_hot, wrong_cold = check(hvlib.redis_client(ports['dst'], name='dst'), hot, cold, assisted)
+        wrong_hot, wrong_cold = hvlib.count_wrong(hvlib.redis_client(ports['dst'], name='dst'), hot, cold,
+                                                  cold_dropped=assisted)
         aa = json.loads(pair.dst.virsh('qemu-monitor-command', 'hvdemo',
                                        '{"execute": "query-migrate"}').stdout)['return'].get('app-assist', {})
         row = {'migration': f'{mode} (virsh)', 'virsh migrate (s)': round(wall, 1),
@@ -183,7 +137,7 @@ def main():
     print(f'demo: guest {args.mem}, {args.items} items of {args.value_size} B, {args.hot:.0%} hot, '
           f'link {args.bandwidth * 8 / 1e9:g} Gbit/s{", through libvirt" if args.libvirt else ""}; '
           f'logs in {log_dir}', flush=True)
-    data = items(args.items, args.value_size)
+    data = hvlib.make_items(args.items, args.value_size)
     rows, ok = [], True
     for mode in ('stock', 'app-assisted'):
         t = time.monotonic()

@@ -65,6 +65,24 @@ class VirshPostcopy(HybridVMTest):
         r.close()
         return data, src_port, dst_xml, dst_port
 
+    def define_sides(self, pair, **xml_args):
+        """Write src.xml and dst.xml for the same guest (each side with its own
+        Redis port and a typed-into serial console), define it on pair.src.
+        Returns ({side: redis port}, {side: hvlib.Console})."""
+        import hvlib
+        from hvlib.libvirt import domain_xml
+        ports, consoles = {}, {}
+        for side in ('src', 'dst'):
+            ports[side] = hvlib.free_port()
+            sock = os.path.join(pair.root, f'{side}-serial.sock')
+            log = os.path.join(self.logdir, f'{side}-console.log')
+            with open(os.path.join(pair.root, f'{side}.xml'), 'w') as f:
+                f.write(domain_xml('hvguest', self.paths, redis_port=ports[side], console_log=log,
+                                   console_sock=sock, **xml_args))
+            consoles[side] = hvlib.Console(side, sock, log)
+        pair.src.virsh('define', os.path.join(pair.root, 'src.xml'))
+        return ports, consoles
+
     def migrate_args(self, pair, dst_xml):
         import hvlib
         return ('migrate', '--live', '--postcopy', '--postcopy-after-precopy',
@@ -128,7 +146,7 @@ class VirshPostcopy(HybridVMTest):
         reaches the shared storage under another directory: its hook (installed
         in the qemu.d layout) rewrites the image path, and QEMU there opens it."""
         import hvlib
-        from hvlib.libvirt import LibvirtPair, domain_xml
+        from hvlib.libvirt import LibvirtPair
 
         qemu_img = self.paths.binary('qemu-img')
         storage_src = os.path.join(self.workdir, 'storage-on-src')
@@ -142,23 +160,14 @@ class VirshPostcopy(HybridVMTest):
         with LibvirtPair(log_dir=self.logdir, hooks_dir=self.hooks_dir('64M'),
                          dst_hooks_dir=self.hooks_dir('64M', 'qemu.d',
                                                       paths={storage_src: storage_dst})) as pair:
-            src_port, dst_port = hvlib.free_port(), hvlib.free_port()
-            consoles = {}
-            for side, port in (('src', src_port), ('dst', dst_port)):
-                sock = os.path.join(pair.root, f'{side}-serial.sock')
-                log = os.path.join(self.logdir, f'{side}-console.log')
-                with open(os.path.join(pair.root, f'{side}.xml'), 'w') as f:
-                    f.write(domain_xml('hvguest', self.paths, redis_port=port, console_log=log,
-                                       console_sock=sock, hybrid_root=image))
-                consoles[side] = hvlib.Console(side, sock, log)
-            pair.src.virsh('define', os.path.join(pair.root, 'src.xml'))
+            ports, consoles = self.define_sides(pair, hybrid_root=image)
             pair.src.virsh('start', 'hvguest')
 
             con = consoles['src']
             con.wait(r'HV-ONDISK /dev/vda', timeout=180)
             con.wait(r'HV-BOOTED', timeout=120)
             con.run('echo written-on-source-$((6 * 7)) >/root/marker && sync')
-            r = hvlib.redis_client(src_port, timeout=60, name='src')
+            r = hvlib.redis_client(ports['src'], timeout=60, name='src')
             values = {f'h{i}': f'value-{i}'.encode() * 8 for i in range(2000)}
             r.mset(values)
             r.close()
@@ -169,7 +178,7 @@ class VirshPostcopy(HybridVMTest):
             con = consoles['dst']
             self.assertEqual(con.run('cat /root/marker', timeout=120).strip(), 'written-on-source-42')
             con.run('echo written-on-destination >/root/marker2 && sync')
-            r = hvlib.redis_client(dst_port, timeout=60, name='dst')
+            r = hvlib.redis_client(ports['dst'], timeout=60, name='dst')
             self.assertEqual(r.mget(list(values)), list(values.values()))
             stats = pair.dst.virsh('qemu-monitor-command', 'hvguest', '--pretty',
                                    '{"execute": "query-hybrid"}').stdout
@@ -196,7 +205,7 @@ class VirshPostcopy(HybridVMTest):
         to resume, query-migrate there reports the phase, the balloon is back to
         the guest's size and the disk's data is intact."""
         import hvlib
-        from hvlib.libvirt import LibvirtPair, domain_xml
+        from hvlib.libvirt import LibvirtPair
 
         qemu_img = self.paths.binary('qemu-img')
         image = os.path.join(self.workdir, 'root.hybrid')
@@ -208,17 +217,8 @@ class VirshPostcopy(HybridVMTest):
                    '-global', 'migration.x-app-assist=on']
 
         with LibvirtPair(log_dir=self.logdir, hooks_dir=self.hooks_dir('64M')) as pair:
-            ports, consoles = {}, {}
-            for side in ('src', 'dst'):
-                ports[side] = hvlib.free_port()
-                sock = os.path.join(pair.root, f'{side}-serial.sock')
-                log = os.path.join(self.logdir, f'{side}-console.log')
-                with open(os.path.join(pair.root, f'{side}.xml'), 'w') as f:
-                    f.write(domain_xml('hvguest', self.paths, redis_port=ports[side],
-                                       console_log=log, console_sock=sock, hybrid_root=image,
-                                       append='hv.redis=1 hv.module=1', qemu_args=aa_args))
-                consoles[side] = hvlib.Console(side, sock, log)
-            pair.src.virsh('define', os.path.join(pair.root, 'src.xml'))
+            ports, consoles = self.define_sides(pair, hybrid_root=image, append='hv.redis=1 hv.module=1',
+                                                qemu_args=aa_args)
             pair.src.virsh('start', 'hvguest')
             con = consoles['src']
             con.wait(r'HV-ONDISK /dev/vda', timeout=180)
@@ -228,26 +228,7 @@ class VirshPostcopy(HybridVMTest):
             # 20 000 items of 1 KiB; all demoted, then the first 30 % read back (hot).
             r = hvlib.redis_client(ports['src'], timeout=60, name='src')
             self.assertIn('appassist_state', r.info('appassist'), 'the guest has no Redis module')
-            rng = random.Random(11)
-            items = [(f'i{n}', rng.randbytes(1024)) for n in range(20000)]
-            for n in range(0, len(items), 2000):
-                r.mset(dict(items[n:n + 2000]))
-            for k, v in {'hot-percent': 0, 'min-idle-ms': 0, 'interval-ms': 1}.items():
-                r.config_set(f'appassist.{k}', v)
-            deadline = time.monotonic() + 120
-            while r.info('appassist')['appassist_cold_items'] < len(items):
-                r.execute_command('APPASSIST.DEMOTE', 1000)
-                self.assertLess(time.monotonic(), deadline, 'demotion did not finish')
-            r.config_set('appassist.demote', 'no')
-            hot, cold = items[:6000], items[6000:]
-            for n in range(0, len(hot), 1000):
-                self.assertEqual(r.mget([k for k, _ in hot[n:n + 1000]]), [v for _, v in hot[n:n + 1000]])
-            info = r.info('appassist')
-            self.assertEqual(info['appassist_cold_items'], len(cold))
-            deadline = time.monotonic() + 30
-            while r.info('appassist')['appassist_port_connected'] != 1:
-                self.assertLess(time.monotonic(), deadline, 'the module did not open its port')
-                time.sleep(0.2)
+            hot, cold = hvlib.load_hot_cold(r, hvlib.make_items(20000, 1024, seed=11), 0.3)
             r.close()
 
             pair.src.virsh(*self.migrate_args(pair, os.path.join(pair.root, 'dst.xml')), timeout=900)
@@ -269,9 +250,7 @@ class VirshPostcopy(HybridVMTest):
             self.assertEqual((info['appassist_prepares'], info['appassist_resumes']), (1, 1))
             self.assertEqual(info['appassist_last_prepare_items'], len(cold))
             self.assertGreater(info['appassist_last_prepare_freed_bytes'], len(cold) * 1024)
-            for n in range(0, len(hot), 1000):
-                self.assertEqual(r.mget([k for k, _ in hot[n:n + 1000]]), [v for _, v in hot[n:n + 1000]])
-            self.assertEqual(r.mget([k for k, _ in cold[:1000]]), [None] * 1000)
+            self.assertEqual(hvlib.count_wrong(r, hot, cold, cold_dropped=True), (0, 0))
             deadline = time.monotonic() + 60
             while qmp('query-balloon')['actual'] != 512 * 2**20:
                 self.assertLess(time.monotonic(), deadline, 'the balloon did not deflate')
