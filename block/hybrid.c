@@ -59,6 +59,8 @@
 #define HYBRID_DEFAULT_DIRTY_LIMIT  (256 * MiB)
 /* Restore reads this much per request; also the dedup bounce buffer size */
 #define HYBRID_RESTORE_CHUNK        (4 * MiB)
+/* Concurrent restore reads (each HYBRID_RESTORE_CHUNK) */
+#define HYBRID_RESTORE_WORKERS      2
 /* Concurrent write-back requests */
 #define HYBRID_FLUSH_WORKERS        8
 
@@ -320,13 +322,35 @@ hybrid_writeback_slot(BDRVHybridState *s, HybridSlot *slot, uint8_t *bounce)
     return 0;
 }
 
+/*
+ * Write-back runs in bursts between two watermarks: it starts when half of
+ * dirty-limit is dirty and stops below a quarter, so that it does not
+ * compete with the writers it is absorbing (and rewrites of hot blocks
+ * coalesce in RAM).  Writers waiting at the limit, sync mode (after a
+ * switch) and guest flushes override that; a flush writes everything
+ * acknowledged before it in any case.
+ */
 static bool hybrid_flusher_should_run(BDRVHybridState *s)
 {
     if (s->flush_error || QTAILQ_EMPTY(&s->dirty_list)) {
+        s->writeback_burst = false;
         return false;
     }
-    /* While drained, only keep going for writers that wait on us */
-    return !s->quiesced || !qemu_co_queue_empty(&s->dirty_queue);
+    if (!qemu_co_queue_empty(&s->dirty_queue)) {
+        return true;
+    }
+    if (s->quiesced) {
+        return false;
+    }
+    if (s->mode == HYBRID_MODE_SYNC) {
+        return true;
+    }
+    if (s->dirty_bytes >= s->dirty_limit / 2) {
+        s->writeback_burst = true;
+    } else if (s->dirty_bytes < s->dirty_limit / 4) {
+        s->writeback_burst = false;
+    }
+    return s->writeback_burst;
 }
 
 /* Oldest dirty slot nobody else is working on, or NULL. */
@@ -943,6 +967,8 @@ static void coroutine_fn GRAPH_RDLOCK hybrid_restore_run(BDRVHybridState *s)
             s->slots[first + n].flags |= HYBRID_SLOT_BUSY;
             n++;
         }
+        /* The other worker continues after this run */
+        s->restore_cursor = first + n;
         off = first << s->block_shift;
         len = MIN(n << s->block_shift, s->size - off);
         buf = s->dedup ? bounce : hybrid_ram_plain_ptr(s, first);
@@ -970,10 +996,16 @@ static void coroutine_fn GRAPH_RDLOCK hybrid_restore_run(BDRVHybridState *s)
             break;
         }
         s->restore_bytes += len;
-        s->restore_cursor = first + n;
     }
     qemu_vfree(bounce);
+}
 
+/* The last restore worker has stopped: finished, failed or paused. */
+static void hybrid_restore_stopped(BDRVHybridState *s)
+{
+    if (s->restore_done) {
+        return;
+    }
     if (s->restore_cursor >= s->ram_blocks || s->restore_error) {
         s->restore_done = true;
         s->restore_end_ns = qemu_clock_get_ns(QEMU_CLOCK_REALTIME);
@@ -992,26 +1024,39 @@ static void coroutine_fn hybrid_restore_entry(void *opaque)
 
     GRAPH_RDLOCK_GUARD();
     hybrid_restore_run(s);
-    s->restore_running = false;
+    if (--s->restore_workers == 0) {
+        hybrid_restore_stopped(s);
+    }
     qemu_co_queue_restart_all(&s->restore_queue);
     bdrv_dec_in_flight(bs);
 }
 
+/*
+ * Two workers keep two large reads in flight, so that the page faults of
+ * filling fresh RAM overlap with the next read (one worker reached ~0.7x
+ * of dd's throughput here, see docs/bench/hybrid.md).
+ */
 static void hybrid_restore_kick(BDRVHybridState *s)
 {
-    Coroutine *co;
+    Coroutine *co[HYBRID_RESTORE_WORKERS];
+    int i;
 
-    if (!s->restore_enabled || s->restore_done || s->restore_running ||
+    if (!s->restore_enabled || s->restore_done || s->restore_workers ||
         s->quiesced || s->inactive) {
         return;
     }
     if (!s->restore_start_ns) {
         s->restore_start_ns = qemu_clock_get_ns(QEMU_CLOCK_REALTIME);
     }
-    s->restore_running = true;
-    co = qemu_coroutine_create(hybrid_restore_entry, s);
-    bdrv_inc_in_flight(s->bs);
-    aio_co_enter(bdrv_get_aio_context(s->bs), co);
+    /* Count them all first: a worker may finish inside aio_co_enter() */
+    for (i = 0; i < HYBRID_RESTORE_WORKERS; i++) {
+        co[i] = qemu_coroutine_create(hybrid_restore_entry, s);
+        s->restore_workers++;
+        bdrv_inc_in_flight(s->bs);
+    }
+    for (i = 0; i < HYBRID_RESTORE_WORKERS; i++) {
+        aio_co_enter(bdrv_get_aio_context(s->bs), co[i]);
+    }
 }
 
 static void hybrid_drain_begin(BlockDriverState *bs)
@@ -1276,7 +1321,7 @@ hybrid_co_invalidate_cache(BlockDriverState *bs, Error **errp)
 
     assert(QTAILQ_EMPTY(&s->dirty_list));
     s->inactive = false;
-    while (s->restore_running) {
+    while (s->restore_workers) {
         qemu_co_queue_wait(&s->restore_queue, NULL);
     }
     if (!s->raw) {
@@ -1311,7 +1356,7 @@ static void hybrid_close(BlockDriverState *bs)
     BDRVHybridState *s = bs->opaque;
 
     if (s->slots) {
-        assert(!s->restore_running && s->flush_workers == 0);
+        assert(!s->restore_workers && s->flush_workers == 0);
         if (bs->open_flags & BDRV_O_RDWR &&
             !(bs->open_flags & BDRV_O_INACTIVE)) {
             int ret;
@@ -1673,7 +1718,7 @@ HybridInfo *hybrid_get_info(BlockDriverState *bs)
     info->promote_limit = s->hot ? s->promote_blocks << s->block_shift : 0;
     info->promotions = s->promotions;
     info->demotions = s->demotions;
-    info->restore_active = s->restore_running;
+    info->restore_active = s->restore_workers > 0;
     info->restore_done = s->restore_done;
     info->restore_bytes = s->restore_bytes;
     info->restore_total = MIN(s->ram_blocks << s->block_shift, s->size);

@@ -145,6 +145,7 @@ typedef struct BDRVHybridState {
     uint64_t dirty_bytes;
     CoQueue dirty_queue;        /* writers waiting for dirty_bytes < limit */
     int flush_workers;
+    bool writeback_burst;       /* between the high and low watermark */
     int flush_error;            /* sticky: first write-back failure */
     bool quiesced;              /* inside a drained section */
     bool inactive;              /* BDRV_O_INACTIVE: no background I/O */
@@ -155,8 +156,8 @@ typedef struct BDRVHybridState {
 
     /* Restore */
     bool restore_enabled;
-    bool restore_running;
-    CoQueue restore_queue;      /* waiters for restore_running to clear */
+    int restore_workers;        /* running restore coroutines */
+    CoQueue restore_queue;      /* waiters for restore_workers == 0 */
     bool restore_done;
     int restore_error;
     uint64_t restore_cursor;    /* next block index to restore */

@@ -99,6 +99,18 @@ class HybridTest(unittest.TestCase):
                         '-c', 'read -P 7 304k 208k').stdout
         self.assertNotIn('failed', out)
 
+    def test_tiny_and_zero_ram(self):
+        """ram-size 0 (everything beyond the boundary) and a RAM tier smaller
+        than one restore request both open, serve and close."""
+        for ram in ('0', '64k', '1M'):
+            p = self.create(name=f'r{ram}.hyb', size='4M', ram_size=ram)
+            out = H.qemu_io('-f', 'hybrid', '-c', 'write -P 3 0 2M',
+                            '-c', 'read -P 3 0 2M', p, timeout=30).stdout
+            self.assertNotIn('failed', out)
+            out = H.qemu_io('-f', 'hybrid', '-c', 'read -P 3 0 2M', p,
+                            timeout=30).stdout
+            self.assertNotIn('failed', out)
+
     def test_convert_roundtrip(self):
         """raw -> hybrid -> raw is identical; map lists the data."""
         raw = self.tmp('in.raw')
