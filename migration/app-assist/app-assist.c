@@ -195,6 +195,9 @@ static void aa_prepare(MigrationState *s, uint32_t deadline_ms)
     trace_app_assist_prepare_done(contacted, aa_state.info->apps_answered,
                                   aa_state.info->freed_bytes,
                                   aa_state.info->prepare_time);
+    if (!aa_still_setting_up(s)) {
+        aa_set_reason("migration cancelled during PREPARE");
+    }
     if (!contacted) {
         aa_set_reason("no application has an app-assist port open");
     } else if (!aa_state.info->apps_answered) {
@@ -203,9 +206,6 @@ static void aa_prepare(MigrationState *s, uint32_t deadline_ms)
         aa_set_reason("%u of %u applications did not answer PREPARE "
                       "(see ports)", contacted - aa_state.info->apps_answered,
                       contacted);
-    }
-    if (!aa_still_setting_up(s)) {
-        aa_set_reason("migration cancelled during PREPARE");
     }
     bql_unlock();
 }

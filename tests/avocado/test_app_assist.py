@@ -177,6 +177,14 @@ class AppAssist(HybridVMTest):
         dinfo = dst.qmp('query-migrate')['app-assist']
         self.assertEqual(dinfo['status'], 'resumed')
         self.assertEqual(dinfo['balloon-target'], full)
+        # One MIGRATION_APP_ASSIST event on each side.
+        ev = src.vm.event_wait('MIGRATION_APP_ASSIST', timeout=10)
+        self.assertIsNotNone(ev)
+        self.assertEqual(ev['data']['info']['status'], 'completed')
+        self.assertEqual(ev['data']['info']['freed-bytes'], freed)
+        ev = dst.vm.event_wait('MIGRATION_APP_ASSIST', timeout=10)
+        self.assertIsNotNone(ev)
+        self.assertEqual(ev['data']['info']['status'], 'resumed')
         # HMP shows the section too.
         hmp = src.qmp('human-monitor-command', **{'command-line': 'info migrate'})
         self.assertIn('app-assist: completed', hmp)
@@ -283,3 +291,37 @@ class AppAssist(HybridVMTest):
         out = wait_for(lambda: 'RESUME' in dst.run('cat /tmp/app-0.log') and
                        dst.run('cat /tmp/app-0.log'), 30, 'RESUME on the destination')
         self.assertIn('APPASSIST.RESUME', out)
+
+    def test_cancel_during_prepare(self):
+        """Cancel while one app still has not answered PREPARE (the other
+        has): the phase stops waiting at once, nothing is ballooned, the app
+        that answered gets ABORT, the guest keeps running."""
+        src, dst = self.boot_pair(2)
+        full = balloon_actual(src)
+        start_app(src, 'good', 0, 64 * MiB)
+        start_app(src, 'sleeper', 1)
+        src.run('while [ ! -e /tmp/app-1.log ]; do sleep 0.1; done')
+        caps = [{'capability': 'postcopy-ram', 'state': True},
+                {'capability': 'app-assist', 'state': True}]
+        for g in (src, dst):
+            g.qmp('migrate-set-capabilities', capabilities=caps)
+        src.qmp('migrate-set-parameters', **{'app-assist-deadline': 20000})
+        import hvlib
+        uri = f'tcp:127.0.0.1:{hvlib.free_port()}'
+        dst.qmp('migrate-incoming', uri=uri)
+        t0 = time.monotonic()
+        src.qmp('migrate', uri=uri)
+        wait_for(lambda: 'PREPARE' in src.run('cat /tmp/app-0.log'), 30, 'PREPARE in the app')
+        self.assertEqual(src.qmp('query-migrate')['status'], 'setup')
+        src.qmp('migrate_cancel')
+        wait_for(lambda: src.qmp('query-migrate')['status'] == 'cancelled', 30, 'cancelled')
+        self.assertLess(time.monotonic() - t0, 15, 'cancel waited for the deadline')
+        aa = src.qmp('query-migrate')['app-assist']
+        self.assertEqual(aa['status'], 'cancelled')
+        self.assertIn('cancelled during PREPARE', aa['reason'])
+        self.assertEqual(aa['balloon-target'], 0)
+        self.assertEqual(balloon_actual(src), full)
+        out = wait_for(lambda: 'ABORT' in src.run('cat /tmp/app-0.log') and
+                       src.run('cat /tmp/app-0.log'), 30, 'ABORT in the app log')
+        self.assertIn('APPASSIST.ABORT', out)
+        self.assertEqual(src.qmp('query-status')['status'], 'running')
