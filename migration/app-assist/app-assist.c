@@ -93,15 +93,23 @@ static void aa_send_event(void)
 static void aa_set_reason(const char *fmt, ...) G_GNUC_PRINTF(1, 2);
 static void aa_set_reason(const char *fmt, ...)
 {
+    AppAssistInfo *info = aa_state.info;
+    g_autofree char *why = NULL;
     va_list ap;
 
-    if (aa_state.info->reason) {
-        return;     /* the first reason is the one that matters */
-    }
     va_start(ap, fmt);
-    aa_state.info->reason = g_strdup_vprintf(fmt, ap);
+    why = g_strdup_vprintf(fmt, ap);
     va_end(ap);
-    trace_app_assist_skip(aa_state.info->reason);
+    trace_app_assist_skip(why);
+    /* Every distinct reason, in order; a phase has a handful at most. */
+    if (!info->reason) {
+        info->reason = g_steal_pointer(&why);
+    } else if (!strstr(info->reason, why)) {
+        char *both = g_strdup_printf("%s; %s", info->reason, why);
+
+        g_free(info->reason);
+        info->reason = both;
+    }
 }
 
 static void aa_info_new(AppAssistStatus status)

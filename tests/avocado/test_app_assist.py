@@ -58,6 +58,10 @@ sleep 100000''',
 read -r l <&3; echo "$l" >"$2"
 printf -- '-ERR busy\r\n' >&3
 sleep 100000''',
+    # Floods the port with zeros for as long as it lives.
+    'firehose': r'''exec 3<>"$1"
+echo open >"$2"
+cat /dev/zero >&3''',
     # Reads the request, then closes the port.
     'disconnect': r'''exec 3<>"$1"
 read -r l <&3; echo "$l" >"$2"
@@ -325,3 +329,36 @@ class AppAssist(HybridVMTest):
                        src.run('cat /tmp/app-0.log'), 30, 'ABORT in the app log')
         self.assertIn('APPASSIST.ABORT', out)
         self.assertEqual(src.qmp('query-status')['status'], 'running')
+
+    def test_no_balloon_and_firehose(self):
+        """No balloon device, and an app that floods its port with zeros for
+        the whole migration: the good app's PREPARE still counts (freed
+        bytes reported, RESUME on the destination), the reason says the
+        balloon is missing, and the flood costs no memory and does not stop
+        the migration."""
+        import hvlib
+        src = self.guest('src', mem=self.MEM, redis=False, balloon=False,
+                         args=port_args(2)).boot()
+        dst = self.guest('dst', mem=self.MEM, redis=False, balloon=False, incoming='defer',
+                         args=port_args(2)).launch()
+        src.run(LINK_PORTS)
+        start_app(src, 'good', 0, 32 * MiB)
+        start_app(src, 'firehose', 1)
+        src.run('while [ ! -e /tmp/app-1.log ]; do sleep 0.1; done')
+        rss0 = int(open(f'/proc/{src.pid}/status').read().split('VmRSS:')[1].split()[0])
+        res = hvlib.migrate_postcopy(src, dst, precopy_seconds=0.3, bandwidth=125_000_000,
+                                     capabilities=['app-assist'],
+                                     parameters={'app-assist-deadline': 1500})
+        self.assertEqual(res.status, 'completed')
+        aa = res.info['app-assist']
+        self.log.info('app-assist: %s', aa)
+        self.assertEqual(aa['status'], 'completed')
+        self.assertEqual([p['status'] for p in aa['ports']], ['answered', 'invalid'])
+        self.assertEqual(aa['freed-bytes'], 32 * MiB)
+        self.assertEqual(aa['balloon-target'], 0)
+        self.assertIn('cannot balloon', aa['reason'])
+        rss1 = int(open(f'/proc/{src.pid}/status').read().split('VmRSS:')[1].split()[0])
+        self.assertLess(rss1 - rss0, 64 * 1024, 'QEMU grew by more than 64 MiB during the flood')
+        out = wait_for(lambda: 'RESUME' in dst.run('cat /tmp/app-0.log', timeout=120) and
+                       dst.run('cat /tmp/app-0.log'), 120, 'RESUME on the destination')
+        self.assertIn('APPASSIST.RESUME', out)
