@@ -1282,7 +1282,9 @@ static int GRAPH_RDLOCK hybrid_make_clean(BlockDriverState *bs)
     if (ret < 0 || !QTAILQ_EMPTY(&s->dirty_list)) {
         return ret < 0 ? ret : -EIO;
     }
-    if (!s->header_dirty_on_disk || s->raw) {
+    /* Also clears a DIRTY flag left by an earlier unclean shutdown */
+    if (s->raw || (!s->header_dirty_on_disk &&
+                   !(s->header.flags & HYBRID_FLAG_DIRTY))) {
         return 0;
     }
     s->header.flags &= ~HYBRID_FLAG_DIRTY;
