@@ -155,14 +155,14 @@ class HybridErrorTest(unittest.TestCase):
         self.assertIn('wrote 65536/65536 bytes at offset 1048576', out.stdout)
         self.assertIn('could not write back all data at close: No space '
                       'left on device', out.stderr)
-        out = H.qemu_io('-f', 'hybrid', '-c', 'read -P 3 2M 64k',
-                        self.img).stdout
-        self.assertNotIn('failed', out)
         info = H.img_info(self.img)
         self.assertTrue(info['format-specific']['data']['dirty'])
         r = H.qemu_img('check', '-r', 'all', self.img)
         self.assertEqual(r.returncode, 0)
         self.assertFalse(H.img_info(self.img)['format-specific']['data']['dirty'])
+        out = H.qemu_io('-r', '-f', 'hybrid', '-c', 'read -P 3 2M 64k',
+                        self.img).stdout
+        self.assertNotIn('failed', out)
 
     def test_async_transient_error_recovers(self):
         """async: after a one-shot EIO, a later flush succeeds and the data
