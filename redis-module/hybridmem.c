@@ -104,6 +104,7 @@ static struct {
     int threshold;              /* demote items in buckets >= threshold */
     uint64_t next_pass_us;
     uint64_t passes;
+    uint64_t skipped_passes;    /* everything fitted the budget */
     RedisModuleString **pending; /* keys picked for demotion by the scan callback */
     size_t npending, cap_pending;
 
@@ -421,6 +422,16 @@ static void demoteSlice(uint64_t deadline) {
     RedisModuleCtx *ctx = hm.dctx;
     if (!hm.cursor) {
         if (nowUs() < hm.next_pass_us) return;
+        /* Nothing can be over budget while the whole of used_memory fits
+         * in it: skip the pass (its keyspace walk would be pure overhead;
+         * measured: 3-30 % more server CPU per request with 300k keys). */
+        long long budget = hotBudget(ctx);
+        if (budget > 0 && (long long)infoMemoryField(ctx, "used_memory") < budget) {
+            hm.threshold = HM_BUCKETS;
+            hm.next_pass_us = nowUs() + HM_PASS_PAUSE_MS * 1000ULL;
+            hm.skipped_passes++;
+            return;
+        }
         hm.cursor = RedisModule_ScanCursorCreate();
     }
     int more = 1;
@@ -725,9 +736,10 @@ static int DemoteCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc
         return RedisModule_ReplyWithError(ctx, "ERR demotion is paused until APPASSIST.RESUME");
     long long before = hm.demotions;
     uint64_t deadline = nowUs() + (uint64_t)ms * 1000;
-    uint64_t passes = hm.passes;
+    uint64_t passes = hm.passes + hm.skipped_passes;
     hm.next_pass_us = 0;
-    while (hm.passes == passes && nowUs() < deadline) demoteSlice(deadline);
+    while (hm.passes + hm.skipped_passes == passes && nowUs() < deadline)
+        demoteSlice(deadline);
     return RedisModule_ReplyWithLongLong(ctx, hm.demotions - before);
 }
 
@@ -1393,6 +1405,7 @@ static void infoFunc(RedisModuleInfoCtx *ctx, int for_crash_report) {
     RedisModule_InfoAddFieldULongLong(ctx, "spilled_bytes", st.spilled_bytes);
     RedisModule_InfoAddFieldLongLong(ctx, "demotion_threshold", hm.threshold);
     RedisModule_InfoAddFieldULongLong(ctx, "passes", hm.passes);
+    RedisModule_InfoAddFieldULongLong(ctx, "skipped_passes", hm.skipped_passes);
     RedisModule_InfoAddFieldLongLong(ctx, "demotions", hm.demotions);
     RedisModule_InfoAddFieldLongLong(ctx, "promotions", hm.promotions);
     RedisModule_InfoAddFieldLongLong(ctx, "expired_promotions", hm.expired_promotions);
