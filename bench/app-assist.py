@@ -17,6 +17,9 @@ Configurations (--configs, comma-separated):
   ours          our module + app-assist capability, post-copy
   ours-fpr      our module + app-assist without ballooning, free-page
                 reporting on the balloon instead
+  ours-balloon-fpr
+                ours with free-page reporting on as well (does it shorten
+                the inflation?)
   postcopy-stock-redis
                 stock post-copy of stock Redis 7.0 (no module): the baseline
                 without the module's own memory footprint
@@ -45,7 +48,7 @@ PORT_NAME = 'org.qemu.app-assist.0'
 LINK_PORTS = ('mkdir -p /dev/virtio-ports; for p in /sys/class/virtio-ports/vport*; do '
               'ln -sf /dev/${p##*/} /dev/virtio-ports/$(cat $p/name); done')
 CONFIGS = ['precopy', 'precopy-fph', 'postcopy', 'postcopy-stock-redis', 'design', 'ours',
-           'ours-fpr']
+           'ours-fpr', 'ours-balloon-fpr']
 
 
 def log(msg):
@@ -60,7 +63,7 @@ def guest_args(config):
     if config == 'precopy-fph':
         args += ['-object', 'iothread,id=bio0']
         balloon += ',free-page-hint=on,iothread=bio0'
-    if config == 'ours-fpr':
+    if config in ('ours-fpr', 'ours-balloon-fpr'):
         balloon += ',free-page-reporting=on'
     return args + ['-device', balloon]
 
