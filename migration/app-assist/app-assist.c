@@ -41,6 +41,10 @@
 #include "qapi/qapi-visit-migration.h"
 #include "qapi/clone-visitor.h"
 #include "hw/boards.h"
+#include "hw/virtio/virtio-balloon.h"
+#include "qobject/qdict.h"
+#include "qobject/qnum.h"
+#include "qom/qom-qobject.h"
 #include "migration/misc.h"
 #include "migration/vmstate.h"
 #include "migration/migration.h"
@@ -57,6 +61,8 @@
 #define AA_MIN_GUEST_BYTES      (128 * MiB)
 #define AA_INCOMING_POLL_MS     100
 #define AA_BALLOON_PAGE         4096    /* VIRTIO_BALLOON_PFN_SHIFT */
+#define AA_AVAIL_MARGIN         (64 * MiB)  /* left available in the guest */
+#define AA_STATS_WAIT_MS        3000    /* for a report newer than PREPARE */
 
 typedef struct AppAssistState {
     /* Everything is protected by the BQL, except @wake. */
@@ -218,8 +224,67 @@ static void aa_prepare(MigrationState *s, uint32_t deadline_ms)
     bql_unlock();
 }
 
+/*
+ * The guest's available memory from the balloon's statistics (BQL held):
+ * only when the balloon polls them and the last report is newer than @since
+ * (wall-clock seconds, the balloon's own unit).  Returns 0 when unknown,
+ * -EAGAIN when a newer report is still to come.
+ */
+static int aa_guest_available(time_t since, uint64_t *avail)
+{
+    Object *balloon = object_resolve_path_type("", TYPE_VIRTIO_BALLOON, NULL);
+    g_autoptr(QDict) dict = NULL;
+    QObject *obj;
+    QDict *stats;
+    QNum *n;
+
+    if (!balloon ||
+        object_property_get_int(balloon, "guest-stats-polling-interval",
+                                NULL) <= 0) {
+        return 0;
+    }
+    obj = object_property_get_qobject(balloon, "guest-stats", NULL);
+    dict = qobject_to(QDict, obj);
+    if (!dict) {
+        qobject_unref(obj);
+        return 0;
+    }
+    if (qdict_get_try_int(dict, "last-update", 0) <= since) {
+        return -EAGAIN;
+    }
+    stats = qdict_get_qdict(dict, "stats");
+    n = stats ? qobject_to(QNum, qdict_get(stats, "stat-available-memory"))
+              : NULL;
+    /* Unreported statistics read as -1. */
+    if (!n || !qnum_get_try_uint(n, avail) || *avail == UINT64_MAX) {
+        return 0;
+    }
+    return 1;
+}
+
+/*
+ * Wait (BQL not held) up to AA_STATS_WAIT_MS for statistics newer than
+ * @since; returns the guest's available memory or UINT64_MAX if unknown.
+ */
+static uint64_t aa_wait_guest_available(MigrationState *s, time_t since)
+{
+    int64_t end = aa_now_ms() + AA_STATS_WAIT_MS;
+    uint64_t avail = UINT64_MAX;
+    int ret;
+
+    for (;;) {
+        bql_lock();
+        ret = aa_guest_available(since, &avail);
+        bql_unlock();
+        if (ret != -EAGAIN || aa_now_ms() >= end || !aa_still_setting_up(s)) {
+            return ret == 1 ? avail : UINT64_MAX;
+        }
+        g_usleep(AA_POLL_MS * 1000);
+    }
+}
+
 /* Step 2, setting the target (BQL held).  Returns the target, 0 for none. */
-static uint64_t aa_balloon_inflate(void)
+static uint64_t aa_balloon_inflate(uint64_t guest_avail)
 {
     AppAssistInfo *info = aa_state.info;
     uint64_t ram = current_machine->ram_size;
@@ -242,6 +307,19 @@ static uint64_t aa_balloon_inflate(void)
     target = bi->actual > info->freed_bytes ? bi->actual - info->freed_bytes
                                             : 0;
     target = ROUND_UP(MAX(target, min_bytes), AA_BALLOON_PAGE);
+    /*
+     * Where the guest reports its available memory after PREPARE, never
+     * inflate into what it needs: an application may over-report.
+     */
+    if (guest_avail != UINT64_MAX &&
+        bi->actual - MIN(target, bi->actual) + AA_AVAIL_MARGIN > guest_avail) {
+        uint64_t room = guest_avail > AA_AVAIL_MARGIN ?
+                        guest_avail - AA_AVAIL_MARGIN : 0;
+
+        target = ROUND_UP(bi->actual - MIN(room, bi->actual), AA_BALLOON_PAGE);
+        aa_set_reason("balloon limited by the guest's available memory "
+                      "(%" PRIu64 " bytes)", guest_avail);
+    }
     trace_app_assist_balloon_target(bi->actual, target, min_bytes);
     if (target >= bi->actual) {
         aa_set_reason("freed memory is below what the guest must keep "
@@ -263,14 +341,18 @@ static uint64_t aa_balloon_inflate(void)
 }
 
 /* Step 2, waiting (BQL not held on entry or exit). */
-static void aa_balloon(MigrationState *s, uint32_t wait_ms)
+static void aa_balloon(MigrationState *s, uint32_t wait_ms, time_t since)
 {
     int64_t start = aa_now_ms(), end = start + wait_ms, progress = start;
-    uint64_t target, last;
+    uint64_t target, last, avail;
 
     bql_lock();
     aa_state.info->status = APP_ASSIST_STATUS_BALLOONING;
-    target = aa_balloon_inflate();
+    bql_unlock();
+    avail = aa_wait_guest_available(s, since);
+
+    bql_lock();
+    target = aa_balloon_inflate(avail);
     last = aa_state.info->balloon_reached;
     bql_unlock();
     if (!target) {
@@ -324,6 +406,7 @@ void app_assist_source_run(MigrationState *s)
     uint32_t deadline = migrate_app_assist_deadline();
     uint32_t balloon_wait = migrate_app_assist_balloon_wait();
     bool balloon = migrate_app_assist_balloon();
+    time_t prepared_at;
 
     bql_lock();
     aa_info_new(APP_ASSIST_STATUS_PREPARING);
@@ -340,6 +423,7 @@ void app_assist_source_run(MigrationState *s)
     if (aa_port_count()) {
         aa_prepare(s, deadline);
     }
+    prepared_at = time(NULL);
 
     if (!aa_state.info->freed_bytes) {
         /* Nothing to balloon away. */
@@ -348,7 +432,7 @@ void app_assist_source_run(MigrationState *s)
         aa_set_reason("ballooning disabled (app-assist-balloon=off)");
         bql_unlock();
     } else if (aa_still_setting_up(s)) {
-        aa_balloon(s, balloon_wait);
+        aa_balloon(s, balloon_wait, prepared_at);
     }
 
     bql_lock();

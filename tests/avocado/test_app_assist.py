@@ -362,3 +362,31 @@ class AppAssist(HybridVMTest):
         out = wait_for(lambda: 'RESUME' in dst.run('cat /tmp/app-0.log', timeout=120) and
                        dst.run('cat /tmp/app-0.log'), 120, 'RESUME on the destination')
         self.assertIn('APPASSIST.RESUME', out)
+
+    def test_balloon_limited_by_guest_stats(self):
+        """An app that over-reports what it freed, in a guest whose memory is
+        mostly in use: with balloon statistics polled, the target keeps the
+        guest's available memory (minus a margin) out of the balloon; the
+        guest keeps running and the migration completes."""
+        import hvlib
+        src, dst = self.boot_pair(1)
+        src.qmp('qom-set', path='/machine/peripheral/balloon0',
+                property='guest-stats-polling-interval', value=1)
+        src.run('mkdir -p /fill && mount -t tmpfs -o size=300m tmpfs /fill && '
+                'dd if=/dev/zero of=/fill/x bs=1M count=250 2>/dev/null')
+        full = balloon_actual(src)
+        start_app(src, 'good', 0, 400 * MiB)
+        src.run('while [ ! -e /tmp/app-0.sh ]; do sleep 0.1; done')
+        res = hvlib.migrate_postcopy(src, dst, precopy_seconds=0.3, bandwidth=125_000_000,
+                                     capabilities=['app-assist'])
+        self.assertEqual(res.status, 'completed')
+        aa = res.info['app-assist']
+        self.log.info('app-assist: %s', aa)
+        self.assertEqual(aa['freed-bytes'], 400 * MiB)
+        self.assertIn("limited by the guest's available memory", aa['reason'])
+        # 250 MiB are in use in tmpfs: the balloon may not take more than the rest.
+        self.assertGreater(aa['balloon-target'], 250 * MiB)
+        self.assertLess(aa['balloon-target'], full)
+        self.assertGreaterEqual(res.setup_time_ms, aa['prepare-time'] + aa['balloon-time'])
+        wait_for(lambda: balloon_actual(dst) == full, 60, 'balloon deflated on the destination')
+        dst.run('true')
