@@ -8,7 +8,7 @@ import tempfile
 import threading
 import time
 
-from .paths import BuildPaths
+from .paths import BuildPaths, MissingBuild
 
 LOG = logging.getLogger('hvlib')
 
@@ -158,7 +158,14 @@ class Guest:
                  append='', args=(), incoming=None, paths=None, redis_port=None,
                  balloon=True, root_disk=None, root_format='raw', root_snapshot=False):
         self.paths = paths or BuildPaths()
-        from qemu.machine import QEMUMachine  # needs paths.qemu_python on sys.path
+        # Everything that can be missing is looked up before anything is created.
+        binary = self.paths.binary('qemu-system-x86_64')
+        kernel = self.paths.guest_file('vmlinuz')
+        initrd = self.paths.guest_file('initrd.img')
+        try:
+            from qemu.machine import QEMUMachine  # from paths.qemu_python
+        except ImportError as exc:
+            raise MissingBuild(f'QEMU\'s python package is missing ({exc}): run "make" first') from exc
 
         self.name = name
         self.log_dir = log_dir
@@ -183,8 +190,8 @@ class Guest:
 
         qargs = ['-accel', 'tcg', '-m', mem, '-smp', str(smp), '-no-reboot',
                  '-L', '/usr/share/seabios', '-L', '/usr/share/qemu',
-                 '-kernel', self.paths.guest_file('vmlinuz'),
-                 '-initrd', self.paths.guest_file('initrd.img'),
+                 '-kernel', kernel,
+                 '-initrd', initrd,
                  '-append', ' '.join(cmdline),
                  '-chardev', f'socket,id=ser0,path={self.serial_sock},server=on,wait=off,'
                              f'logfile={self.console_log}',
@@ -201,7 +208,7 @@ class Guest:
         if incoming:
             qargs += ['-incoming', incoming]
 
-        self.vm = QEMUMachine(self.paths.binary('qemu-system-x86_64'),
+        self.vm = QEMUMachine(binary,
                               args=qargs, name=name, log_dir=log_dir,
                               base_temp_dir=self.sock_dir,
                               wrapper=['setpriv', '--pdeathsig', 'KILL'])
