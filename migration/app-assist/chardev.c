@@ -55,7 +55,8 @@ struct AppAssistPort {
     QTAILQ_ENTRY(AppAssistPort) next;
 };
 
-static QTAILQ_HEAD(, AppAssistPort) aa_ports = QTAILQ_HEAD_INITIALIZER(aa_ports);
+static QTAILQ_HEAD(, AppAssistPort) aa_ports =
+    QTAILQ_HEAD_INITIALIZER(aa_ports);
 static int aa_nports;
 
 AppAssistPort *aa_port_next(AppAssistPort *prev)

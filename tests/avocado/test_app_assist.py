@@ -216,7 +216,13 @@ class AppAssist(HybridVMTest):
         self.assertIn('error', r)
         src.qmp('migrate-set-parameters', **{'app-assist-balloon': False,
                                             'app-assist-deadline': 1000})
+        src.qmp('human-monitor-command',
+                **{'command-line': 'migrate_set_parameter app-assist-balloon-wait 4000'})
+        hmp = src.qmp('human-monitor-command', **{'command-line': 'info migrate_parameters'})
+        self.assertIn('app-assist-balloon-wait: 4000 ms', hmp)
+        self.assertIn('app-assist-balloon: off', hmp)
         params = src.qmp('query-migrate-parameters')
+        self.assertEqual(params['app-assist-balloon-wait'], 4000)
         self.assertEqual(params['app-assist-deadline'], 1000)
         self.assertFalse(params['app-assist-balloon'])
         r = src.qmp_raw('migrate-set-capabilities', capabilities=[
