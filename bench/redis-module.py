@@ -273,20 +273,21 @@ def mib(b):
     return '%.1f' % (b / 2**20)
 
 
-def write(tp, setups, cold, promos, n, keyspace, prep, cpu, loadavg):
+def write(tp, setups, cold, promos, n, keyspace, prep, cpu, loadavg, when):
     os.makedirs(os.path.dirname(OUT_MD), exist_ok=True)
     L = []
     L.append('# Redis module benchmark (bench/redis-module.py)')
     L.append('')
-    L.append('Measured %s on this machine (%s), redis-server %s. Re-run after any change to '
-             'the filter, the arena or the PREPARE path.'
-             % (time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()), cpu,
+    L.append('Measured on this machine (%s), redis-server %s: throughput %s, PREPARE %s. '
+             'Re-run after any change to the filter, the arena or the PREPARE path.'
+             % (cpu,
                 subprocess.run(['redis-server', '--version'], capture_output=True,
-                               text=True).stdout.split()[2]))
+                               text=True).stdout.split()[2], when['throughput'], when['prepare']))
     L.append('')
     if tp:
         L.append('## Throughput and p99 latency (redis-benchmark, 50 clients, 100-byte values, '
-                 '%d requests, %d random keys, median of 3 interleaved runs)' % (n, keyspace))
+                 '%d requests, %d random keys, median of %d interleaved runs)'
+                 % (n, keyspace, 3 if n < 1000000 else 5))
         L.append('')
         L.append('Targets: >= 0.9x stock throughput, p99 <= 1.1x stock. The machine is shared '
                  '(load average %s while measuring): wall-clock rps and p99 are noisy; the '
@@ -341,26 +342,31 @@ def write(tp, setups, cold, promos, n, keyspace, prep, cpu, loadavg):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    ncols = (1 if tp else 0) + (1 if prep else 0)
+    ncols = (2 if tp else 0) + (1 if prep else 0)
     fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4.5))
     if ncols == 1:
         axes = [axes]
     ax_i = 0
     if tp:
-        ax = axes[ax_i]
-        ax_i += 1
         labels = ['%s P%d' % (t.upper(), p) for t in ('set', 'get') for p in (1, 16)]
         width = 0.8 / len(setups)
-        for j, name in enumerate(setups):
-            vals = [tp[(t, p, name)][0] / tp[(t, p, 'stock')][0]
-                    for t in ('set', 'get') for p in (1, 16)]
-            ax.bar([i + j * width for i in range(len(labels))], vals, width, label=name)
-        ax.axhline(0.9, color='red', linestyle='--', linewidth=1, label='target 0.9x')
-        ax.set_xticks([i + width for i in range(len(labels))])
-        ax.set_xticklabels(labels)
-        ax.set_ylabel('throughput / stock')
-        ax.set_title('redis-benchmark throughput vs stock')
-        ax.legend(fontsize=8)
+        for idx, title, ylabel, target in (
+                (0, 'redis-benchmark throughput vs stock', 'rps / stock', 0.9),
+                (2, 'server CPU per request vs stock', 'CPU us per request / stock', None)):
+            ax = axes[ax_i]
+            ax_i += 1
+            for j, name in enumerate(setups):
+                vals = [tp[(t, p, name)][idx] / tp[(t, p, 'stock')][idx]
+                        for t in ('set', 'get') for p in (1, 16)]
+                ax.bar([i + j * width for i in range(len(labels))], vals, width, label=name)
+            if target:
+                ax.axhline(target, color='red', linestyle='--', linewidth=1,
+                           label='target %.1fx' % target)
+            ax.set_xticks([i + width for i in range(len(labels))])
+            ax.set_xticklabels(labels)
+            ax.set_ylabel(ylabel)
+            ax.set_title(title)
+            ax.legend(fontsize=8)
     if prep:
         ax = axes[ax_i]
         xs = [r['cold'] for r in prep]
@@ -382,6 +388,8 @@ def main():
     ap.add_argument('--cold', default=None, help='comma-separated cold item counts')
     ap.add_argument('--no-throughput', action='store_true')
     ap.add_argument('--no-prepare', action='store_true')
+    ap.add_argument('--render-only', action='store_true',
+                    help='rewrite the table and chart from the saved JSON, measure nothing')
     a = ap.parse_args()
     if not os.path.exists(MODULE):
         sys.exit('build the module first: ninja -C build redis-module/hybridmem.so')
@@ -398,25 +406,31 @@ def main():
         with open(OUT_JSON) as f:
             saved = json.load(f)
     try:
+        if a.render_only:
+            a.no_throughput = a.no_prepare = True
         if not a.no_throughput:
             tp, setups, cold, promos, n, keyspace = throughput(workdir, a.quick)
             saved['throughput'] = {'table': [[k[0], k[1], k[2]] + list(v) for k, v in tp.items()],
                                    'setups': setups, 'cold': cold, 'promos': promos,
                                    'n': n, 'keyspace': keyspace,
-                                   'loadavg': open('/proc/loadavg').read().split()[0]}
+                                   'loadavg': open('/proc/loadavg').read().split()[0],
+                                   'when': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}
         if not a.no_prepare:
             prep = []
             for c in sizes:
                 prep.append(prepare_vs_design(workdir, c))
                 print(prep[-1], flush=True)
             saved['prepare'] = prep
+            saved['prepare_when'] = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
         os.makedirs(os.path.dirname(OUT_JSON), exist_ok=True)
         with open(OUT_JSON, 'w') as f:
             json.dump(saved, f, indent=1)
         t = saved.get('throughput')
         tp = {(r[0], r[1], r[2]): tuple(r[3:]) for r in t['table']} if t else None
+        when = {'throughput': t.get('when', '2026-11-21 11:40 UTC') if t else None,
+                'prepare': saved.get('prepare_when', '2026-11-21 11:07 UTC')}
         write(tp, t and t['setups'], t and t['cold'], t and t['promos'], t and t['n'],
-              t and t['keyspace'], saved.get('prepare', []), cpu, t and t['loadavg'])
+              t and t['keyspace'], saved.get('prepare', []), cpu, t and t['loadavg'], when)
         print(open(OUT_MD).read())
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
