@@ -132,7 +132,7 @@ class Console:
         if echo_end >= 0:
             nl = text.find('\n', echo_end)
             text = text[nl + 1:] if nl >= 0 else ''
-        if m.group(1) != '0':
+        if int(m.group(1)) != 0:  # compare numbers: the console has shown 'rc=00'
             raise GuestError(f'{self.name}: "{command}" exited with {m.group(1)}: {text[-300:]!r}')
         return text.replace('\r', '')
 

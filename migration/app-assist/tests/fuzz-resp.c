@@ -197,6 +197,10 @@ int main(int argc, char **argv)
             return 2;
         }
     }
+    /* make check-long (HYBRIDVM_LONG=1) fuzzes for at least five minutes. */
+    if (getenv("HYBRIDVM_LONG") && seconds < 300) {
+        seconds = 300;
+    }
     rng_state = seed | 1;
     p = aa_resp_parser_new();
     CHECK(p);
