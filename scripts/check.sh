@@ -45,8 +45,12 @@ if [ "${#tests[@]}" -gt 0 ]; then
     results=$build/avocado-results
     json=$results/latest.json
     rm -f "$json"
-    (cd "$top" && "$venv/bin/avocado" run --max-parallel-tasks 1 \
-        --job-results-dir "$results" --json "$json" "${tests[@]}")
+    # A hung test fails after 10 minutes (the longest takes ~1.5) instead of
+    # eating CI's 90; the whole run is capped at 70 minutes.
+    mkdir -p "$results"
+    printf '[task.timeout]\nrunning = 600\n' >"$results/avocado.conf"
+    (cd "$top" && "$venv/bin/avocado" --config "$results/avocado.conf" run --max-parallel-tasks 1 \
+        --job-timeout 70m --job-results-dir "$results" --json "$json" "${tests[@]}")
     if [ -f "$json" ]; then
         read -r p f s < <("$venv/bin/python3" - "$json" <<'PY'
 import json, sys
