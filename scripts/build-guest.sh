@@ -16,7 +16,8 @@ export SOURCE_DATE_EPOCH=1700000000
 die() { echo "build-guest: $*" >&2; exit 1; }
 
 # The kernel: the version the cloud meta-package currently depends on.
-kpkg=$(apt-cache depends linux-image-cloud-amd64 2>/dev/null | sed -n 's/^ *Depends: \(linux-image-[^ ]*-cloud-amd64\)$/\1/p' | head -1)
+# (sed quits at the first match: no `| head` whose early exit pipefail would see)
+kpkg=$(apt-cache depends linux-image-cloud-amd64 2>/dev/null | sed -n 's/^ *Depends: \(linux-image-[^ ]*-cloud-amd64\)$/\1/p;T;q')
 [ -n "$kpkg" ] || die "cannot find the Debian cloud kernel package (apt-cache depends linux-image-cloud-amd64)"
 kver_pkg=$(apt-cache policy "$kpkg" | sed -n 's/^ *Candidate: //p')
 
@@ -35,11 +36,12 @@ rm -rf "$work"
 mkdir -p "$work/deb" "$out" "$build/src"
 
 # Kernel package: fetched once per version.
-deb=$(ls "$build"/src/"$kpkg"_*.deb 2>/dev/null | head -1 || true)
-if [ -z "$deb" ]; then
+debs=("$build"/src/"$kpkg"_*.deb)
+if [ ! -f "${debs[0]}" ]; then
     (cd "$build/src" && apt-get download -q "$kpkg") >/dev/null 2>&1 || die "apt-get download $kpkg failed"
-    deb=$(ls "$build"/src/"$kpkg"_*.deb | head -1)
+    debs=("$build"/src/"$kpkg"_*.deb)
 fi
+deb=${debs[0]}
 dpkg-deb -x "$deb" "$work/deb"
 kver=$(ls "$work/deb/lib/modules")
 cp "$work/deb/boot/vmlinuz-$kver" "$out/vmlinuz"

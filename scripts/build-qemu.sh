@@ -29,9 +29,11 @@ log() { echo "build-qemu: $*"; }
 
 # 1. Fetch (once).
 if [ ! -f "$pristine/VERSION" ]; then
-    if ! apt-cache showsrc qemu 2>/dev/null | grep -qx "Version: $QEMU_DEB_VERSION"; then
-        offered=$(apt-cache showsrc qemu 2>/dev/null | sed -n 's/^Version: //p' | sort -u | tr '\n' ' ')
-        die "Debian no longer offers source package qemu=$QEMU_DEB_VERSION (offered: ${offered:-none}); our patches are written against it"
+    # No pipeline into grep -q: with pipefail, its early exit (SIGPIPE upstream)
+    # would read as "not offered".
+    offered=$(apt-cache showsrc qemu 2>/dev/null | sed -n 's/^Version: //p' | sort -u)
+    if ! grep -qxF "$QEMU_DEB_VERSION" <<<"$offered"; then
+        die "Debian no longer offers source package qemu=$QEMU_DEB_VERSION (offered: $(echo $offered)); our patches are written against it"
     fi
     mkdir -p "$build/src"
     (cd "$build/src" && apt-get source -q "qemu=$QEMU_DEB_VERSION") >"$build/src/fetch.log" 2>&1 ||
