@@ -32,6 +32,9 @@ import time
 
 import redis
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'redis-module', 'tests'))
+from hmlib import pipe  # noqa: E402
+
 TOP = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 MODULE = os.path.join(TOP, 'build', 'redis-module', 'hybridmem.so')
 OUT_MD = os.path.join(TOP, 'docs', 'bench', 'redis-module.md')
@@ -85,25 +88,14 @@ class Srv:
 
 
 def pipe_load(srv, keys, vlen, seed):
-    """Load with redis-cli --pipe (fastest way to get millions of keys in)."""
-    rng = random.Random(seed)
-    val = rng.randbytes(vlen)
-    buf = io.BytesIO()
-    for k in keys:
-        buf.write(b'*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n' % (len(k), k, vlen, val))
-    subprocess.run(['redis-cli', '-s', srv.sock, '--pipe'], input=buf.getvalue(),
-                   check=True, stdout=subprocess.DEVNULL)
+    """SET every key to one random value of `vlen` bytes."""
+    val = random.Random(seed).randbytes(vlen)
+    pipe(srv, ((b'SET', k, val) for k in keys))
 
 
 def pipe_touch(srv, keys):
-    """Read every key once: STRLEN touches the key like GET (LRU/LFU) but
-    its small reply keeps redis-cli --pipe fast (its reply buffer handling
-    is quadratic in the bytes it holds)."""
-    buf = io.BytesIO()
-    for k in keys:
-        buf.write(b'*2\r\n$6\r\nSTRLEN\r\n$%d\r\n%s\r\n' % (len(k), k))
-    subprocess.run(['redis-cli', '-s', srv.sock, '--pipe'], input=buf.getvalue(),
-                   check=True, stdout=subprocess.DEVNULL)
+    """Read every key once (STRLEN touches the key like GET, small reply)."""
+    pipe(srv, ((b'STRLEN', k) for k in keys))
 
 
 def settle(srv):
@@ -177,7 +169,6 @@ def prepare_vs_design(workdir, ncold, vlen=100):
     keys = [short_key(i) for i in range(ncold + nhot)]
     random.Random(ncold).shuffle(keys)
     hot, cold = keys[:nhot], keys[nhot:]
-    coldset = set(cold)
     res = {'cold': ncold, 'hot': nhot}
 
     # Ours.

@@ -14,17 +14,15 @@ Checked:
   cost was already given back when the items were demoted.
 HYBRIDVM_LONG=1: 5M cold 100-byte items, 300k 1 KiB items."""
 
-import io
 import os
 import random
 import shutil
-import subprocess
 import sys
 import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hmlib import ServerTestCase  # noqa: E402
+from hmlib import ServerTestCase, pipe  # noqa: E402
 
 LONG = os.environ.get('HYBRIDVM_LONG') == '1'
 ALPHA = '0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ'
@@ -41,27 +39,15 @@ def short_key(i):
 
 
 def load(srv, keys, vlen, seed):
-    """SET every key with redis-cli --pipe (millions of keys in seconds)."""
+    """SET every key to its own random value of `vlen` bytes."""
     rng = random.Random(seed)
-    buf = io.BytesIO()
-    for k in keys:
-        k = k.encode()
-        v = rng.randbytes(vlen)
-        buf.write(b'*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n' % (len(k), k, vlen, v))
-    subprocess.run(['redis-cli', '-s', srv.sock, '--pipe'], input=buf.getvalue(),
-                   check=True, stdout=subprocess.DEVNULL)
+    pipe(srv, ((b'SET', k.encode(), rng.randbytes(vlen)) for k in keys))
 
 
 def touch(srv, keys):
-    """Read every key once: STRLEN touches the key like GET (LRU/LFU) but
-    its small reply keeps redis-cli --pipe fast (its reply buffer handling
-    is quadratic in the bytes it holds)."""
-    buf = io.BytesIO()
-    for k in keys:
-        k = k.encode()
-        buf.write(b'*2\r\n$6\r\nSTRLEN\r\n$%d\r\n%s\r\n' % (len(k), k))
-    subprocess.run(['redis-cli', '-s', srv.sock, '--pipe'], input=buf.getvalue(),
-                   check=True, stdout=subprocess.DEVNULL)
+    """Read every key once: STRLEN touches the key like GET (LRU/LFU) with a
+    small reply."""
+    pipe(srv, ((b'STRLEN', k.encode()) for k in keys))
 
 
 def settle(srv):
@@ -87,7 +73,6 @@ class MemoryTest(ServerTestCase):
 
         # Stock: what the cold items cost.
         stock = self.server('stock', module=False)
-        sc = stock.client()
         load(stock, hot, vlen, 1)
         rss_hot = settle(stock)
         load(stock, cold, vlen, 2)
