@@ -32,6 +32,7 @@
 #include "qemu/osdep.h"
 #include "qemu/error-report.h"
 #include "qemu/main-loop.h"
+#include "qemu/module.h"
 #include "qemu/thread.h"
 #include "qemu/timer.h"
 #include "qemu/units.h"
@@ -63,6 +64,13 @@
 #define AA_BALLOON_PAGE         4096    /* VIRTIO_BALLOON_PFN_SHIFT */
 #define AA_AVAIL_MARGIN         (64 * MiB)  /* left available in the guest */
 #define AA_STATS_WAIT_MS        3000    /* for a report newer than PREPARE */
+#define AA_STATS_MAX_AGE_S      10      /* an older report bounds nothing */
+/*
+ * The guest acknowledges a batch of 256 balloon pages every few ms under
+ * TCG (measured: 2026-11-21, see docs/app-assist.md): poll that often so
+ * that the set-up phase ends within a few ms of the balloon's target.
+ */
+#define AA_BALLOON_POLL_MS      5
 
 typedef struct AppAssistState {
     /* Everything is protected by the BQL, except @wake. */
@@ -225,59 +233,101 @@ static void aa_prepare(MigrationState *s, uint32_t deadline_ms)
 }
 
 /*
- * The guest's available memory from the balloon's statistics (BQL held):
- * only when the balloon polls them and the last report is newer than @since
- * (wall-clock seconds, the balloon's own unit).  Returns 0 when unknown,
- * -EAGAIN when a newer report is still to come.
+ * The guest's available memory from the balloon's last statistics report
+ * (BQL held), and in *@age_s how old that report is (wall-clock seconds, the
+ * balloon's own unit; 0 = this second).  Returns false when unknown: the
+ * balloon does not poll statistics, or the guest never reported that one.
  */
-static int aa_guest_available(time_t since, uint64_t *avail)
+static bool aa_guest_available(uint64_t *avail, int64_t *age_s)
 {
     Object *balloon = object_resolve_path_type("", TYPE_VIRTIO_BALLOON, NULL);
     g_autoptr(QDict) dict = NULL;
     QObject *obj;
     QDict *stats;
     QNum *n;
+    int64_t last;
 
     if (!balloon ||
         object_property_get_int(balloon, "guest-stats-polling-interval",
                                 NULL) <= 0) {
-        return 0;
+        return false;
     }
     obj = object_property_get_qobject(balloon, "guest-stats", NULL);
     dict = qobject_to(QDict, obj);
     if (!dict) {
         qobject_unref(obj);
-        return 0;
+        return false;
     }
-    if (qdict_get_try_int(dict, "last-update", 0) <= since) {
-        return -EAGAIN;
+    last = qdict_get_try_int(dict, "last-update", 0);
+    if (last <= 0) {
+        return false;
     }
     stats = qdict_get_qdict(dict, "stats");
     n = stats ? qobject_to(QNum, qdict_get(stats, "stat-available-memory"))
               : NULL;
     /* Unreported statistics read as -1. */
     if (!n || !qnum_get_try_uint(n, avail) || *avail == UINT64_MAX) {
-        return 0;
+        return false;
     }
-    return 1;
+    *age_s = MAX(0, (int64_t)time(NULL) - last);
+    return true;
 }
 
 /*
- * Wait (BQL not held) up to AA_STATS_WAIT_MS for statistics newer than
- * @since; returns the guest's available memory or UINT64_MAX if unknown.
+ * What the balloon may take without statistics: the freed bytes, within the
+ * floor (BQL held).  Returns the number of bytes to inflate by, 0 for none.
  */
-static uint64_t aa_wait_guest_available(MigrationState *s, time_t since)
+static uint64_t aa_balloon_want(uint64_t actual)
 {
-    int64_t end = aa_now_ms() + AA_STATS_WAIT_MS;
-    uint64_t avail = UINT64_MAX;
-    int ret;
+    uint64_t ram = current_machine->ram_size;
+    uint64_t min_bytes = MAX(AA_MIN_GUEST_BYTES, ram / 8);
+    uint64_t target;
 
+    target = actual > aa_state.info->freed_bytes ?
+             actual - aa_state.info->freed_bytes : 0;
+    target = ROUND_UP(MAX(target, min_bytes), AA_BALLOON_PAGE);
+    return target < actual ? actual - target : 0;
+}
+
+/*
+ * The guest's available memory to bound the balloon with (BQL not held), or
+ * UINT64_MAX when there is no bound.  Waiting for a report newer than
+ * PREPARE (@since) only matters when the balloon would take more than the
+ * guest had available before: a report at most AA_STATS_MAX_AGE_S old that
+ * already leaves room for @want bytes plus the margin bounds the target
+ * without waiting (PREPARE only adds to what is available).  Otherwise wait
+ * up to AA_STATS_WAIT_MS for a newer report; without one, go unbounded as
+ * before (the floor still holds).
+ */
+static uint64_t aa_wait_guest_available(MigrationState *s, time_t since,
+                                        uint64_t want)
+{
+    int64_t start = aa_now_ms(), end = start + AA_STATS_WAIT_MS;
+    uint64_t avail = UINT64_MAX;
+    int64_t age = 0;
+    bool known;
+
+    bql_lock();
+    known = aa_guest_available(&avail, &age);
+    bql_unlock();
+    if (!known) {
+        return UINT64_MAX;
+    }
+    if (age <= AA_STATS_MAX_AGE_S && avail >= want + AA_AVAIL_MARGIN) {
+        trace_app_assist_stats(avail, age, 0);
+        return avail;
+    }
     for (;;) {
         bql_lock();
-        ret = aa_guest_available(since, &avail);
+        known = aa_guest_available(&avail, &age);
         bql_unlock();
-        if (ret != -EAGAIN || aa_now_ms() >= end || !aa_still_setting_up(s)) {
-            return ret == 1 ? avail : UINT64_MAX;
+        if (known && (int64_t)time(NULL) - age > since) {
+            trace_app_assist_stats(avail, age, aa_now_ms() - start);
+            return avail;
+        }
+        if (aa_now_ms() >= end || !aa_still_setting_up(s)) {
+            trace_app_assist_stats(UINT64_MAX, -1, aa_now_ms() - start);
+            return UINT64_MAX;
         }
         g_usleep(AA_POLL_MS * 1000);
     }
@@ -344,12 +394,15 @@ static uint64_t aa_balloon_inflate(uint64_t guest_avail)
 static void aa_balloon(MigrationState *s, uint32_t wait_ms, time_t since)
 {
     int64_t start = aa_now_ms(), end = start + wait_ms, progress = start;
-    uint64_t target, last, avail;
+    g_autoptr(BalloonInfo) bi = NULL;
+    uint64_t target, last, avail, want;
 
     bql_lock();
     aa_state.info->status = APP_ASSIST_STATUS_BALLOONING;
+    bi = qmp_query_balloon(NULL);
+    want = bi ? aa_balloon_want(bi->actual) : 0;
     bql_unlock();
-    avail = aa_wait_guest_available(s, since);
+    avail = want ? aa_wait_guest_available(s, since, want) : UINT64_MAX;
 
     bql_lock();
     target = aa_balloon_inflate(avail);
@@ -360,11 +413,11 @@ static void aa_balloon(MigrationState *s, uint32_t wait_ms, time_t since)
     }
 
     for (;;) {
-        g_autoptr(BalloonInfo) bi = NULL;
         int64_t now = aa_now_ms();
         const char *why = NULL;
 
         bql_lock();
+        qapi_free_BalloonInfo(bi);
         bi = qmp_query_balloon(NULL);
         if (bi) {
             aa_state.info->balloon_reached = bi->actual;
@@ -391,7 +444,7 @@ static void aa_balloon(MigrationState *s, uint32_t wait_ms, time_t since)
         if (why) {
             break;
         }
-        g_usleep(AA_POLL_MS * 1000);
+        g_usleep(AA_BALLOON_POLL_MS * 1000);
     }
 
     bql_lock();
@@ -551,6 +604,9 @@ static void aa_incoming_check(void *opaque)
     aa_collect_ports();
     trace_app_assist_incoming_resume(aa_state.balloon_restore, resumed);
     aa_send_event();
+    if (aa_state.info->reason) {
+        warn_report("migration: app-assist: %s", aa_state.info->reason);
+    }
     aa_state.prepared = aa_state.balloon_changed = false;
 }
 
@@ -589,23 +645,21 @@ static const VMStateDescription vmstate_app_assist = {
     },
 };
 
-void app_assist_ports_attach(void)
+/*
+ * Registered in every QEMU, ports or not: a destination started without
+ * app-assist ports (or without the capability) must still accept the
+ * section from an assisted source -- an unknown section fails the whole
+ * incoming migration.  It then restores the balloon and says that no
+ * application could be resumed.  The section is only sent when the phase
+ * changed something (.needed), so other streams are unchanged.
+ */
+static void app_assist_init(void)
 {
-    static bool sem_ready;
-
-    if (!sem_ready) {
-        qemu_sem_init(&aa_state.wake, 0);
-        sem_ready = true;
-    }
+    qemu_sem_init(&aa_state.wake, 0);
     migration_add_notifier(&aa_state.notifier, aa_migration_notify);
     vmstate_register(NULL, 0, &vmstate_app_assist, &aa_state);
 }
-
-void app_assist_ports_detach(void)
-{
-    vmstate_unregister(NULL, &vmstate_app_assist, &aa_state);
-    migration_remove_notifier(&aa_state.notifier);
-}
+migration_init(app_assist_init);
 
 void app_assist_fill_info(MigrationInfo *info)
 {
