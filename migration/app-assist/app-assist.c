@@ -234,18 +234,17 @@ static void aa_prepare(MigrationState *s, uint32_t deadline_ms)
 
 /*
  * The guest's available memory from the balloon's last statistics report
- * (BQL held), and in *@age_s how old that report is (wall-clock seconds, the
- * balloon's own unit; 0 = this second).  Returns false when unknown: the
- * balloon does not poll statistics, or the guest never reported that one.
+ * (BQL held), and in *@when the report's arrival (wall-clock seconds, the
+ * balloon's own unit).  Returns false when unknown: the balloon does not
+ * poll statistics, or the guest never reported that one.
  */
-static bool aa_guest_available(uint64_t *avail, int64_t *age_s)
+static bool aa_guest_available(uint64_t *avail, int64_t *when)
 {
     Object *balloon = object_resolve_path_type("", TYPE_VIRTIO_BALLOON, NULL);
     g_autoptr(QDict) dict = NULL;
     QObject *obj;
     QDict *stats;
     QNum *n;
-    int64_t last;
 
     if (!balloon ||
         object_property_get_int(balloon, "guest-stats-polling-interval",
@@ -258,19 +257,38 @@ static bool aa_guest_available(uint64_t *avail, int64_t *age_s)
         qobject_unref(obj);
         return false;
     }
-    last = qdict_get_try_int(dict, "last-update", 0);
-    if (last <= 0) {
+    *when = qdict_get_try_int(dict, "last-update", 0);
+    if (*when <= 0) {
         return false;
     }
     stats = qdict_get_qdict(dict, "stats");
     n = stats ? qobject_to(QNum, qdict_get(stats, "stat-available-memory"))
               : NULL;
     /* Unreported statistics read as -1. */
-    if (!n || !qnum_get_try_uint(n, avail) || *avail == UINT64_MAX) {
-        return false;
+    return n && qnum_get_try_uint(n, avail) && *avail != UINT64_MAX;
+}
+
+/*
+ * Ask the guest for a statistics report now (BQL held): setting the polling
+ * interval re-creates the balloon's timer, which fires at once, then every
+ * interval as before.  The interval ends up unchanged.
+ */
+static void aa_request_stats(void)
+{
+    Object *balloon = object_resolve_path_type("", TYPE_VIRTIO_BALLOON, NULL);
+    int64_t interval;
+
+    if (!balloon) {
+        return;
     }
-    *age_s = MAX(0, (int64_t)time(NULL) - last);
-    return true;
+    interval = object_property_get_int(balloon,
+                                       "guest-stats-polling-interval", NULL);
+    if (interval > 0) {
+        object_property_set_int(balloon, "guest-stats-polling-interval", 0,
+                                &error_abort);
+        object_property_set_int(balloon, "guest-stats-polling-interval",
+                                interval, &error_abort);
+    }
 }
 
 /*
@@ -295,41 +313,50 @@ static uint64_t aa_balloon_want(uint64_t actual)
  * PREPARE (@since) only matters when the balloon would take more than the
  * guest had available before: a report at most AA_STATS_MAX_AGE_S old that
  * already leaves room for @want bytes plus the margin bounds the target
- * without waiting (PREPARE only adds to what is available).  Otherwise wait
- * up to AA_STATS_WAIT_MS for a newer report; without one, go unbounded as
- * before (the floor still holds).
+ * without waiting (PREPARE only adds to what is available).  Otherwise ask
+ * for a report as soon as one can be told apart from older ones (the
+ * balloon stamps reports in whole seconds: once the second of @since is
+ * over) and wait for it, up to AA_STATS_WAIT_MS; without one, go unbounded
+ * as before (the floor still holds).
  */
 static uint64_t aa_wait_guest_available(MigrationState *s, time_t since,
                                         uint64_t want)
 {
     int64_t start = aa_now_ms(), end = start + AA_STATS_WAIT_MS;
     uint64_t avail = UINT64_MAX;
-    int64_t age = 0;
-    bool known;
+    int64_t when = 0;
+    bool known, asked = false;
 
     bql_lock();
-    known = aa_guest_available(&avail, &age);
+    known = aa_guest_available(&avail, &when);
     bql_unlock();
     if (!known) {
         return UINT64_MAX;
     }
-    if (age <= AA_STATS_MAX_AGE_S && avail >= want + AA_AVAIL_MARGIN) {
-        trace_app_assist_stats(avail, age, 0);
+    if (time(NULL) - when <= AA_STATS_MAX_AGE_S &&
+        avail >= want + AA_AVAIL_MARGIN) {
+        trace_app_assist_stats(avail, when, 0);
         return avail;
     }
     for (;;) {
         bql_lock();
-        known = aa_guest_available(&avail, &age);
+        known = aa_guest_available(&avail, &when);
+        if (!known || when <= since) {
+            if (!asked && time(NULL) > since) {
+                aa_request_stats();
+                asked = true;
+            }
+        }
         bql_unlock();
-        if (known && (int64_t)time(NULL) - age > since) {
-            trace_app_assist_stats(avail, age, aa_now_ms() - start);
+        if (known && when > since) {
+            trace_app_assist_stats(avail, when, aa_now_ms() - start);
             return avail;
         }
         if (aa_now_ms() >= end || !aa_still_setting_up(s)) {
-            trace_app_assist_stats(UINT64_MAX, -1, aa_now_ms() - start);
+            trace_app_assist_stats(UINT64_MAX, 0, aa_now_ms() - start);
             return UINT64_MAX;
         }
-        g_usleep(AA_POLL_MS * 1000);
+        g_usleep(AA_BALLOON_POLL_MS * 1000);
     }
 }
 
