@@ -105,7 +105,7 @@ class MemoryTest(ServerTestCase):
         mod = self.server('mod', configs={'demote': 'no', 'hot-percent': 30,
                                           'planned-memory': planned, 'min-idle-ms': 0,
                                           'interval-ms': 1,
-                                          'compact-percent': 0 if NO_COMPACT else 5},
+                                          'compact-percent': 0 if NO_COMPACT else 10},
                           extra=['--maxmemory-policy', 'allkeys-lfu', '--lfu-decay-time', '0'])
         mc = mod.client()
         load(mod, keys, vlen, 1)
