@@ -268,13 +268,16 @@ static int promoteKey(RedisModuleString *key) {
         return r;
     }
     RedisModuleCtx *ctx = hm.dctx;
-    if (RedisModule_KeyExists(ctx, key)) {
+    RedisModuleKey *kh = RedisModule_OpenKey(ctx, key, REDISMODULE_WRITE | REDISMODULE_OPEN_KEY_NOTOUCH);
+    if (RedisModule_KeyType(kh) != REDISMODULE_KEYTYPE_EMPTY) {
         /* Keyspace wins (see the invariants at the top). */
+        RedisModule_CloseKey(kh);
         arenaDelete(hm.arena, k, klen);
         return 0;
     }
     ColdItem it;
     if (arenaRead(hm.arena, ref, &it) < 0) {
+        RedisModule_CloseKey(kh);
         RedisModule_Log(ctx, "warning", "appassist: reading a cold item failed: %s",
                         strerror(errno));
         return -1;
@@ -282,7 +285,6 @@ static int promoteKey(RedisModuleString *key) {
     RedisModuleString *val = RedisModule_CreateString(ctx, it.val, it.vlen);
     int64_t expire = it.expire;
     arenaItemRelease(&it);
-    RedisModuleKey *kh = RedisModule_OpenKey(ctx, key, REDISMODULE_WRITE | REDISMODULE_OPEN_KEY_NOTOUCH);
     RedisModule_StringSet(kh, val);
     if (expire != ARENA_NO_EXPIRE) {
         RedisModule_SetAbsExpire(kh, expire);
@@ -794,6 +796,39 @@ static int cmdIs(const char *c, size_t l, const char *name) {
     return strlen(name) == l && strncasecmp(c, name, l) == 0;
 }
 
+/* Commands whose only key is argv[1] (any argc), and those for which that
+ * holds with argc == 2: the filter takes the key without asking Redis
+ * (RedisModule_GetCommandKeys looks the command up and allocates; measured
+ * ~0.1 us per command, 10 % of a pipelined GET). Must stay exact: a
+ * command listed here with another key would run on that key cold. */
+#define NAMELEN(s) {s, sizeof(s) - 1}
+typedef struct { const char *name; size_t len; } CmdName;
+static const CmdName one_key_cmds[] = {
+    NAMELEN("get"), NAMELEN("set"), NAMELEN("setnx"), NAMELEN("setex"), NAMELEN("psetex"),
+    NAMELEN("getset"), NAMELEN("getdel"), NAMELEN("getex"), NAMELEN("incr"), NAMELEN("decr"),
+    NAMELEN("incrby"), NAMELEN("decrby"), NAMELEN("incrbyfloat"), NAMELEN("append"),
+    NAMELEN("strlen"), NAMELEN("getrange"), NAMELEN("setrange"), NAMELEN("substr"),
+    NAMELEN("ttl"), NAMELEN("pttl"), NAMELEN("expire"), NAMELEN("pexpire"),
+    NAMELEN("expireat"), NAMELEN("pexpireat"), NAMELEN("persist"), NAMELEN("type"),
+    NAMELEN("expiretime"), NAMELEN("pexpiretime"),
+};
+static const CmdName one_key_if_argc2[] = {
+    NAMELEN("exists"), NAMELEN("del"), NAMELEN("unlink"), NAMELEN("touch"),
+};
+
+static int inNames(const CmdName *t, size_t n, const char *c, size_t l) {
+    for (size_t i = 0; i < n; i++)
+        if (t[i].len == l && strncasecmp(c, t[i].name, l) == 0) return 1;
+    return 0;
+}
+
+static int firstArgIsOnlyKey(const char *c, size_t l, int argc) {
+    if (argc < 2) return 0;
+    if (inNames(one_key_cmds, sizeof(one_key_cmds) / sizeof(one_key_cmds[0]), c, l)) return 1;
+    return argc == 2 &&
+           inNames(one_key_if_argc2, sizeof(one_key_if_argc2) / sizeof(one_key_if_argc2[0]), c, l);
+}
+
 /* Runs before every command (client, script, MULTI queueing, RM_Call of
  * other modules). Whole-keyspace commands are rewritten to module commands
  * that also see the arena; every key argument that is cold is promoted so
@@ -839,6 +874,10 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
         break;
     }
     if (arenaCount(hm.arena) == 0) return;
+    if (firstArgIsOnlyKey(c, cl, argc)) {
+        promoteKey(RedisModule_CommandFilterArgGet(f, 1));
+        return;
+    }
 
     RedisModuleString *stackv[16], **argv = stackv;
     if (argc > 16) argv = RedisModule_Alloc(sizeof(*argv) * (size_t)argc);
