@@ -59,8 +59,9 @@ def log(msg):
     print(f'[{time.strftime("%H:%M:%S")}] {msg}', flush=True)
 
 
-def guest_args(config):
-    args = ['-device', 'virtio-serial-pci,id=vser0',
+def guest_args(config, trace=None):
+    args = ['-trace', trace, '-msg', 'timestamp=on'] if trace else []
+    args += ['-device', 'virtio-serial-pci,id=vser0',
             '-chardev', 'app-assist,id=aa0',
             '-device', f'virtserialport,bus=vser0.0,chardev=aa0,name={PORT_NAME}']
     balloon = 'virtio-balloon-pci,id=balloon0'
@@ -255,7 +256,7 @@ def run_config(config, args, logdir):
     # Redis deleting its cold keys itself.
     module = config not in ('design', 'postcopy-stock-redis')
     log(f'=== {config}')
-    kw = dict(mem=args.mem, module=module, balloon=False, args=guest_args(config))
+    kw = dict(mem=args.mem, module=module, balloon=False, args=guest_args(config, args.trace))
     src = hvlib.Guest(f'{config}-src', logdir, **kw)
     dst = None
     try:
@@ -462,7 +463,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--mem', default='2G')
-    ap.add_argument('--items', type=int, default=1_000_000)
+    ap.add_argument('--items', type=int, default=3_000_000)
     ap.add_argument('--size', type=int, default=100)
     ap.add_argument('--hot', type=float, default=0.3)
     ap.add_argument('--bandwidth', type=int, default=125_000_000, help='bytes/s')
@@ -472,6 +473,9 @@ def main():
     ap.add_argument('--configs', default=','.join(CONFIGS))
     ap.add_argument('--out', default=os.path.join(TOP, 'docs', 'bench'))
     ap.add_argument('--logdir', default=None)
+    ap.add_argument('--trace', default=None, metavar='PATTERN',
+                    help="QEMU trace events for every guest, e.g. 'app_assist_*' (timestamped, "
+                         'in <logdir>/<config>-src.log)')
     ap.add_argument('--report-only', default=None, metavar='JSON',
                     help='rewrite the table and charts from a previous app-assist.json')
     ap.add_argument('--reuse', default=None,
