@@ -459,6 +459,9 @@ static void aa_balloon(MigrationState *s, uint32_t wait_ms, time_t since)
             why = "";
         } else if (!aa_still_setting_up(s)) {
             why = "migration cancelled while ballooning";
+        } else if (!wait_ms) {
+            why = "balloon inflating during the migration "
+                  "(app-assist-balloon-wait=0)";
         } else if (now >= end) {
             why = "balloon did not reach its target in time";
         } else if (now - progress >= AA_BALLOON_STALL_MS) {
