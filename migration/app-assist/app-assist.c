@@ -233,10 +233,10 @@ static void aa_prepare(MigrationState *s, uint32_t deadline_ms)
 }
 
 /*
- * The guest's available memory from the balloon's last statistics report
- * (BQL held), and in *@when the report's arrival (wall-clock seconds, the
- * balloon's own unit).  Returns false when unknown: the balloon does not
- * poll statistics, or the guest never reported that one.
+ * The balloon's last statistics report (BQL held): in *@when its arrival
+ * (wall-clock seconds, the balloon's own unit; 0 before the first), in
+ * *@avail the guest's available memory (UINT64_MAX if not reported).
+ * Returns false when the balloon does not poll statistics at all.
  */
 static bool aa_guest_available(uint64_t *avail, int64_t *when)
 {
@@ -258,14 +258,14 @@ static bool aa_guest_available(uint64_t *avail, int64_t *when)
         return false;
     }
     *when = qdict_get_try_int(dict, "last-update", 0);
-    if (*when <= 0) {
-        return false;
-    }
     stats = qdict_get_qdict(dict, "stats");
     n = stats ? qobject_to(QNum, qdict_get(stats, "stat-available-memory"))
               : NULL;
     /* Unreported statistics read as -1. */
-    return n && qnum_get_try_uint(n, avail) && *avail != UINT64_MAX;
+    if (!n || !qnum_get_try_uint(n, avail)) {
+        *avail = UINT64_MAX;
+    }
+    return true;
 }
 
 /*
@@ -325,30 +325,32 @@ static uint64_t aa_wait_guest_available(MigrationState *s, time_t since,
     int64_t start = aa_now_ms(), end = start + AA_STATS_WAIT_MS;
     uint64_t avail = UINT64_MAX;
     int64_t when = 0;
-    bool known, asked = false;
+    bool polled, asked = false;
 
     bql_lock();
-    known = aa_guest_available(&avail, &when);
+    polled = aa_guest_available(&avail, &when);
     bql_unlock();
-    if (!known) {
+    if (!polled) {
         return UINT64_MAX;
     }
-    if (time(NULL) - when <= AA_STATS_MAX_AGE_S &&
-        avail >= want + AA_AVAIL_MARGIN) {
+    if (when > 0 && time(NULL) - when <= AA_STATS_MAX_AGE_S &&
+        avail != UINT64_MAX && avail >= want + AA_AVAIL_MARGIN) {
         trace_app_assist_stats(avail, when, 0);
         return avail;
     }
     for (;;) {
         bql_lock();
-        known = aa_guest_available(&avail, &when);
-        if (!known || when <= since) {
-            if (!asked && time(NULL) > since) {
-                aa_request_stats();
-                asked = true;
-            }
+        polled = aa_guest_available(&avail, &when);
+        if (polled && when <= since && !asked && time(NULL) > since) {
+            aa_request_stats();
+            asked = true;
         }
         bql_unlock();
-        if (known && when > since) {
+        if (!polled) {
+            return UINT64_MAX;
+        }
+        if (when > since) {
+            /* UINT64_MAX if the guest does not report that statistic. */
             trace_app_assist_stats(avail, when, aa_now_ms() - start);
             return avail;
         }
