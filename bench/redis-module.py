@@ -2,18 +2,21 @@
 """Benchmark of the appassist Redis module (issue 4).
 
 1. redis-benchmark GET/SET, pipeline 1 and 16, stock Redis vs Redis with the
-   module, in two module set-ups: "module" (loaded, nothing cold: the cost of
-   the command filter) and "module-70%cold" (planned memory so that ~70 % of
-   the keys are cold: uniform random keys make every other access promote).
-   Runs are interleaved and repeated; the median is reported.
-2. PREPARE (drop) time and memory freed for N cold items (1M and 5M by
-   default), against the design's way measured in the same run: a stock
-   Redis with the same items, every key scanned inside the server (a Lua
-   script per SCAN batch of 1000) and the cold ones (LFU counter never
-   raised since loading) deleted, then MEMORY PURGE.
+   module, same keys (redis-benchmark's `key:%012d`) in both, 70 % of them
+   cold in the module (the hot range read before demotion). Workloads: the
+   hot range only; the design's 90/10 skew (two concurrent redis-benchmark
+   processes, 90 % of the requests on the hot range, 10 % uniform over all
+   keys); uniform over all keys (the worst case). Runs are interleaved and
+   repeated; the median is reported, with server CPU per request.
+2. Memory with hot and cold items interleaved in load order: stock RSS with
+   all items and with the hot ones only, the module's RSS after demotion,
+   compaction and PREPARE (drop), for N cold items (1M and 2M by default),
+   and the design's way on the stock server (every key scanned inside the
+   server by a Lua script per SCAN batch of 1000, the cold ones -- LFU
+   counter never raised since loading -- deleted, then MEMORY PURGE).
 
 Writes docs/bench/redis-module.md (tables) and docs/bench/redis-module.png.
-Usage: build/venv/bin/python bench/redis-module.py [--quick] [--cold 1000000,5000000]
+Usage: build/venv/bin/python bench/redis-module.py [--quick] [--cold 1000000,2000000]
 """
 
 import argparse
@@ -113,94 +116,175 @@ def cpu_s(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
 
 
-def redis_benchmark(srv, test, pipeline, n, keyspace):
+def bench_cmd(srv, test, pipeline, n, keyspace, clients):
+    return ['redis-benchmark', '-s', srv.sock, '-t', test, '-n', str(n), '-P', str(pipeline),
+            '-r', str(keyspace), '-d', '100', '-c', str(clients), '--csv', '-q']
+
+
+def parse_csv(out):
+    r = list(csv.DictReader(io.StringIO(out)))[0]
+    return float(r['rps']), float(r['p99_latency_ms'])
+
+
+# Workloads: the design's (90 % of the requests on the hot 30 % of the keys)
+# and the worst case. Each entry: list of (share of requests, share of
+# clients, key range as a fraction of the keyspace), run concurrently.
+WORKLOADS = {
+    'hot': [(1.0, 50, 0.3)],
+    'mix90/10': [(0.9, 45, 0.3), (0.1, 5, 1.0)],
+    'uniform': [(1.0, 50, 1.0)],
+}
+
+
+def run_workload(srv, workload, test, pipeline, n, keyspace):
+    """Run the workload's redis-benchmark processes concurrently. Returns
+    rps (all requests / wall time of the slowest process), the p99 of each
+    process (ms) and the server's CPU us per request."""
     c0 = cpu_s(srv.proc.pid)
-    out = subprocess.run(['redis-benchmark', '-s', srv.sock, '-t', test, '-n', str(n),
-                          '-P', str(pipeline), '-r', str(keyspace), '-d', '100', '-c', '50',
-                          '--csv', '-q'], check=True, capture_output=True, text=True).stdout
+    t0 = time.monotonic()
+    procs = [subprocess.Popen(bench_cmd(srv, test, pipeline, int(n * share), int(keyspace * rng),
+                                        clients), stdout=subprocess.PIPE, text=True)
+             for share, clients, rng in WORKLOADS[workload]]
+    outs = [p.communicate()[0] for p in procs]
+    wall = time.monotonic() - t0
+    if any(p.returncode for p in procs):
+        raise RuntimeError('redis-benchmark failed')
     cpu_us = (cpu_s(srv.proc.pid) - c0) * 1e6 / n
-    rows = list(csv.DictReader(io.StringIO(out)))
-    r = rows[0]
-    return float(r['rps']), float(r['p99_latency_ms']), cpu_us
+    return n / wall, [parse_csv(o)[1] for o in outs], cpu_us
+
+
+def appassist(srv):
+    return srv.client().info('appassist')
 
 
 def throughput(workdir, quick):
     keyspace = 100000 if quick else 300000
-    n = 200000 if quick else 1000000
-    reps = 3 if quick else 5
+    n = 200000 if quick else 400000
+    reps = 3
+    hot_keys = int(keyspace * 0.3)
     setups = {
         'stock': dict(module=False),
-        'module': dict(module=True, configs={}),
-        # ~30 % of the keyspace fits in the hot budget: ~70 % cold
-        'module-70%cold': dict(module=True, configs={
-            'planned-memory': keyspace * (100 + 16 + 48), 'hot-percent': 30,
-            'min-idle-ms': 0}),
+        # The hot budget (30 % of planned memory) holds the hot 30 % of
+        # the keys: key + value + the module's 48-byte overhead estimate.
+        'module': dict(module=True, configs={
+            'planned-memory': keyspace * (16 + 100 + 48), 'hot-percent': 30,
+            'min-idle-ms': 1000}),
     }
     servers = {name: Srv(workdir, name, **kw) for name, kw in setups.items()}
+    stats = {}
     try:
+        keys = [b'key:%012d' % i for i in range(keyspace)]    # redis-benchmark's -r keys
         for s in servers.values():
-            keys = [b'key:%012d' % i for i in range(keyspace)]    # redis-benchmark's -r keys
             pipe_load(s, keys, 100, 1)
-        time.sleep(3)   # let the module's background passes classify
+        # The hot range recently used, the rest idle for > min-idle-ms.
+        time.sleep(2.5)
+        for s in servers.values():
+            pipe_touch(s, keys[:hot_keys])
+        m = servers['module']
+        mc = m.client()
+        t0 = time.monotonic()
+        while mc.execute_command('APPASSIST.DEMOTE', 10000) > 0 and time.monotonic() - t0 < 300:
+            pass
+        info = appassist(m)
+        stats['cold_after_demotion'] = info['appassist_cold_items']
+        # Let the background compaction the demotions triggered finish.
+        while (appassist(m)['appassist_compaction_running'] or
+               appassist(m)['appassist_compactions'] == 0) and time.monotonic() - t0 < 600:
+            time.sleep(0.2)
+        info = appassist(m)
+        stats['compaction'] = {k: info['appassist_' + k] for k in (
+            'compactions', 'last_compaction_relocated', 'last_compaction_time_us',
+            'last_compaction_busy_us', 'last_compaction_slice_max_us')}
         results = {}
-        for test in ('set', 'get'):
-            for p in (1, 16):
-                for rep in range(reps):
-                    for name, s in servers.items():
-                        results.setdefault((test, p, name), []).append(
-                            redis_benchmark(s, test, p, n, keyspace))
-        cold = {name: s.client().info('appassist').get('appassist_cold_items', 0)
-                if name != 'stock' else 0 for name, s in servers.items()}
-        promos = {name: s.client().info('appassist').get('appassist_promotions', 0)
-                  if name != 'stock' else 0 for name, s in servers.items()}
+        for workload in WORKLOADS:
+            before = appassist(m)
+            for test in ('get', 'set'):
+                for p in (1, 16):
+                    for rep in range(reps):
+                        for name, s in servers.items():
+                            results.setdefault((workload, test, p, name), []).append(
+                                run_workload(s, workload, test, p, n * (4 if p == 16 else 1),
+                                             keyspace))
+            after = appassist(m)
+            stats[workload] = {k: after['appassist_' + k] - before['appassist_' + k]
+                               for k in ('promotions', 'demotions', 'compactions')}
+            stats[workload]['cold_items_end'] = after['appassist_cold_items']
     finally:
         for s in servers.values():
             s.stop()
     table = {}
-    for (test, p, name), v in results.items():
-        table[(test, p, name)] = tuple(statistics.median(x[i] for x in v) for i in range(3))
-    return table, list(setups), cold, promos, n, keyspace
+    for key, v in results.items():
+        table[key] = (statistics.median(x[0] for x in v),
+                      [statistics.median(x[1][i] for x in v) for i in range(len(v[0][1]))],
+                      statistics.median(x[2] for x in v))
+    return table, list(setups), stats, n, keyspace
 
 
 # ------------------------------------------------------------- prepare
 
 def prepare_vs_design(workdir, ncold, vlen=100):
-    nhot = int(ncold * 3 / 7)
-    keys = [short_key(i) for i in range(ncold + nhot)]
-    random.Random(ncold).shuffle(keys)
-    hot, cold = keys[:nhot], keys[nhot:]
+    """Hot and cold items interleaved in load order (each key hot with
+    probability 0.3), as in real workloads: they share the allocator's
+    slabs."""
+    n = ncold * 10 // 7
+    keys = [short_key(i) for i in range(n)]
+    hot_idx = set(random.Random(ncold).sample(range(n), n - ncold))
+    hot = [k for i, k in enumerate(keys) if i in hot_idx]
+    nhot = len(hot)
     res = {'cold': ncold, 'hot': nhot}
+
+    # Stock with the hot items only (same order), for the cost of the cold ones.
+    s = Srv(workdir, 'stock-hot-%d' % ncold)
+    try:
+        pipe_load(s, hot, vlen, 1)
+        res['rss_hot_stock'] = settle(s)
+    finally:
+        s.stop()
 
     # Ours.
     # Classification by Redis's LFU counters (no decay during the run): a
     # key read once after loading has counter 6, the others 5; the hot
     # budget is sized 10 % above the hot items' estimated bytes, so exactly
-    # the unread keys are demoted.
+    # the unread keys are demoted. The demotions trigger a compaction pass
+    # in the background slices (interval-ms 1 to finish sooner than the
+    # default 10).
     avg_klen = sum(len(k) for k in keys[:10000]) / 10000
     planned = int(nhot * (vlen + avg_klen + 48) * 1.1 / 0.3)
     m = Srv(workdir, 'mod-%d' % ncold, module=True,
             configs={'demote': 'no', 'hot-percent': 30, 'planned-memory': planned,
-                     'min-idle-ms': 0})
+                     'min-idle-ms': 0, 'interval-ms': 1})
     try:
         mc = m.client()
         mc.config_set('maxmemory-policy', 'allkeys-lfu')
         mc.config_set('lfu-decay-time', 0)
-        pipe_load(m, hot, vlen, 1)
-        pipe_load(m, cold, vlen, 2)
+        pipe_load(m, keys, vlen, 1)
         res['rss_all_mod'] = settle(m)
         pipe_touch(m, hot)
         mc.config_set('appassist.demote', 'yes')
         t0 = time.monotonic()
         while mc.info('appassist')['appassist_cold_items'] < ncold:
             mc.execute_command('APPASSIST.DEMOTE', 5000)
-            if time.monotonic() - t0 > 600:
+            if time.monotonic() - t0 > 900:
                 raise RuntimeError('demotion too slow')
         res['demote_s'] = time.monotonic() - t0
         mc.config_set('appassist.demote', 'no')
         if mc.info('appassist')['appassist_cold_items'] != ncold:
             raise RuntimeError('classification demoted %d items, expected %d'
                                % (mc.info('appassist')['appassist_cold_items'], ncold))
+        res['rss_demoted_mod'] = m.rss()
+        while True:
+            info = mc.info('appassist')
+            if info['appassist_compactions'] >= 1 and not info['appassist_compaction_running']:
+                break
+            if time.monotonic() - t0 > 1800:
+                raise RuntimeError('compaction did not finish')
+            time.sleep(0.2)
+        for k in ('last_compaction_relocated', 'last_compaction_time_us',
+                  'last_compaction_busy_us', 'last_compaction_slice_max_us',
+                  'last_compaction_purge_us'):
+            res[k] = info['appassist_' + k]
         rss0 = settle(m)
+        res['rss_compacted_mod'] = rss0
         t0 = time.monotonic()
         rep = mc.execute_command('APPASSIST.PREPARE')
         res['ours_wall_ms'] = (time.monotonic() - t0) * 1000
@@ -209,23 +293,21 @@ def prepare_vs_design(workdir, ncold, vlen=100):
         res['ours_freed_reported'] = rep[b'freed_bytes']
         rss1 = settle(m)
         res['ours_rss_fall'] = rss0 - rss1
-        res['ours_rss_fall_from_all'] = res['rss_all_mod'] - rss1
         res['ours_rss_after'] = rss1
     finally:
         m.stop()
 
-    # The design's way on stock Redis: scan every key inside the server and
-    # delete the cold ones, then MEMORY PURGE. Cold = not read since loading
-    # (LFU counter still at its initial 5), decided by the server itself in a
-    # Lua script per SCAN batch, as the design's patched Redis did in C.
+    # Stock with everything, then the design's way on it: scan every key
+    # inside the server and delete the cold ones, then MEMORY PURGE. Cold =
+    # not read since loading (LFU counter still at its initial 5), decided
+    # by the server itself in a Lua script per SCAN batch, as the design's
+    # patched Redis did in C.
     s = Srv(workdir, 'stock-%d' % ncold)
     try:
         sc = s.client()
         sc.config_set('maxmemory-policy', 'allkeys-lfu')
         sc.config_set('lfu-decay-time', 0)
-        pipe_load(s, hot, vlen, 1)
-        res['rss_hot_stock'] = settle(s)
-        pipe_load(s, cold, vlen, 2)
+        pipe_load(s, keys, vlen, 1)
         pipe_touch(s, hot)
         rss0 = settle(s)
         res['rss_all_stock'] = rss0
@@ -250,8 +332,7 @@ def prepare_vs_design(workdir, ncold, vlen=100):
         res['design_ms'] = (time.monotonic() - t0) * 1000
         if deleted != ncold:
             raise RuntimeError('design way deleted %d, expected %d' % (deleted, ncold))
-        rss1 = settle(s)
-        res['design_rss_fall'] = rss0 - rss1
+        res['design_rss_after'] = settle(s)
         res['stock_cost'] = res['rss_all_stock'] - res['rss_hot_stock']
     finally:
         s.stop()
@@ -264,66 +345,102 @@ def mib(b):
     return '%.1f' % (b / 2**20)
 
 
-def write(tp, setups, cold, promos, n, keyspace, prep, cpu, loadavg, when):
+def write(tp, setups, stats, n, keyspace, prep, cpu, loadavg, when):
     os.makedirs(os.path.dirname(OUT_MD), exist_ok=True)
     L = []
     L.append('# Redis module benchmark (bench/redis-module.py)')
     L.append('')
     L.append('Measured on this machine (%s), redis-server %s: throughput %s, PREPARE %s. '
-             'Re-run after any change to the filter, the arena or the PREPARE path.'
+             'Re-run after any change to the filter, the arena, compaction or the PREPARE path.'
              % (cpu,
                 subprocess.run(['redis-server', '--version'], capture_output=True,
                                text=True).stdout.split()[2], when['throughput'], when['prepare']))
     L.append('')
     if tp:
+        hot = int(keyspace * 0.3)
         L.append('## Throughput and p99 latency (redis-benchmark, 50 clients, 100-byte values, '
-                 '%d requests, %d random keys, median of %d interleaved runs)'
-                 % (n, keyspace, 3 if n < 1000000 else 5))
+                 '%d keys `key:%%012d`, 70 %% of them cold; %d requests at pipeline 1, %d at '
+                 'pipeline 16; median of 3 interleaved runs)' % (keyspace, n, 4 * n))
+        L.append('')
+        L.append('Both servers hold the same %d keys. Before the runs the hot range (keys 0 to '
+                 '%d) was read once and the rest left idle; the module demoted the idle %d%% '
+                 '(%d cold items) and compacted. Workloads: **hot** = every request on the hot '
+                 'range (`-r %d`); **mix90/10** = the design\'s skew: two concurrent '
+                 'redis-benchmark processes, 90 %% of the requests (45 clients) on the hot range, '
+                 '10 %% (5 clients) uniform over all keys (~7 %% of all requests hit a cold key); '
+                 '**uniform** = every request uniform over all keys (`-r %d`): the worst case, '
+                 'outside the design (70 %% of the requests hit a cold key).'
+                 % (keyspace, hot - 1, 70, stats['cold_after_demotion'], hot, keyspace))
         L.append('')
         L.append('Targets: >= 0.9x stock throughput, p99 <= 1.1x stock. The machine is shared '
-                 '(load average %s while measuring): wall-clock rps and p99 are noisy; the '
-                 'server CPU time per request (utime+stime of redis-server / requests) is the '
-                 'steadier figure.' % loadavg)
+                 '(other engineers\' QEMU guests; load average %s when the runs ended): '
+                 'wall-clock rps and p99 are noisy; the server CPU time per request '
+                 '(utime+stime of redis-server / requests) is the steadier figure. For '
+                 'mix90/10 the p99 is given per process: hot-range clients / all-range clients.'
+                 % loadavg)
         L.append('')
-        L.append('| test | pipeline | setup | rps | x stock | p99 ms | x stock | server CPU us/req | x stock |')
-        L.append('|---|---|---|---|---|---|---|---|---|')
-        for test in ('set', 'get'):
-            for p in (1, 16):
-                base = tp[(test, p, 'stock')]
-                for name in setups:
-                    rps, p99, cpu = tp[(test, p, name)]
-                    L.append('| %s | %d | %s | %.0f | %.2f | %.3f | %.2f | %.2f | %.2f |'
-                             % (test.upper(), p, name, rps, rps / base[0], p99,
-                                p99 / base[1] if base[1] else float('nan'),
-                                cpu, cpu / base[2] if base[2] else float('nan')))
+        L.append('| workload | test | pipeline | setup | rps | x stock | p99 ms | x stock | '
+                 'server CPU us/req | x stock |')
+        L.append('|---|---|---|---|---|---|---|---|---|---|')
+        for workload in WORKLOADS:
+            for test in ('get', 'set'):
+                for p in (1, 16):
+                    base = tp[(workload, test, p, 'stock')]
+                    for name in setups:
+                        rps, p99, cpu_us = tp[(workload, test, p, name)]
+                        L.append('| %s | %s | %d | %s | %.0f | %.2f | %s | %s | %.2f | %.2f |'
+                                 % (workload if workload != 'uniform' else 'uniform (worst case)',
+                                    test.upper(), p, name, rps, rps / base[0],
+                                    ' / '.join('%.3f' % x for x in p99),
+                                    ' / '.join('%.2f' % (x / b if b else float('nan'))
+                                               for x, b in zip(p99, base[1])),
+                                    cpu_us, cpu_us / base[2] if base[2] else float('nan')))
         L.append('')
-        L.append('Cold items at the end: %s; promotions during the runs: %s.'
-                 % (', '.join('%s %d' % kv for kv in cold.items() if kv[0] != 'stock'),
-                    ', '.join('%s %d' % kv for kv in promos.items() if kv[0] != 'stock')))
+        c = stats['compaction']
+        L.append('Compaction after the demotion: %d keys relocated in %.0f ms (%.0f ms of slices, '
+                 'longest slice %d us CPU).' % (c['last_compaction_relocated'],
+                                                c['last_compaction_time_us'] / 1000,
+                                                c['last_compaction_busy_us'] / 1000,
+                                                c['last_compaction_slice_max_us']))
+        L.append('')
+        L.append('| workload | promotions | demotions | compaction passes | cold items at the end |')
+        L.append('|---|---|---|---|---|')
+        for workload in WORKLOADS:
+            w = stats[workload]
+            L.append('| %s | %d | %d | %d | %d |' % (workload, w['promotions'], w['demotions'],
+                                                    w['compactions'], w['cold_items_end']))
         L.append('')
     if prep:
-        L.append('## PREPARE (drop) vs the design\'s way (in-server SCAN + DEL of the cold keys + MEMORY PURGE)')
+        L.append('## Memory after PREPARE (drop), and the design\'s way (in-server SCAN + DEL of '
+                 'the cold keys + MEMORY PURGE)')
         L.append('')
-        L.append('100-byte values, 1-8 byte keys, 30 % hot. "RSS fall" is measured across the '
-                 'operation; "stock cost" is stock RSS with all items minus stock RSS with the '
-                 'hot items only.')
+        L.append('100-byte values, 1-8 byte keys, each key hot with probability 0.3, loaded in one '
+                 'interleaved stream (hot and cold items share the allocator\'s slabs). Stock '
+                 'RSS with all items and with the hot items only are measured in the same run; '
+                 '"saved" is (stock all - RSS after) / (stock all - stock hot only). The module '
+                 'demotes the cold items, compacts the hot keyspace (background), then PREPARE drop.')
         L.append('')
-        L.append('| cold items | stock cost MiB | PREPARE time ms | PREPARE RSS fall MiB | '
-                 'RSS fall from all-loaded MiB (% of cost) | design time ms | design RSS fall MiB '
-                 '(% of cost) | speed-up |')
-        L.append('|---|---|---|---|---|---|---|---|')
+        L.append('| cold items | stock all MiB | stock hot only MiB | module after demotion MiB | '
+                 'after compaction MiB | after PREPARE MiB (saved) | PREPARE ms | '
+                 'design: time ms | design: RSS after MiB (saved) |')
+        L.append('|---|---|---|---|---|---|---|---|---|')
         for r in prep:
-            L.append('| %d | %s | %.1f | %s | %s (%.0f%%) | %.0f | %s (%.0f%%) | %.0fx |'
-                     % (r['cold'], mib(r['stock_cost']), r['ours_us'] / 1000,
-                        mib(r['ours_rss_fall']), mib(r['ours_rss_fall_from_all']),
-                        100.0 * r['ours_rss_fall_from_all'] / r['stock_cost'],
-                        r['design_ms'], mib(r['design_rss_fall']),
-                        100.0 * r['design_rss_fall'] / r['stock_cost'],
-                        r['design_ms'] / (r['ours_us'] / 1000)))
+            cost = r['stock_cost']
+            L.append('| %d | %s | %s | %s | %s | %s (%.0f%%) | %.1f | %.0f | %s (%.0f%%) |'
+                     % (r['cold'], mib(r['rss_all_stock']), mib(r['rss_hot_stock']),
+                        mib(r['rss_demoted_mod']), mib(r['rss_compacted_mod']),
+                        mib(r['ours_rss_after']),
+                        100.0 * (r['rss_all_stock'] - r['ours_rss_after']) / cost,
+                        r['ours_us'] / 1000, r['design_ms'], mib(r['design_rss_after']),
+                        100.0 * (r['rss_all_stock'] - r['design_rss_after']) / cost))
         L.append('')
-        L.append('Demotion of the cold set before PREPARE (background work, not part of '
-                 'PREPARE): %s.' % ', '.join('%d items in %.1f s' % (r['cold'], r['demote_s'])
-                                             for r in prep))
+        L.append('Background work before PREPARE (not part of it): ' + '; '.join(
+            '%d cold: demotion %.1f s, compaction of %d hot keys %.1f s (%.1f s of slices, '
+            'longest slice %d us CPU, purges %.0f ms in all)'
+            % (r['cold'], r['demote_s'], r['last_compaction_relocated'],
+               r['last_compaction_time_us'] / 1e6, r['last_compaction_busy_us'] / 1e6,
+               r['last_compaction_slice_max_us'], r['last_compaction_purge_us'] / 1000)
+            for r in prep) + '.')
         L.append('')
     L.append('![chart](redis-module.png)')
     L.append('')
@@ -334,40 +451,45 @@ def write(tp, setups, cold, promos, n, keyspace, prep, cpu, loadavg, when):
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     ncols = (2 if tp else 0) + (1 if prep else 0)
-    fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4.5))
+    fig, axes = plt.subplots(1, ncols, figsize=(6.5 * ncols, 4.8))
     if ncols == 1:
         axes = [axes]
     ax_i = 0
     if tp:
-        labels = ['%s P%d' % (t.upper(), p) for t in ('set', 'get') for p in (1, 16)]
-        width = 0.8 / len(setups)
+        combos = [(w, t, p) for w in WORKLOADS for t in ('get', 'set') for p in (1, 16)]
+        labels = ['%s\n%s P%d' % (w.replace('uniform', 'uniform*'), t.upper(), p)
+                  for w, t, p in combos]
         for idx, title, ylabel, target in (
-                (0, 'redis-benchmark throughput vs stock', 'rps / stock', 0.9),
-                (2, 'server CPU per request vs stock', 'CPU us per request / stock', None)):
+                (0, 'module throughput vs stock', 'rps / stock', 0.9),
+                (2, 'module server CPU per request vs stock', 'CPU us per request / stock', None)):
             ax = axes[ax_i]
             ax_i += 1
-            for j, name in enumerate(setups):
-                vals = [tp[(t, p, name)][idx] / tp[(t, p, 'stock')][idx]
-                        for t in ('set', 'get') for p in (1, 16)]
-                ax.bar([i + j * width for i in range(len(labels))], vals, width, label=name)
+            vals = [tp[(w, t, p, 'module')][idx] / tp[(w, t, p, 'stock')][idx]
+                    for w, t, p in combos]
+            colors = ['tab:blue' if w == 'hot' else 'tab:orange' if w != 'uniform' else 'tab:gray'
+                      for w, _, _ in combos]
+            ax.bar(range(len(combos)), vals, color=colors)
+            ax.axhline(1.0, color='black', linewidth=0.5)
             if target:
                 ax.axhline(target, color='red', linestyle='--', linewidth=1,
                            label='target %.1fx' % target)
-            ax.set_xticks([i + width for i in range(len(labels))])
-            ax.set_xticklabels(labels)
+                ax.legend(fontsize=8)
+            ax.set_xticks(range(len(combos)))
+            ax.set_xticklabels(labels, fontsize=6)
             ax.set_ylabel(ylabel)
-            ax.set_title(title)
-            ax.legend(fontsize=8)
+            ax.set_title(title + ' (*worst case)', fontsize=10)
     if prep:
         ax = axes[ax_i]
-        xs = [r['cold'] for r in prep]
-        ax.plot(xs, [r['ours_us'] / 1000 for r in prep], 'o-', label='APPASSIST.PREPARE drop')
-        ax.plot(xs, [r['design_ms'] for r in prep], 's-', label='SCAN + DEL + MEMORY PURGE')
-        ax.set_xscale('log')
-        ax.set_yscale('log')
-        ax.set_xlabel('cold items')
-        ax.set_ylabel('time (ms, log)')
-        ax.set_title('Giving up the cold set')
+        width = 0.2
+        series = (('stock, all items', 'rss_all_stock'), ('stock, hot only', 'rss_hot_stock'),
+                  ('module after PREPARE', 'ours_rss_after'), ('design after DEL', 'design_rss_after'))
+        for j, (label, key) in enumerate(series):
+            ax.bar([i + j * width for i in range(len(prep))], [r[key] / 2**20 for r in prep],
+                   width, label=label)
+        ax.set_xticks([i + 1.5 * width for i in range(len(prep))])
+        ax.set_xticklabels(['%dk cold' % (r['cold'] // 1000) for r in prep])
+        ax.set_ylabel('RSS MiB')
+        ax.set_title('RSS after giving up the cold set (interleaved load)', fontsize=10)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(OUT_PNG, dpi=100)
@@ -387,7 +509,7 @@ def main():
     for tool in ('redis-server', 'redis-benchmark', 'redis-cli'):
         if not shutil.which(tool):
             sys.exit('%s not found (apt-get install redis-server redis-tools)' % tool)
-    sizes = [int(x) for x in (a.cold or ('100000,300000' if a.quick else '1000000,5000000')).split(',')]
+    sizes = [int(x) for x in (a.cold or ('100000,300000' if a.quick else '1000000,2000000')).split(',')]
     cpu = '%d cores' % os.cpu_count()
     workdir = tempfile.mkdtemp(prefix='hmbench-')
     # A partial run (--no-throughput / --no-prepare) keeps the other part's
@@ -400,9 +522,9 @@ def main():
         if a.render_only:
             a.no_throughput = a.no_prepare = True
         if not a.no_throughput:
-            tp, setups, cold, promos, n, keyspace = throughput(workdir, a.quick)
-            saved['throughput'] = {'table': [[k[0], k[1], k[2]] + list(v) for k, v in tp.items()],
-                                   'setups': setups, 'cold': cold, 'promos': promos,
+            tp, setups, stats, n, keyspace = throughput(workdir, a.quick)
+            saved['throughput'] = {'table': [list(k) + list(v) for k, v in tp.items()],
+                                   'setups': setups, 'stats': stats,
                                    'n': n, 'keyspace': keyspace,
                                    'loadavg': open('/proc/loadavg').read().split()[0],
                                    'when': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}
@@ -417,10 +539,10 @@ def main():
         with open(OUT_JSON, 'w') as f:
             json.dump(saved, f, indent=1)
         t = saved.get('throughput')
-        tp = {(r[0], r[1], r[2]): tuple(r[3:]) for r in t['table']} if t else None
+        tp = {tuple(r[:4]): tuple(r[4:]) for r in t['table']} if t else None
         when = {'throughput': t.get('when', '2026-11-21 11:40 UTC') if t else None,
                 'prepare': saved.get('prepare_when', '2026-11-21 11:07 UTC')}
-        write(tp, t and t['setups'], t and t['cold'], t and t['promos'], t and t['n'],
+        write(tp, t and t['setups'], t and t['stats'], t and t['n'],
               t and t['keyspace'], saved.get('prepare', []), cpu, t and t['loadavg'], when)
         print(open(OUT_MD).read())
     finally:

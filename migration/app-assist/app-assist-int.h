@@ -40,8 +40,4 @@ void aa_port_expire(AppAssistPort *port);           /* waiting -> timeout */
 /* Called by a port (BQL held) whenever its status changes. */
 void app_assist_wakeup(void);
 
-/* First app-assist chardev created / last one finalized. */
-void app_assist_ports_attach(void);
-void app_assist_ports_detach(void);
-
 #endif

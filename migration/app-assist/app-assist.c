@@ -32,6 +32,7 @@
 #include "qemu/osdep.h"
 #include "qemu/error-report.h"
 #include "qemu/main-loop.h"
+#include "qemu/module.h"
 #include "qemu/thread.h"
 #include "qemu/timer.h"
 #include "qemu/units.h"
@@ -63,6 +64,13 @@
 #define AA_BALLOON_PAGE         4096    /* VIRTIO_BALLOON_PFN_SHIFT */
 #define AA_AVAIL_MARGIN         (64 * MiB)  /* left available in the guest */
 #define AA_STATS_WAIT_MS        3000    /* for a report newer than PREPARE */
+#define AA_STATS_MAX_AGE_S      10      /* an older report bounds nothing */
+/*
+ * The guest acknowledges a batch of 256 balloon pages every few ms under
+ * TCG (measured: 2026-11-21, see docs/app-assist.md): poll that often so
+ * that the set-up phase ends within a few ms of the balloon's target.
+ */
+#define AA_BALLOON_POLL_MS      5
 
 typedef struct AppAssistState {
     /* Everything is protected by the BQL, except @wake. */
@@ -225,12 +233,12 @@ static void aa_prepare(MigrationState *s, uint32_t deadline_ms)
 }
 
 /*
- * The guest's available memory from the balloon's statistics (BQL held):
- * only when the balloon polls them and the last report is newer than @since
- * (wall-clock seconds, the balloon's own unit).  Returns 0 when unknown,
- * -EAGAIN when a newer report is still to come.
+ * The balloon's last statistics report (BQL held): in *@when its arrival
+ * (wall-clock seconds, the balloon's own unit; 0 before the first), in
+ * *@avail the guest's available memory (UINT64_MAX if not reported).
+ * Returns false when the balloon does not poll statistics at all.
  */
-static int aa_guest_available(time_t since, uint64_t *avail)
+static bool aa_guest_available(uint64_t *avail, int64_t *when)
 {
     Object *balloon = object_resolve_path_type("", TYPE_VIRTIO_BALLOON, NULL);
     g_autoptr(QDict) dict = NULL;
@@ -241,45 +249,116 @@ static int aa_guest_available(time_t since, uint64_t *avail)
     if (!balloon ||
         object_property_get_int(balloon, "guest-stats-polling-interval",
                                 NULL) <= 0) {
-        return 0;
+        return false;
     }
     obj = object_property_get_qobject(balloon, "guest-stats", NULL);
     dict = qobject_to(QDict, obj);
     if (!dict) {
         qobject_unref(obj);
-        return 0;
+        return false;
     }
-    if (qdict_get_try_int(dict, "last-update", 0) <= since) {
-        return -EAGAIN;
-    }
+    *when = qdict_get_try_int(dict, "last-update", 0);
     stats = qdict_get_qdict(dict, "stats");
     n = stats ? qobject_to(QNum, qdict_get(stats, "stat-available-memory"))
               : NULL;
     /* Unreported statistics read as -1. */
-    if (!n || !qnum_get_try_uint(n, avail) || *avail == UINT64_MAX) {
-        return 0;
+    if (!n || !qnum_get_try_uint(n, avail)) {
+        *avail = UINT64_MAX;
     }
-    return 1;
+    return true;
 }
 
 /*
- * Wait (BQL not held) up to AA_STATS_WAIT_MS for statistics newer than
- * @since; returns the guest's available memory or UINT64_MAX if unknown.
+ * Ask the guest for a statistics report now (BQL held): setting the polling
+ * interval re-creates the balloon's timer, which fires at once, then every
+ * interval as before.  The interval ends up unchanged.
  */
-static uint64_t aa_wait_guest_available(MigrationState *s, time_t since)
+static void aa_request_stats(void)
 {
-    int64_t end = aa_now_ms() + AA_STATS_WAIT_MS;
-    uint64_t avail = UINT64_MAX;
-    int ret;
+    Object *balloon = object_resolve_path_type("", TYPE_VIRTIO_BALLOON, NULL);
+    int64_t interval;
 
+    if (!balloon) {
+        return;
+    }
+    interval = object_property_get_int(balloon,
+                                       "guest-stats-polling-interval", NULL);
+    if (interval > 0) {
+        object_property_set_int(balloon, "guest-stats-polling-interval", 0,
+                                &error_abort);
+        object_property_set_int(balloon, "guest-stats-polling-interval",
+                                interval, &error_abort);
+    }
+}
+
+/*
+ * What the balloon may take without statistics: the freed bytes, within the
+ * floor (BQL held).  Returns the number of bytes to inflate by, 0 for none.
+ */
+static uint64_t aa_balloon_want(uint64_t actual)
+{
+    uint64_t ram = current_machine->ram_size;
+    uint64_t min_bytes = MAX(AA_MIN_GUEST_BYTES, ram / 8);
+    uint64_t target;
+
+    target = actual > aa_state.info->freed_bytes ?
+             actual - aa_state.info->freed_bytes : 0;
+    target = ROUND_UP(MAX(target, min_bytes), AA_BALLOON_PAGE);
+    return target < actual ? actual - target : 0;
+}
+
+/*
+ * The guest's available memory to bound the balloon with (BQL not held), or
+ * UINT64_MAX when there is no bound.  Waiting for a report newer than
+ * PREPARE (@since) only matters when the balloon would take more than the
+ * guest had available before: a report at most AA_STATS_MAX_AGE_S old that
+ * already leaves room for @want bytes plus the margin bounds the target
+ * without waiting (PREPARE only adds to what is available).  Otherwise ask
+ * for a report as soon as one can be told apart from older ones (the
+ * balloon stamps reports in whole seconds: once the second of @since is
+ * over) and wait for it, up to AA_STATS_WAIT_MS; without one, go unbounded
+ * as before (the floor still holds).
+ */
+static uint64_t aa_wait_guest_available(MigrationState *s, time_t since,
+                                        uint64_t want)
+{
+    int64_t start = aa_now_ms(), end = start + AA_STATS_WAIT_MS;
+    uint64_t avail = UINT64_MAX;
+    int64_t when = 0;
+    bool polled, asked = false;
+
+    bql_lock();
+    polled = aa_guest_available(&avail, &when);
+    bql_unlock();
+    if (!polled) {
+        return UINT64_MAX;
+    }
+    if (when > 0 && time(NULL) - when <= AA_STATS_MAX_AGE_S &&
+        avail != UINT64_MAX && avail >= want + AA_AVAIL_MARGIN) {
+        trace_app_assist_stats(avail, when, 0);
+        return avail;
+    }
     for (;;) {
         bql_lock();
-        ret = aa_guest_available(since, &avail);
-        bql_unlock();
-        if (ret != -EAGAIN || aa_now_ms() >= end || !aa_still_setting_up(s)) {
-            return ret == 1 ? avail : UINT64_MAX;
+        polled = aa_guest_available(&avail, &when);
+        if (polled && when <= since && !asked && time(NULL) > since) {
+            aa_request_stats();
+            asked = true;
         }
-        g_usleep(AA_POLL_MS * 1000);
+        bql_unlock();
+        if (!polled) {
+            return UINT64_MAX;
+        }
+        if (when > since) {
+            /* UINT64_MAX if the guest does not report that statistic. */
+            trace_app_assist_stats(avail, when, aa_now_ms() - start);
+            return avail;
+        }
+        if (aa_now_ms() >= end || !aa_still_setting_up(s)) {
+            trace_app_assist_stats(UINT64_MAX, 0, aa_now_ms() - start);
+            return UINT64_MAX;
+        }
+        g_usleep(AA_BALLOON_POLL_MS * 1000);
     }
 }
 
@@ -344,12 +423,15 @@ static uint64_t aa_balloon_inflate(uint64_t guest_avail)
 static void aa_balloon(MigrationState *s, uint32_t wait_ms, time_t since)
 {
     int64_t start = aa_now_ms(), end = start + wait_ms, progress = start;
-    uint64_t target, last, avail;
+    g_autoptr(BalloonInfo) bi = NULL;
+    uint64_t target, last, avail, want;
 
     bql_lock();
     aa_state.info->status = APP_ASSIST_STATUS_BALLOONING;
+    bi = qmp_query_balloon(NULL);
+    want = bi ? aa_balloon_want(bi->actual) : 0;
     bql_unlock();
-    avail = aa_wait_guest_available(s, since);
+    avail = want ? aa_wait_guest_available(s, since, want) : UINT64_MAX;
 
     bql_lock();
     target = aa_balloon_inflate(avail);
@@ -360,11 +442,11 @@ static void aa_balloon(MigrationState *s, uint32_t wait_ms, time_t since)
     }
 
     for (;;) {
-        g_autoptr(BalloonInfo) bi = NULL;
         int64_t now = aa_now_ms();
         const char *why = NULL;
 
         bql_lock();
+        qapi_free_BalloonInfo(bi);
         bi = qmp_query_balloon(NULL);
         if (bi) {
             aa_state.info->balloon_reached = bi->actual;
@@ -379,6 +461,9 @@ static void aa_balloon(MigrationState *s, uint32_t wait_ms, time_t since)
             why = "";
         } else if (!aa_still_setting_up(s)) {
             why = "migration cancelled while ballooning";
+        } else if (!wait_ms) {
+            why = "balloon inflating during the migration "
+                  "(app-assist-balloon-wait=0)";
         } else if (now >= end) {
             why = "balloon did not reach its target in time";
         } else if (now - progress >= AA_BALLOON_STALL_MS) {
@@ -391,7 +476,7 @@ static void aa_balloon(MigrationState *s, uint32_t wait_ms, time_t since)
         if (why) {
             break;
         }
-        g_usleep(AA_POLL_MS * 1000);
+        g_usleep(AA_BALLOON_POLL_MS * 1000);
     }
 
     bql_lock();
@@ -551,6 +636,9 @@ static void aa_incoming_check(void *opaque)
     aa_collect_ports();
     trace_app_assist_incoming_resume(aa_state.balloon_restore, resumed);
     aa_send_event();
+    if (aa_state.info->reason) {
+        warn_report("migration: app-assist: %s", aa_state.info->reason);
+    }
     aa_state.prepared = aa_state.balloon_changed = false;
 }
 
@@ -589,23 +677,21 @@ static const VMStateDescription vmstate_app_assist = {
     },
 };
 
-void app_assist_ports_attach(void)
+/*
+ * Registered in every QEMU, ports or not: a destination started without
+ * app-assist ports (or without the capability) must still accept the
+ * section from an assisted source -- an unknown section fails the whole
+ * incoming migration.  It then restores the balloon and says that no
+ * application could be resumed.  The section is only sent when the phase
+ * changed something (.needed), so other streams are unchanged.
+ */
+static void app_assist_init(void)
 {
-    static bool sem_ready;
-
-    if (!sem_ready) {
-        qemu_sem_init(&aa_state.wake, 0);
-        sem_ready = true;
-    }
+    qemu_sem_init(&aa_state.wake, 0);
     migration_add_notifier(&aa_state.notifier, aa_migration_notify);
     vmstate_register(NULL, 0, &vmstate_app_assist, &aa_state);
 }
-
-void app_assist_ports_detach(void)
-{
-    vmstate_unregister(NULL, &vmstate_app_assist, &aa_state);
-    migration_remove_notifier(&aa_state.notifier);
-}
+migration_init(app_assist_init);
 
 void app_assist_fill_info(MigrationInfo *info)
 {

@@ -244,9 +244,7 @@ static void aa_chr_open(Chardev *chr, ChardevBackend *backend,
     }
     port->status = APP_ASSIST_PORT_STATUS_NO_APP;
     QTAILQ_INSERT_TAIL(&aa_ports, port, next);
-    if (aa_nports++ == 0) {
-        app_assist_ports_attach();
-    }
+    aa_nports++;
     /* The host end is always there: the guest may write at once. */
     *be_opened = true;
 }
@@ -257,9 +255,7 @@ static void aa_chr_finalize(Object *obj)
 
     if (port->parser) {
         QTAILQ_REMOVE(&aa_ports, port, next);
-        if (--aa_nports == 0) {
-            app_assist_ports_detach();
-        }
+        aa_nports--;
         aa_resp_parser_free(port->parser);
     }
 }

@@ -76,10 +76,12 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError('redis-server exited: ' + self.logtail())
             if os.path.exists(self.sock):
+                # A timeout: a server stuck while loading (e.g. in stock
+                # redis-check-rdb after a refused RDB) never answers.
                 try:
-                    if self.client().ping():
+                    if self.client(socket_timeout=1).ping():
                         return self
-                except redis.ConnectionError:
+                except (redis.ConnectionError, redis.TimeoutError):
                     pass
             time.sleep(0.02)
         raise RuntimeError('redis-server did not start: ' + self.logtail())

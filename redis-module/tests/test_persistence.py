@@ -5,6 +5,7 @@ save taken while items are spilled, and a replica full sync."""
 import os
 import random
 import socket
+import subprocess
 import sys
 import time
 import unittest
@@ -162,7 +163,17 @@ class PersistenceTest(ServerTestCase):
             try:
                 s.start(timeout=10)
             except RuntimeError:
-                rc = s.proc.wait(10)
+                try:
+                    rc = s.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    # Stock Redis 7.0 runs redis-check-rdb on a refused RDB,
+                    # and that can loop forever on corrupted module aux data
+                    # (rdbLoadCheckModuleValue): refused all the same, once
+                    # the load error is logged.
+                    self.assertIn('Internal error in RDB reading', s.logtail())
+                    s.stop()
+                    outcomes['refused'] += 1
+                    continue
                 self.assertNotEqual(rc, None)
                 self.assertGreaterEqual(rc, 0, 'killed by signal %d on mutation %d:\n%s'
                                         % (-rc, i, s.logtail()))

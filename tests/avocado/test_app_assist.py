@@ -78,6 +78,16 @@ def port_args(n):
     return args
 
 
+def plain_port_args(n):
+    """The same virtio-serial ports as port_args(n), on null chardevs: the
+    guest sees the same devices, QEMU has no app-assist port."""
+    args = ['-device', 'virtio-serial-pci,id=vser0']
+    for i in range(n):
+        args += ['-chardev', f'null,id=aa{i}',
+                 '-device', f'virtserialport,bus=vser0.0,chardev=aa{i},name={PORT.format(i)}']
+    return args
+
+
 def start_app(guest, kind, port_index, *extra):
     """Start guest application `kind` on port `port_index` in the background."""
     script = APPS[kind].encode()
@@ -373,13 +383,16 @@ class AppAssist(HybridVMTest):
         """An app that over-reports what it freed, in a guest whose memory is
         mostly in use: with balloon statistics polled, the target keeps the
         guest's available memory (minus a margin) out of the balloon; the
-        guest keeps running and the migration completes."""
+        guest keeps running and the migration completes.  Statistics are
+        polled every 10 s: the phase asks for a report after PREPARE instead
+        of waiting for the next one (it would give up after 3 s and
+        inflate unbounded)."""
         import hvlib
         src, dst = self.boot_pair(1)
-        src.qmp('qom-set', path='/machine/peripheral/balloon0',
-                property='guest-stats-polling-interval', value=1)
         src.run('mkdir -p /fill && mount -t tmpfs -o size=300m tmpfs /fill && '
                 'dd if=/dev/zero of=/fill/x bs=1M count=250 2>/dev/null')
+        src.qmp('qom-set', path='/machine/peripheral/balloon0',
+                property='guest-stats-polling-interval', value=10)
         full = balloon_actual(src)
         start_app(src, 'good', 0, 400 * MiB)
         src.run('while [ ! -e /tmp/app-0.sh ]; do sleep 0.1; done')
@@ -394,5 +407,61 @@ class AppAssist(HybridVMTest):
         self.assertGreater(aa['balloon-target'], 250 * MiB)
         self.assertLess(aa['balloon-target'], full)
         self.assertGreaterEqual(res.setup_time_ms, aa['prepare-time'] + aa['balloon-time'])
+        self.assertLess(aa['balloon-time'], 3000, 'waited for the periodic report')
+        self.assertEqual(src.qmp('qom-get', path='/machine/peripheral/balloon0',
+                                 property='guest-stats-polling-interval'), 10)
         wait_for(lambda: balloon_actual(dst) == full, 60, 'balloon deflated on the destination')
         dst.run('true')
+
+    def test_destination_without_ports(self):
+        """An assisted source, a destination whose ports are null chardevs
+        (no app-assist backend) and whose capability is off: the destination
+        accepts the stream, restores the balloon, and reports (event, query,
+        warning) that no application could be resumed; the guest runs."""
+        import hvlib
+        src = self.guest('src', mem=self.MEM, redis=False, args=port_args(1)).boot()
+        dst = self.guest('dst', mem=self.MEM, redis=False, incoming='defer',
+                         args=plain_port_args(1)).launch()
+        src.run(LINK_PORTS)
+        full = balloon_actual(src)
+        start_app(src, 'good', 0, 64 * MiB)
+        src.run('while [ ! -e /tmp/app-0.sh ]; do sleep 0.1; done')
+        postcopy = [{'capability': 'postcopy-ram', 'state': True}]
+        src.qmp('migrate-set-capabilities',
+                capabilities=postcopy + [{'capability': 'app-assist', 'state': True}])
+        dst.qmp('migrate-set-capabilities', capabilities=postcopy)
+        src.qmp('migrate-set-parameters', **{'max-bandwidth': 125_000_000,
+                                            'max-postcopy-bandwidth': 125_000_000})
+        uri = f'tcp:127.0.0.1:{hvlib.free_port()}'
+        dst.qmp('migrate-incoming', uri=uri)
+        src.qmp('migrate', uri=uri)
+        wait_for(lambda: src.qmp('query-migrate')['status'] in ('active', 'completed'),
+                 60, 'the source to leave set-up')
+        if src.qmp('query-migrate')['status'] == 'active':
+            src.qmp('migrate-start-postcopy')
+
+        def done():
+            st = src.qmp('query-migrate')['status']
+            self.assertNotIn(st, ('failed', 'cancelled'))
+            return st == 'completed'
+        wait_for(done, 120, 'the migration to complete')
+        self.assertEqual(dst.qmp('query-migrate')['status'], 'completed')
+        aa = src.qmp('query-migrate')['app-assist']
+        self.assertEqual(aa['status'], 'completed')
+        self.assertEqual(aa['balloon-target'], full - 64 * MiB)
+        # The destination restores the balloon although it has no port.
+        wait_for(lambda: balloon_actual(dst) == full, 60, 'balloon deflated on the destination')
+        ev = dst.vm.event_wait('MIGRATION_APP_ASSIST', timeout=30)
+        self.assertIsNotNone(ev)
+        info = ev['data']['info']
+        self.assertEqual(info['status'], 'resumed')
+        self.assertEqual(info['apps-contacted'], 0)
+        self.assertIn('no application has an app-assist port open', info['reason'])
+        self.assertEqual(dst.qmp('query-migrate')['app-assist']['status'], 'resumed')
+        self.assertEqual(dst.qmp('query-status')['status'], 'running')
+        out = dst.run('cat /tmp/app-0.log')      # the guest runs on the destination
+        self.assertIn('APPASSIST.PREPARE', out)
+        self.assertNotIn('APPASSIST.RESUME', out)
+        # QEMU's stderr (QEMUMachine writes it to <log_dir>/<name>.log).
+        with open(os.path.join(dst.log_dir, f'{dst.name}.log'), errors='replace') as f:
+            self.assertIn('app-assist: no application has an app-assist port open', f.read())
