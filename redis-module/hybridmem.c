@@ -175,6 +175,28 @@ static long long processRss(void) {
     return rss < 0 ? -1 : rss * sysconf(_SC_PAGESIZE);
 }
 
+/* Peak RSS (VmHWM) of this process, -1 if unknown. */
+static long long processPeakRss(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[128];
+    long long kb = -1;
+    if (!f) return -1;
+    while (fgets(line, sizeof(line), f))
+        if (sscanf(line, "VmHWM: %lld kB", &kb) == 1) break;
+    fclose(f);
+    return kb < 0 ? -1 : kb * 1024;
+}
+
+/* Start a new peak: VmHWM becomes the current RSS (Linux >= 4.0). */
+static void processPeakReset(void) {
+    int fd = open("/proc/self/clear_refs", O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    if (write(fd, "5", 1) != 1) {
+        /* best effort: the next PREPARE then counts from the older peak */
+    }
+    close(fd);
+}
+
 static unsigned long long infoMemoryField(RedisModuleCtx *ctx, const char *field) {
     RedisModuleServerInfoData *info = RedisModule_GetServerInfo(ctx, "memory");
     int err = 0;
@@ -935,6 +957,16 @@ static void prepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms
     }
     hm.state = ST_PREPARED;
     long long rss1 = processRss();
+    /* What the host may balloon away is everything this process gave back
+     * to the guest kernel, not only the arena: pages that jemalloc returned
+     * after demotion and compaction are free in the guest but still hold
+     * data, so a migration would send them. The peak RSS since the last
+     * RESUME/ABORT (or start) minus the RSS now measures all of it; the
+     * host clamps the balloon with the guest's own statistics. */
+    int64_t dropped = freed;
+    long long peak = processPeakRss();
+    if (hm.policy != POLICY_NONE && peak > 0 && rss1 > 0 && peak - rss1 > freed)
+        freed = peak - rss1;
     hm.prepares++;
     hm.last_freed = freed;
     hm.last_items = (long long)items;
@@ -944,6 +976,8 @@ static void prepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms
     hm.last_policy = hm.policy;
     hm.last_complete = complete;
     addInt(fs, "freed_bytes", freed);
+    addInt(fs, "dropped_bytes", dropped);
+    addInt(fs, "peak_rss", peak);
     addInt(fs, "items", (long long)items);
     addInt(fs, "used_memory", (long long)infoMemoryField(ctx, "used_memory"));
     addInt(fs, "rss", rss1);
@@ -962,6 +996,9 @@ static void resumeFields(RedisModuleCtx *ctx, Fields *fs, int abort) {
     (void)ctx;
     if (hm.state == ST_PREPARED)
         hm.state = arenaHasSpilled(hm.arena) ? ST_RESUMING : ST_NORMAL;
+    /* The host has taken back what the last PREPARE reported: count the
+     * next one from here. */
+    processPeakReset();
     if (abort) hm.aborts++; else hm.resumes++;
     addStr(fs, "state", state_names[hm.state]);
     addInt(fs, "cold_items", (long long)arenaCount(hm.arena));
