@@ -63,10 +63,6 @@ struct ColdArena {
     /* arenaIterate() keeps the last spilled chunk it read. */
     char *iter_buf;
     uint32_t iter_buf_chunk;
-
-    /* Membership filter in front of the index (see filterMaybe). */
-    uint8_t *filt;              /* mmap'd counters, 64 per block */
-    uint64_t filt_blocks;       /* power of two, 0: no filter yet */
 };
 
 uint64_t arenaNowUs(void) {
@@ -128,71 +124,6 @@ static int tableInit(Table *t, uint64_t cap) {
     t->cap = cap;
     t->used = t->tombs = 0;
     return 0;
-}
-
-/* ----------------------------------------------------------- filter */
-
-/* A counting Bloom filter (two 8-bit counters in one 64-byte block, from
- * the low 32 bits of the key hash, so it can be rebuilt from the slots) in
- * front of the index. Every command on a hot key asks the index whether the
- * key is cold; the index is 12 bytes x 1.4-2.9 slots per item and each such
- * lookup was a cache miss (perf: findSlot 12.6 % of the server's samples
- * with 210k cold items under the 90/10 mix). The filter has 4-8 counters
- * per item (1-2 MiB for 210k items): an absent key is answered from one
- * cache line, with 5-16 % false positives going on to the index. Counters
- * saturate at 255 and then stay (only false positives). Rebuilt, O(slots),
- * when the items outgrow it. */
-#define FILT_MIN_BLOCKS 16u
-
-static uint8_t *filterBlock(const ColdArena *a, uint32_t h32) {
-    return a->filt + (((uint64_t)h32 >> 12) & (a->filt_blocks - 1)) * 64;
-}
-
-static void filterAdd(ColdArena *a, uint32_t h32, int delta) {
-    if (!a->filt) return;
-    uint8_t *b = filterBlock(a, h32);
-    uint8_t *c[2] = {&b[h32 & 63], &b[(h32 >> 6) & 63]};
-    for (int i = 0; i < 2; i++) {
-        if (*c[i] == 255) continue;                 /* saturated: sticky */
-        if (delta > 0) (*c[i])++;
-        else if (*c[i] > 0) (*c[i])--;
-    }
-}
-
-static int filterMaybe(const ColdArena *a, uint32_t h32) {
-    if (!a->filt) return 1;
-    const uint8_t *b = filterBlock(a, h32);
-    return b[h32 & 63] && b[(h32 >> 6) & 63];
-}
-
-static size_t filterBytes(const ColdArena *a) {
-    return a->filt_blocks ? pageRound(a->filt_blocks * 64) : 0;
-}
-
-static void filterRelease(ColdArena *a) {
-    if (a->filt) munmap(a->filt, filterBytes(a));
-    a->filt = NULL;
-    a->filt_blocks = 0;
-}
-
-/* (Re)build for 'items' items at 8 counters each; on failure the arena
- * runs without a filter (every lookup goes to the index). */
-static void filterBuild(ColdArena *a, uint64_t items) {
-    filterRelease(a);
-    uint64_t blocks = FILT_MIN_BLOCKS;
-    while (blocks * 64 < items * 8) blocks *= 2;
-    a->filt_blocks = blocks;
-    a->filt = mapBytes(filterBytes(a));
-    if (!a->filt) {
-        a->filt_blocks = 0;
-        return;
-    }
-    for (int i = 0; i < 2; i++) {
-        const Table *t = &a->ht[i];
-        for (uint64_t j = 0; j < t->cap; j++)
-            if (t->slots[j].chunk != SLOT_FREE && t->slots[j].chunk != SLOT_DEAD)
-                filterAdd(a, t->slots[j].hash, 1);
-    }
 }
 
 static uint64_t tableBytes(const Table *t) {
@@ -433,7 +364,6 @@ static int maybeGrow(ColdArena *a) {
 static int findSlot(ColdArena *a, const char *key, size_t klen,
                     Table **t, uint64_t *slot) {
     uint64_t h = hashKey(a->seed, key, klen);
-    if (!filterMaybe(a, (uint32_t)h)) return 0;
     int err = 0;
     for (int i = 0; i <= a->rehashing; i++) {
         uint64_t s = tableFind(a, &a->ht[i], h, key, klen, &err);
@@ -470,10 +400,6 @@ int arenaInsert(ColdArena *a, const char *key, size_t klen,
     if (vlen) memcpy(p + ARENA_ITEM_HDR + klen, val, vlen);
     uint64_t h = hashKey(a->seed, key, klen);
     tablePut(&a->ht[a->rehashing], h, id + 1, c->used);
-    if (a->items + 1 > a->filt_blocks * 64 / 4)
-        filterBuild(a, a->items + 1);          /* counts the slot just put */
-    else
-        filterAdd(a, (uint32_t)h, 1);
     c->used += (uint32_t)need;
     c->live_items++;
     c->live_bytes += need;
@@ -504,7 +430,6 @@ int arenaDelete(ColdArena *a, const char *key, size_t klen) {
     } else {
         return -1;
     }
-    filterAdd(a, sl->hash, -1);
     sl->chunk = SLOT_DEAD;
     t->used--;
     t->tombs++;
@@ -550,8 +475,7 @@ uint64_t arenaDrop(ColdArena *a, uint64_t *items) {
             freed += c->cap;
         }
     }
-    freed += tableBytes(&a->ht[0]) + tableBytes(&a->ht[1]) + filterBytes(a);
-    filterRelease(a);
+    freed += tableBytes(&a->ht[0]) + tableBytes(&a->ht[1]);
     tableRelease(&a->ht[0]);
     tableRelease(&a->ht[1]);
     free(a->chunks);
@@ -589,7 +513,7 @@ void arenaGetStats(const ColdArena *a, ArenaStats *st) {
             st->chunks++;
         }
     }
-    st->index_bytes = tableBytes(&a->ht[0]) + tableBytes(&a->ht[1]) + filterBytes(a);
+    st->index_bytes = tableBytes(&a->ht[0]) + tableBytes(&a->ht[1]);
     st->mapped_bytes += st->index_bytes;
     st->spilled_bytes = (uint64_t)a->spill_size;
     st->rehashing = a->rehashing;
