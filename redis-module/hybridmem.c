@@ -108,6 +108,7 @@ static struct {
     uint64_t pass_items;
     uint64_t pass_hot_bytes, pass_hot_items;
     int threshold;              /* demote items in buckets >= threshold */
+    uint32_t keep_at_threshold; /* ...but keep this share (of 65536) of bucket threshold */
     uint64_t next_pass_us;
     uint64_t passes;
     uint64_t skipped_passes;    /* everything fitted the budget */
@@ -405,6 +406,16 @@ static int coldBucket(RedisModuleKey *kh, int *idle_ok) {
     return b;
 }
 
+/* A stable pseudo-random share of a key in [0, 65536) (FNV-1a): the same
+ * keys of the threshold bucket stay hot pass after pass. */
+static uint32_t keyShare(RedisModuleString *key) {
+    size_t l;
+    const unsigned char *p = (const unsigned char *)RedisModule_StringPtrLen(key, &l);
+    uint32_t h = 2166136261u;
+    while (l--) h = (h ^ *p++) * 16777619u;
+    return (h ^ (h >> 16)) & 0xffff;
+}
+
 static void scanCb(RedisModuleCtx *ctx, RedisModuleString *keyname,
                    RedisModuleKey *kh, void *priv) {
     (void)priv;
@@ -416,7 +427,8 @@ static void scanCb(RedisModuleCtx *ctx, RedisModuleString *keyname,
         uint64_t bytes = klen + RedisModule_ValueLength(kh) + HM_ITEM_OVERHEAD;
         int idle_ok;
         int b = coldBucket(kh, &idle_ok);
-        if (b >= hm.threshold && idle_ok) {
+        if (b >= hm.threshold && idle_ok &&
+            (b > hm.threshold || keyShare(keyname) >= hm.keep_at_threshold)) {
             if (hm.npending == hm.cap_pending) {
                 hm.cap_pending = hm.cap_pending ? hm.cap_pending * 2 : 64;
                 hm.pending = RedisModule_Realloc(hm.pending, hm.cap_pending * sizeof(*hm.pending));
@@ -431,21 +443,33 @@ static void scanCb(RedisModuleCtx *ctx, RedisModuleString *keyname,
     if (own) RedisModule_CloseKey(own);
 }
 
-/* End of a pass: the hot set is what fits in the budget, hottest first. */
+/* End of a pass: the hot set is what fits in the budget, hottest first.
+ * Of the bucket that crosses the budget only the share that does not fit
+ * is demoted (by a stable hash of the key): demoting the whole log2 bucket
+ * overshot by up to half the hot set (measured: a hot range exactly the
+ * size of the budget, touched at once, was demoted entirely and read back
+ * by promotions). */
 static void passEnd(RedisModuleCtx *ctx) {
     long long budget = hotBudget(ctx);
     uint64_t sum = 0;
     int thr = HM_BUCKETS;
+    uint32_t keep = 0;
     for (int b = 0; b < HM_BUCKETS; b++) {
-        if (sum + hm.pass_bytes[b] > (uint64_t)budget) { thr = b; break; }
+        if (sum + hm.pass_bytes[b] > (uint64_t)budget) {
+            thr = b;
+            if (budget > 0 && (uint64_t)budget > sum)
+                keep = (uint32_t)(((uint64_t)budget - sum) * 65536 / hm.pass_bytes[b]);
+            break;
+        }
         sum += hm.pass_bytes[b];
     }
     /* Items used within the last LRU clock tick (bucket 0) stay hot unless
      * the budget is zero: demoting what is being read right now would only
      * make it bounce back. */
-    if (thr == 0) thr = 1;
-    if (budget <= 0) thr = 0;
+    if (thr == 0) { thr = 1; keep = 0; }
+    if (budget <= 0) { thr = 0; keep = 0; }
     hm.threshold = thr;
+    hm.keep_at_threshold = keep;
     hm.pass_hot_bytes = 0;
     for (int b = 0; b < HM_BUCKETS; b++) hm.pass_hot_bytes += hm.pass_bytes[b];
     hm.pass_hot_items = hm.pass_items;
@@ -1527,8 +1551,10 @@ static int setNumeric(const char *name, long long v, void *priv, RedisModuleStri
     *numericConfig(name) = v;
     /* a new budget takes effect with a fresh pass */
     hm.next_pass_us = 0;
-    if (!strcasecmp(name, "hot-percent") || !strcasecmp(name, "planned-memory"))
+    if (!strcasecmp(name, "hot-percent") || !strcasecmp(name, "planned-memory")) {
         hm.threshold = hm.hot_percent == 0 ? 0 : HM_BUCKETS;
+        hm.keep_at_threshold = 0;
+    }
     return REDISMODULE_OK;
 }
 
@@ -1871,6 +1897,7 @@ int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
         return REDISMODULE_ERR;
     }
     if (hm.hot_percent == 0) hm.threshold = 0;
+    hm.keep_at_threshold = 0;
 
     if (createCommand(ctx, "appassist.prepare", PrepareCommand, "admin",
                       "Give up the cold set per appassist.on-prepare before a migration", -1) ||

@@ -98,11 +98,12 @@ class MemoryTest(ServerTestCase):
         # Module: same load; the hot ones read once, then the module's own
         # classification demotes the rest. It uses Redis's LFU counters (no
         # decay during the test): read keys have counter 6, unread ones 5,
-        # and the hot budget is sized 10 % above the hot items' estimated
-        # bytes, so exactly the unread keys are cold. The demotions trigger
-        # a compaction pass in the background slices.
-        avg_klen = sum(len(k) for k in keys) / len(keys)
-        planned = int(nhot * (vlen + avg_klen + 48) * 1.1 / 0.3)
+        # and the hot budget (planned / 100 * 30) is the hot items' bytes as
+        # the module counts them (key + value + 48) plus less than one item,
+        # so exactly the unread keys are cold. The demotions trigger a
+        # compaction pass in the background slices.
+        hot_bytes = sum(len(k) + vlen + 48 for k in hot)
+        planned = -(-hot_bytes // 30) * 100
         mod = self.server('mod', configs={'demote': 'no', 'hot-percent': 30,
                                           'planned-memory': planned, 'min-idle-ms': 0,
                                           'interval-ms': 1,

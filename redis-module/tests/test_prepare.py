@@ -173,6 +173,28 @@ class PrepareTest(ServerTestCase):
         self.assertGreaterEqual(rest_cold, 200)
         self.assertHealthy(s)
 
+    def test_budget_splits_a_bucket(self):
+        """Items that are all equally cold (one LFU bucket) and twice the
+        budget: about half is demoted, not the whole bucket, and the same
+        half stays hot on later passes."""
+        n = 4000
+        s = self.server(configs={'planned-memory': n * (100 + 5 + 48) // 2 * 100 // 30,
+                                 'hot-percent': 30, 'min-idle-ms': 0, 'demote': 'no'},
+                        extra=['--maxmemory-policy', 'allkeys-lfu', '--lfu-decay-time', '0'])
+        c = s.client()
+        p = c.pipeline(transaction=False)
+        for i in range(n):
+            p.set('k%04d' % i, b'x' * 100)
+        p.execute()
+        c.execute_command('APPASSIST.DEMOTE', 5000)     # classifies
+        c.execute_command('APPASSIST.DEMOTE', 5000)     # demotes
+        cold = c.info('appassist')['appassist_cold_items']
+        self.assertGreater(cold, n * 0.4)
+        self.assertLess(cold, n * 0.6)
+        self.assertLess(c.execute_command('APPASSIST.DEMOTE', 5000), n * 0.02)   # stable
+        self.assertEqual(c.dbsize(), n)
+        self.assertHealthy(s)
+
     def test_cold_item_expires_with_notification(self):
         """A cold item whose TTL passes is gone for every command, and the
         stock 'expired' keyspace event fires (from the background sweep)."""
