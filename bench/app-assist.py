@@ -30,6 +30,13 @@ Configurations (--configs, comma-separated):
   postcopy-stock-redis-fpr
                 the same with free-page reporting on: the baseline for the
                 configurations that have it
+  ours-iof      ours in a guest booted with init_on_free=1 and without
+                ballooning: the guest zeroes every page it frees, so what
+                Redis gave back (arena, jemalloc purges) is sent as zero
+                pages; set-up is PREPARE alone
+  postcopy-stock-redis-iof
+                stock post-copy of stock Redis in the same init_on_free=1
+                guest: the baseline for ours-iof
 Writes a Markdown table and PNG charts into --out (docs/bench by default) and
 the raw figures as JSON.  Only measured numbers go there.
 """
@@ -55,7 +62,12 @@ PORT_NAME = 'org.qemu.app-assist.0'
 LINK_PORTS = ('mkdir -p /dev/virtio-ports; for p in /sys/class/virtio-ports/vport*; do '
               'ln -sf /dev/${p##*/} /dev/virtio-ports/$(cat $p/name); done')
 CONFIGS = ['precopy', 'precopy-fph', 'postcopy', 'postcopy-stock-redis', 'design', 'ours',
-           'ours-nowait', 'ours-fpr', 'ours-balloon-fpr', 'postcopy-stock-redis-fpr']
+           'ours-nowait', 'ours-fpr', 'ours-balloon-fpr', 'postcopy-stock-redis-fpr',
+           'ours-iof', 'postcopy-stock-redis-iof']
+STOCK_REDIS = ('design', 'postcopy-stock-redis', 'postcopy-stock-redis-fpr',
+               'postcopy-stock-redis-iof')
+# Guest kernel arguments per configuration (the guest zeroes freed pages).
+GUEST_APPEND = {'ours-iof': 'init_on_free=1', 'postcopy-stock-redis-iof': 'init_on_free=1'}
 
 
 def log(msg):
@@ -219,7 +231,7 @@ def migrate(src, dst, config, args):
             g.qmp('migrate-set-capabilities', capabilities=caps)
     params = {'max-bandwidth': args.bandwidth, 'max-postcopy-bandwidth': args.bandwidth,
               'downtime-limit': 300}
-    if config == 'ours-fpr':
+    if config in ('ours-fpr', 'ours-iof'):
         params['app-assist-balloon'] = False
     if config == 'ours-nowait':
         params['app-assist-balloon-wait'] = 0
@@ -257,9 +269,10 @@ def run_config(config, args, logdir):
     # Our module is transparent to clients: every configuration runs it (it
     # holds the cold items in its arena) except the design's, which is stock
     # Redis deleting its cold keys itself.
-    module = config not in ('design', 'postcopy-stock-redis', 'postcopy-stock-redis-fpr')
+    module = config not in STOCK_REDIS
     log(f'=== {config}')
-    kw = dict(mem=args.mem, module=module, balloon=False, args=guest_args(config, args.trace))
+    kw = dict(mem=args.mem, module=module, balloon=False, args=guest_args(config, args.trace),
+              append=GUEST_APPEND.get(config, ''))
     src = hvlib.Guest(f'{config}-src', logdir, **kw)
     dst = None
     try:
@@ -369,9 +382,11 @@ def summary(rows, args):
     cold = args.items * (1 - args.hot) * args.size
     o = base.get('ours')
     b = base.get('postcopy-stock-redis')
-    for name in ('ours', 'ours-nowait', 'ours-balloon-fpr'):
-        # Like with like: free-page reporting on both sides or on neither.
-        bname = 'postcopy-stock-redis' + ('-fpr' if name.endswith('fpr') else '')
+    for name in ('ours', 'ours-nowait', 'ours-balloon-fpr', 'ours-iof'):
+        # Like with like: free-page reporting / init_on_free on both sides or
+        # on neither.
+        bname = 'postcopy-stock-redis' + next(
+            (sfx for sfx in ('-fpr', '-iof') if name.endswith(sfx)), '')
         if base.get(name) and base.get(bname):
             notes += goals(name, base[name], bname, base[bname], cold)
     p = base.get('postcopy')
@@ -385,7 +400,7 @@ def summary(rows, args):
                      f'vs {p["transferred (MiB)"]} MiB, total time '
                      f'{o["total time (ms)"] / p["total time (ms)"]:.2f}x; the module reported '
                      f'{o.get("freed (MiB)")} MiB freed.')
-    for name in ('ours-nowait', 'ours-fpr', 'ours-balloon-fpr'):
+    for name in ('ours-nowait', 'ours-fpr', 'ours-balloon-fpr', 'ours-iof'):
         f = base.get(name)
         if f and o:
             notes.append(f'- `{name}` vs ours: transferred {f["transferred (MiB)"]} vs '
