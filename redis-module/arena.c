@@ -465,19 +465,34 @@ static void spillClose(ColdArena *a) {
     a->spill_size = 0;
 }
 
-uint64_t arenaDrop(ColdArena *a, uint64_t *items) {
+/* Empty the arena. With 'maps', the mappings are handed to the caller
+ * instead of being unmapped (if the list cannot be allocated they are
+ * unmapped here, and *nmaps is 0). */
+static uint64_t dropMappings(ColdArena *a, uint64_t *items,
+                             ArenaMapping **maps, size_t *nmaps) {
     uint64_t freed = 0;
+    ArenaMapping *m = NULL;
+    size_t n = 0;
+    if (maps) m = malloc(sizeof(*m) * ((size_t)a->nchunks + 2));
     if (items) *items = a->items;
     for (uint32_t i = 0; i < a->nchunks; i++) {
         Chunk *c = &a->chunks[i];
         if (c->mem) {
-            munmap(c->mem, c->cap);
+            if (m) m[n++] = (ArenaMapping){c->mem, c->cap};
+            else munmap(c->mem, c->cap);
             freed += c->cap;
         }
     }
-    freed += tableBytes(&a->ht[0]) + tableBytes(&a->ht[1]);
-    tableRelease(&a->ht[0]);
-    tableRelease(&a->ht[1]);
+    for (int t = 0; t < 2; t++) {
+        uint64_t bytes = tableBytes(&a->ht[t]);
+        if (bytes && m) {
+            m[n++] = (ArenaMapping){a->ht[t].slots, bytes};
+            memset(&a->ht[t], 0, sizeof(a->ht[t]));
+        } else {
+            tableRelease(&a->ht[t]);
+        }
+        freed += bytes;
+    }
     free(a->chunks);
     free(a->free_ids);
     free(a->iter_buf);
@@ -488,7 +503,25 @@ uint64_t arenaDrop(ColdArena *a, uint64_t *items) {
     a->cur = NO_CHUNK;
     a->spill_fd = -1;
     a->iter_buf_chunk = NO_CHUNK;
+    if (maps) {
+        *maps = m;
+        *nmaps = n;
+    }
     return freed;
+}
+
+uint64_t arenaDrop(ColdArena *a, uint64_t *items) {
+    return dropMappings(a, items, NULL, NULL);
+}
+
+uint64_t arenaDropDeferred(ColdArena *a, uint64_t *items,
+                           ArenaMapping **maps, size_t *nmaps) {
+    return dropMappings(a, items, maps, nmaps);
+}
+
+void arenaUnmap(ArenaMapping *maps, size_t nmaps) {
+    for (size_t i = 0; i < nmaps; i++) munmap(maps[i].addr, maps[i].len);
+    free(maps);
 }
 
 void arenaFree(ColdArena *a) {

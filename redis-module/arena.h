@@ -102,6 +102,20 @@ int arenaRehashStep(ColdArena *a, unsigned slots);
  * mappings released; *items gets the number of items dropped. O(chunks). */
 uint64_t arenaDrop(ColdArena *a, uint64_t *items);
 
+/* Like arenaDrop, but the mappings are not unmapped: *maps (malloc'd,
+ * *nmaps entries; NULL and 0 if the list could not be allocated, the
+ * mappings are then unmapped at once) is handed to the caller, who passes it
+ * to arenaUnmap() later, from any thread. The arena is empty and usable at
+ * once; nothing in it refers to the mappings any more. */
+typedef struct ArenaMapping {
+    void *addr;
+    size_t len;
+} ArenaMapping;
+uint64_t arenaDropDeferred(ColdArena *a, uint64_t *items,
+                           ArenaMapping **maps, size_t *nmaps);
+/* munmap() every mapping of the list and free the list. */
+void arenaUnmap(ArenaMapping *maps, size_t nmaps);
+
 /* Write in-memory chunks to 'path' (created/truncated on the first chunk),
  * flush them to disk, drop them from the page cache and unmap them. Stops
  * early when 'deadline_us' (CLOCK_MONOTONIC, 0: none) passes. Returns the

@@ -35,6 +35,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -93,6 +94,7 @@ static struct {
     long long compact_percent;
     int policy;
     int demote;                 /* appassist.demote yes|no */
+    int lazy_drop;              /* appassist.lazy-drop yes|no */
     RedisModuleString *port_path;
     RedisModuleString *spill_path;
 
@@ -937,12 +939,58 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
 
 /* ------------------------------------------------------------ migration */
 
+/* Lazy drop (appassist.lazy-drop, like Redis's lazyfree): PREPARE empties
+ * the arena at once and a detached thread unmaps its mappings, so the reply
+ * does not wait for the kernel to free hundreds of MiB page by page (under
+ * TCG that was most of PREPARE's time). Nothing refers to the mappings any
+ * more; the pages are free in the guest moments later, while the host is
+ * already ballooning or migrating. */
+typedef struct UnmapJob {
+    ArenaMapping *maps;
+    size_t n;
+} UnmapJob;
+
+static void *unmapThread(void *arg) {
+    UnmapJob *job = arg;
+    arenaUnmap(job->maps, job->n);
+    free(job);
+    return NULL;
+}
+
+/* Drop the arena; returns the bytes of mappings released (or being
+ * released by the thread). */
+static uint64_t dropArena(uint64_t *items, int *lazy) {
+    *lazy = 0;
+    if (!hm.lazy_drop) return arenaDrop(hm.arena, items);
+    UnmapJob *job = malloc(sizeof(*job));
+    if (!job) return arenaDrop(hm.arena, items);
+    uint64_t freed = arenaDropDeferred(hm.arena, items, &job->maps, &job->n);
+    if (job->n == 0) {
+        arenaUnmap(job->maps, 0);
+        free(job);
+        return freed;
+    }
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &attr, unmapThread, job) != 0) {
+        arenaUnmap(job->maps, job->n);      /* no thread: unmap here */
+        free(job);
+    } else {
+        *lazy = 1;
+    }
+    pthread_attr_destroy(&attr);
+    return freed;
+}
+
 static void prepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms) {
     uint64_t t0 = nowUs();
     long long rss0 = processRss();
     int64_t freed = 0;
     uint64_t items = 0;
     int complete = 1;
+    int lazy = 0;
     if (hm.cursor) {
         /* abandon the running demotion pass; demotion is paused */
         RedisModule_ScanCursorDestroy(hm.cursor);
@@ -953,7 +1001,7 @@ static void prepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms
     switch (hm.policy) {
     case POLICY_DROP:
         items = arenaCount(hm.arena);
-        freed = (int64_t)arenaDrop(hm.arena, NULL);
+        freed = (int64_t)dropArena(NULL, &lazy);
         hm.dropped_items += (long long)items;
         break;
     case POLICY_SPILL: {
@@ -989,8 +1037,10 @@ static void prepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms
      * host clamps the balloon with the guest's own statistics. */
     int64_t dropped = freed;
     long long peak = processPeakRss();
-    if (hm.policy != POLICY_NONE && peak > 0 && rss1 > 0 && peak - rss1 > freed)
-        freed = peak - rss1;
+    /* With a lazy drop, RSS still holds the arena the thread is unmapping. */
+    long long given = peak > 0 && rss1 > 0 ? peak - rss1 + (lazy ? dropped : 0) : -1;
+    if (hm.policy != POLICY_NONE && given > freed)
+        freed = given;
     hm.prepares++;
     hm.last_freed = freed;
     hm.last_items = (long long)items;
@@ -1002,6 +1052,7 @@ static void prepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms
     addInt(fs, "freed_bytes", freed);
     addInt(fs, "dropped_bytes", dropped);
     addInt(fs, "peak_rss", peak);
+    addInt(fs, "lazy", lazy);
     addInt(fs, "items", (long long)items);
     addInt(fs, "used_memory", (long long)infoMemoryField(ctx, "used_memory"));
     addInt(fs, "rss", rss1);
@@ -1614,15 +1665,13 @@ static int setEnum(const char *name, int v, void *priv, RedisModuleString **err)
 
 static int getBool(const char *name, void *priv) {
     (void)name;
-    (void)priv;
-    return hm.demote;
+    return *(int *)priv;
 }
 
 static int setBool(const char *name, int v, void *priv, RedisModuleString **err) {
     (void)name;
-    (void)priv;
     (void)err;
-    hm.demote = v;
+    *(int *)priv = v;
     return REDISMODULE_OK;
 }
 
@@ -1645,7 +1694,10 @@ static int registerConfigs(RedisModuleCtx *ctx) {
             policy_names, policy_values, 3, getEnum, setEnum, NULL, NULL) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
     if (RedisModule_RegisterBoolConfig(ctx, "demote", 1, REDISMODULE_CONFIG_DEFAULT,
-            getBool, setBool, NULL, NULL) == REDISMODULE_ERR)
+            getBool, setBool, NULL, &hm.demote) == REDISMODULE_ERR)
+        return REDISMODULE_ERR;
+    if (RedisModule_RegisterBoolConfig(ctx, "lazy-drop", 1, REDISMODULE_CONFIG_DEFAULT,
+            getBool, setBool, NULL, &hm.lazy_drop) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
     if (RedisModule_RegisterStringConfig(ctx, "port-path", DEFAULT_PORT_PATH, REDISMODULE_CONFIG_DEFAULT,
             getString, setString, applyPort, NULL) == REDISMODULE_ERR)

@@ -52,9 +52,13 @@ class ReturnedMemoryTest(ServerTestCase):
         c = s.client()
         self.load_and_demote(c)
         peak = peak_rss(s.proc.pid)
+        rss0 = s.rss()
         rep = asmap(c.execute_command('APPASSIST.PREPARE', 5000))
-        rss = s.rss()
         dropped, freed = rep[b'dropped_bytes'], rep[b'freed_bytes']
+        # lazy-drop (default): a thread unmaps the arena after the reply.
+        self.wait_for(lambda: rss0 - s.rss() >= 0.9 * dropped, timeout=10,
+                      what='the arena unmapped')
+        rss = s.rss()
         self.assertGreater(dropped, 0)
         # The keyspace's share came back before PREPARE; the reply counts it.
         self.assertGreater(freed, dropped + self.N * 50)
@@ -69,6 +73,33 @@ class ReturnedMemoryTest(ServerTestCase):
         self.assertLessEqual(rep[b'freed_bytes'], 4 << 20)
         c.execute_command('APPASSIST.RESUME')
         self.assertHealthy(s)
+
+    def test_lazy_drop(self):
+        """appassist.lazy-drop yes (default): the reply comes before the arena
+        is unmapped, a thread unmaps it moments later; no: unmapped before the
+        reply. Either way the items are gone at once and the server serves."""
+        for lazy in ('yes', 'no'):
+            s = self.server(name='lazy-' + lazy,
+                            configs=dict(aggressive(), demote='no', **{'lazy-drop': lazy}))
+            c = s.client()
+            self.assertEqual(c.config_get('appassist.lazy-drop')['appassist.lazy-drop'], lazy)
+            self.load_and_demote(c)
+            rss0 = s.rss()
+            rep = asmap(c.execute_command('APPASSIST.PREPARE', 5000))
+            self.assertEqual(rep[b'lazy'], 1 if lazy == 'yes' else 0)
+            dropped = rep[b'dropped_bytes']
+            self.assertEqual(c.get('k1'), None)
+            self.assertEqual(c.info('appassist')['appassist_cold_items'], 0)
+            if lazy == 'no':
+                self.assertGreaterEqual(rss0 - s.rss(), 0.9 * dropped)
+            self.wait_for(lambda: rss0 - s.rss() >= 0.9 * dropped, timeout=10,
+                          what='the arena unmapped')
+            # The freed figure counts the arena being unmapped too.
+            self.assertGreaterEqual(rep[b'freed_bytes'], dropped)
+            c.execute_command('APPASSIST.RESUME')
+            c.set('after', 'x')
+            self.assertEqual(c.get('after'), b'x')
+            self.assertHealthy(s)
 
     def test_none_reports_nothing(self):
         s = self.server(configs=dict(aggressive(), demote='no', **{'on-prepare': 'none'}))
