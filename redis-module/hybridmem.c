@@ -356,21 +356,30 @@ static void promoteAll(void) {
 
 /* ------------------------------------------------------------ demotion */
 
-/* Move string key 'key' from db 0 into the arena. Returns 1 if demoted. */
-static int demoteKey(RedisModuleString *key) {
-    RedisModuleCtx *ctx = hm.dctx;
-    RedisModuleKey *kh = RedisModule_OpenKey(ctx, key, REDISMODULE_READ | REDISMODULE_WRITE |
-                                                       REDISMODULE_OPEN_KEY_NOTOUCH);
+/* Open 'key' for a representation change (demotion, relocation): a write
+ * handle that does not touch LRU/LFU, with *expire filled. NULL (nothing
+ * open) if the key is not a string or is logically expired: Redis's own
+ * expiry deals with those. */
+static RedisModuleKey *openLiveString(RedisModuleString *key, mstime_t *expire) {
+    RedisModuleKey *kh = RedisModule_OpenKey(hm.dctx, key, REDISMODULE_READ | REDISMODULE_WRITE |
+                                                           REDISMODULE_OPEN_KEY_NOTOUCH);
     if (RedisModule_KeyType(kh) != REDISMODULE_KEYTYPE_STRING) {
         RedisModule_CloseKey(kh);
-        return 0;
+        return NULL;
     }
-    mstime_t expire = RedisModule_GetAbsExpire(kh);
-    if (expire != REDISMODULE_NO_EXPIRE && expire <= nowMs()) {
-        /* Logically gone: leave it to Redis's own expiry. */
+    *expire = RedisModule_GetAbsExpire(kh);
+    if (*expire != REDISMODULE_NO_EXPIRE && *expire <= nowMs()) {
         RedisModule_CloseKey(kh);
-        return 0;
+        return NULL;
     }
+    return kh;
+}
+
+/* Move string key 'key' from db 0 into the arena. Returns 1 if demoted. */
+static int demoteKey(RedisModuleString *key) {
+    mstime_t expire;
+    RedisModuleKey *kh = openLiveString(key, &expire);
+    if (!kh) return 0;
     size_t klen, vlen;
     const char *k = RedisModule_StringPtrLen(key, &klen);
     const char *v = RedisModule_StringDMA(kh, &vlen, REDISMODULE_READ);
@@ -673,15 +682,13 @@ static int intEncoded(RedisModuleString *key) {
  * signalled (see the invariants). Returns 1 if relocated. */
 static int relocateKey(RedisModuleString *key) {
     RedisModuleCtx *ctx = hm.dctx;
-    RedisModuleKey *kh = RedisModule_OpenKey(ctx, key, REDISMODULE_READ | REDISMODULE_WRITE |
-                                                       REDISMODULE_OPEN_KEY_NOTOUCH);
-    if (RedisModule_KeyType(kh) != REDISMODULE_KEYTYPE_STRING) {
-        RedisModule_CloseKey(kh);
+    mstime_t expire;
+    RedisModuleKey *kh = openLiveString(key, &expire);
+    if (!kh) {
+        hm.compact_skipped++;
         return 0;
     }
-    mstime_t expire = RedisModule_GetAbsExpire(kh);
-    if ((expire != REDISMODULE_NO_EXPIRE && expire <= nowMs()) ||
-        (RedisModule_ValueLength(kh) <= 20 && intEncoded(key))) {
+    if (RedisModule_ValueLength(kh) <= 20 && intEncoded(key)) {
         RedisModule_CloseKey(kh);
         hm.compact_skipped++;
         return 0;
