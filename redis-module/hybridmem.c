@@ -74,6 +74,10 @@ typedef enum { POLICY_DROP = 0, POLICY_SPILL = 1, POLICY_NONE = 2 } Policy;
 static const char *policy_names[] = {"drop", "spill", "none"};
 static const int policy_values[] = {POLICY_DROP, POLICY_SPILL, POLICY_NONE};
 
+enum { LAZY_AUTO, LAZY_YES, LAZY_NO };
+static const char *lazy_names[] = {"auto", "yes", "no"};
+static const int lazy_values[] = {LAZY_AUTO, LAZY_YES, LAZY_NO};
+
 typedef enum {
     ST_NORMAL = 0,      /* demotion running */
     ST_PREPARED,        /* migration in progress: demotion paused */
@@ -94,7 +98,7 @@ static struct {
     long long compact_percent;
     int policy;
     int demote;                 /* appassist.demote yes|no */
-    int lazy_drop;              /* appassist.lazy-drop yes|no */
+    int lazy_drop;              /* appassist.lazy-drop auto|yes|no */
     RedisModuleString *port_path;
     RedisModuleString *spill_path;
 
@@ -951,7 +955,31 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
  * does not wait for the kernel to free hundreds of MiB page by page (under
  * TCG that was most of PREPARE's time). Nothing refers to the mappings any
  * more; the pages are free in the guest moments later, while the host is
- * already ballooning or migrating. */
+ * already ballooning or migrating.
+ *
+ * It only pays when the guest kernel zeroes the pages it frees
+ * (init_on_free=1): then a page the migration reaches before the thread
+ * freed it is the only loss. With the balloon doing that job the pages must
+ * be free before the balloon and the first RAM pass get to them, and the
+ * thread competes with both for the guest's vCPUs (measured: longer total
+ * migrations). 'auto' is therefore: lazy iff the kernel command line has
+ * init_on_free=1. */
+static int kernelZeroesFreedPages(void) {
+    static int known = -1;
+    if (known >= 0) return known;
+    char line[4096];
+    FILE *f = fopen("/proc/cmdline", "r");
+    known = 0;
+    if (f) {
+        if (fgets(line, sizeof(line), f)) {
+            for (char *tok = strtok(line, " \n"); tok; tok = strtok(NULL, " \n"))
+                if (strncmp(tok, "init_on_free=", 13) == 0)   /* kstrtobool's "true" */
+                    known = strchr("1yY", tok[13]) ? tok[13] != '\0' : strcmp(tok + 13, "on") == 0;
+        }
+        fclose(f);
+    }
+    return known;
+}
 typedef struct UnmapJob {
     ArenaMapping *maps;
     size_t n;
@@ -968,7 +996,8 @@ static void *unmapThread(void *arg) {
  * released by the thread). */
 static uint64_t dropArena(uint64_t *items, int *lazy) {
     *lazy = 0;
-    if (!hm.lazy_drop) return arenaDrop(hm.arena, items);
+    if (hm.lazy_drop == LAZY_NO || (hm.lazy_drop == LAZY_AUTO && !kernelZeroesFreedPages()))
+        return arenaDrop(hm.arena, items);
     UnmapJob *job = malloc(sizeof(*job));
     if (!job) return arenaDrop(hm.arena, items);
     uint64_t freed = arenaDropDeferred(hm.arena, items, &job->maps, &job->n);
@@ -1658,15 +1687,13 @@ static int applyPort(RedisModuleCtx *ctx, void *priv, RedisModuleString **err) {
 
 static int getEnum(const char *name, void *priv) {
     (void)name;
-    (void)priv;
-    return hm.policy;
+    return *(int *)priv;
 }
 
 static int setEnum(const char *name, int v, void *priv, RedisModuleString **err) {
     (void)name;
-    (void)priv;
     (void)err;
-    hm.policy = v;
+    *(int *)priv = v;
     return REDISMODULE_OK;
 }
 
@@ -1698,13 +1725,13 @@ static int registerConfigs(RedisModuleCtx *ctx) {
                 NULL, NULL) == REDISMODULE_ERR)
             return REDISMODULE_ERR;
     if (RedisModule_RegisterEnumConfig(ctx, "on-prepare", POLICY_DROP, REDISMODULE_CONFIG_DEFAULT,
-            policy_names, policy_values, 3, getEnum, setEnum, NULL, NULL) == REDISMODULE_ERR)
+            policy_names, policy_values, 3, getEnum, setEnum, NULL, &hm.policy) == REDISMODULE_ERR)
+        return REDISMODULE_ERR;
+    if (RedisModule_RegisterEnumConfig(ctx, "lazy-drop", LAZY_AUTO, REDISMODULE_CONFIG_DEFAULT,
+            lazy_names, lazy_values, 3, getEnum, setEnum, NULL, &hm.lazy_drop) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
     if (RedisModule_RegisterBoolConfig(ctx, "demote", 1, REDISMODULE_CONFIG_DEFAULT,
             getBool, setBool, NULL, &hm.demote) == REDISMODULE_ERR)
-        return REDISMODULE_ERR;
-    if (RedisModule_RegisterBoolConfig(ctx, "lazy-drop", 1, REDISMODULE_CONFIG_DEFAULT,
-            getBool, setBool, NULL, &hm.lazy_drop) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
     if (RedisModule_RegisterStringConfig(ctx, "port-path", DEFAULT_PORT_PATH, REDISMODULE_CONFIG_DEFAULT,
             getString, setString, applyPort, NULL) == REDISMODULE_ERR)

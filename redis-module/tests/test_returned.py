@@ -101,6 +101,20 @@ class ReturnedMemoryTest(ServerTestCase):
             self.assertEqual(c.get('after'), b'x')
             self.assertHealthy(s)
 
+    def test_lazy_drop_auto(self):
+        """auto (default): lazy only when the kernel zeroes freed pages
+        (init_on_free=1 on its command line)."""
+        s = self.server(configs=dict(aggressive(), demote='no'))
+        c = s.client()
+        self.assertEqual(c.config_get('appassist.lazy-drop')['appassist.lazy-drop'], 'auto')
+        self.load_and_demote(c)
+        rep = asmap(c.execute_command('APPASSIST.PREPARE', 5000))
+        with open('/proc/cmdline') as f:
+            zeroes = any(t.split('=', 1)[1] in ('1', 'y', 'Y', 'on')
+                         for t in f.read().split() if t.startswith('init_on_free='))
+        self.assertEqual(rep[b'lazy'], 1 if zeroes else 0)
+        c.execute_command('APPASSIST.RESUME')
+
     def test_none_reports_nothing(self):
         s = self.server(configs=dict(aggressive(), demote='no', **{'on-prepare': 'none'}))
         c = s.client()
