@@ -144,7 +144,7 @@ static struct {
     long long demotions, promotions, expired_promotions, demote_errors;
     long long prepares, resumes, aborts;
     long long last_freed, last_items, last_time_us, last_rss_before, last_rss_after;
-    int last_policy, last_complete;
+    int last_policy, last_complete, last_lazy;
     long long dropped_items;
     long long compactions, relocations, compact_skipped;
     long long last_compact_relocated, last_compact_time_us, last_compact_busy_us;
@@ -1085,6 +1085,7 @@ static void prepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms
     hm.last_rss_after = rss1;
     hm.last_policy = hm.policy;
     hm.last_complete = complete;
+    hm.last_lazy = lazy;
     addInt(fs, "freed_bytes", freed);
     addInt(fs, "dropped_bytes", dropped);
     addInt(fs, "peak_rss", peak);
@@ -1915,6 +1916,7 @@ static void infoFunc(RedisModuleInfoCtx *ctx, int for_crash_report) {
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_rss_before", hm.last_rss_before);
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_rss_after", hm.last_rss_after);
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_complete", hm.last_complete);
+    RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_lazy", hm.last_lazy);
     RedisModule_InfoAddFieldLongLong(ctx, "port_connected", hm.port_fd >= 0);
     RedisModule_InfoAddFieldLongLong(ctx, "port_opens", hm.port_opens);
     RedisModule_InfoAddFieldLongLong(ctx, "port_requests", hm.port_requests);
