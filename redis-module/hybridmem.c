@@ -512,6 +512,23 @@ static int demotionAllowed(void) {
     return hm.demote && backgroundAllowed();
 }
 
+/* Walk the keyspace with 'cursor' until it ends or 'deadline' passes: 'cb'
+ * collects keys into hm.pending (a key cannot be changed inside the scan
+ * callback), then 'fn' acts on each. Returns 1 if the walk has more. */
+static int scanApply(RedisModuleScanCursor *cursor, RedisModuleScanCB cb,
+                     int (*fn)(RedisModuleString *), uint64_t deadline) {
+    int more = 1;
+    while (more && nowUs() < deadline) {
+        more = RedisModule_Scan(hm.dctx, cursor, cb, NULL);
+        for (size_t i = 0; i < hm.npending; i++) {
+            fn(hm.pending[i]);
+            RedisModule_FreeString(hm.dctx, hm.pending[i]);
+        }
+        hm.npending = 0;
+    }
+    return more;
+}
+
 /* Run the demotion pass until 'deadline'. */
 static void demoteSlice(uint64_t deadline) {
     RedisModuleCtx *ctx = hm.dctx;
@@ -529,15 +546,7 @@ static void demoteSlice(uint64_t deadline) {
         }
         hm.cursor = RedisModule_ScanCursorCreate();
     }
-    int more = 1;
-    while (more && nowUs() < deadline) {
-        more = RedisModule_Scan(ctx, hm.cursor, scanCb, NULL);
-        for (size_t i = 0; i < hm.npending; i++) {
-            demoteKey(hm.pending[i]);
-            RedisModule_FreeString(ctx, hm.pending[i]);
-        }
-        hm.npending = 0;
-    }
+    int more = scanApply(hm.cursor, scanCb, demoteKey, deadline);
     if (!more) {
         RedisModule_ScanCursorDestroy(hm.cursor);
         hm.cursor = NULL;
@@ -795,15 +804,7 @@ static void compactSlice(uint64_t deadline) {
      * rest (measured: a 1 ms relocation step emptied pages whose purge took
      * up to 1.3 ms). */
     uint64_t reloc_deadline = deadline > t ? t + (deadline - t) / 2 : t;
-    int more = 1;
-    while (more && nowUs() < reloc_deadline) {
-        more = RedisModule_Scan(ctx, hm.ccursor, compactScanCb, NULL);
-        for (size_t i = 0; i < hm.npending; i++) {
-            relocateKey(hm.pending[i]);
-            RedisModule_FreeString(ctx, hm.pending[i]);
-        }
-        hm.npending = 0;
-    }
+    int more = scanApply(hm.ccursor, compactScanCb, relocateKey, reloc_deadline);
     tcacheSet(true);
     compactPurge();
     hm.compact_busy_us += (long long)(nowUs() - t);
