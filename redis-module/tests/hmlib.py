@@ -139,6 +139,13 @@ class ServerTestCase(unittest.TestCase):
             s.start()
         return s
 
+    def demote_all(self, c, n, timeout=30, batch=1000):
+        """Run APPASSIST.DEMOTE until n items are cold."""
+        deadline = time.monotonic() + timeout
+        while c.info('appassist')['appassist_cold_items'] < n:
+            c.execute_command('APPASSIST.DEMOTE', batch)
+            self.assertLess(time.monotonic(), deadline, 'demotion did not finish')
+
     def wait_for(self, fn, timeout=10.0, what='condition'):
         """Poll fn() until it is true, with a monotonic deadline."""
         deadline = time.monotonic() + timeout
@@ -160,6 +167,11 @@ class ServerTestCase(unittest.TestCase):
     @staticmethod
     def info(client):
         return client.info('appassist')
+
+
+def asmap(rep):
+    """A module reply map as a dict (RESP2 gives a flat name, value list)."""
+    return dict(zip(rep[::2], rep[1::2]))
 
 
 def aggressive():

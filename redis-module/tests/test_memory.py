@@ -28,7 +28,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hmlib import ServerTestCase, pipe  # noqa: E402
+from hmlib import ServerTestCase, asmap, pipe  # noqa: E402
 
 LONG = os.environ.get('HYBRIDVM_LONG') == '1'
 NO_COMPACT = os.environ.get('HYBRIDVM_NO_COMPACT') == '1'
@@ -128,7 +128,7 @@ class MemoryTest(ServerTestCase):
             self.assertGreaterEqual(info['appassist_last_compaction_relocated'], nhot)
         rss_before = settle(mod)
         rep = mc.execute_command('APPASSIST.PREPARE')
-        rep = dict(zip(rep[::2], rep[1::2]))
+        rep = asmap(rep)
         rss_after = settle(mod)
         self.assertEqual(rep[b'items'], ncold)
         self.assertGreater(rep[b'freed_bytes'], 0)

@@ -12,7 +12,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hmlib import ServerTestCase, aggressive  # noqa: E402
+from hmlib import ServerTestCase, aggressive, asmap  # noqa: E402
 
 
 def parse_reply(buf):
@@ -89,10 +89,6 @@ class Endpoint:
     def call(self, *args):
         self.send(encode(*args))
         return self.reply()
-
-
-def asmap(rep):
-    return dict(zip(rep[::2], rep[1::2]))
 
 
 class PortTest(ServerTestCase):

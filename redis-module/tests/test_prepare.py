@@ -10,11 +10,7 @@ import unittest
 import redis
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hmlib import ServerTestCase, aggressive  # noqa: E402
-
-
-def asmap(rep):
-    return dict(zip(rep[::2], rep[1::2]))
+from hmlib import ServerTestCase, aggressive, asmap  # noqa: E402
 
 
 def fill(client, n, seed, ttl_every=3):
@@ -35,12 +31,6 @@ def fill(client, n, seed, ttl_every=3):
 
 
 class PrepareTest(ServerTestCase):
-
-    def demote_all(self, c, n):
-        deadline = time.monotonic() + 30
-        while c.info('appassist')['appassist_cold_items'] < n:
-            c.execute_command('APPASSIST.DEMOTE', 1000)
-            self.assertLess(time.monotonic(), deadline, 'demotion did not finish')
 
     def test_drop(self):
         """drop: cold items become misses, hot ones stay; the reply is a map

@@ -5,15 +5,10 @@ allowed to balloon them away too."""
 
 import os
 import sys
-import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hmlib import ServerTestCase, aggressive  # noqa: E402
-
-
-def asmap(rep):
-    return dict(zip(rep[::2], rep[1::2]))
+from hmlib import ServerTestCase, aggressive, asmap  # noqa: E402
 
 
 def peak_rss(pid):
@@ -38,10 +33,7 @@ class ReturnedMemoryTest(ServerTestCase):
         # Everything was hot while loading (demotion off): the peak holds
         # the whole keyspace, as in a server that ran for a while.
         c.config_set('appassist.demote', 'yes')
-        deadline = time.monotonic() + 60
-        while c.info('appassist')['appassist_cold_items'] < self.N:
-            c.execute_command('APPASSIST.DEMOTE', 5000)
-            self.assertLess(time.monotonic(), deadline, 'demotion did not finish')
+        self.demote_all(c, self.N, timeout=60, batch=5000)
         c.config_set('appassist.demote', 'no')
         # Every item left the keyspace: its allocations are free in jemalloc;
         # a purge hands the emptied pages to the kernel.
