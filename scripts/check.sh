@@ -62,9 +62,12 @@ mapfile -t host_tests < <(cd "$top" && ls block/tests/test_*.py redis-module/tes
     migration/app-assist/tests/test_*.py libvirt-hooks/tests/test_*.py 2>/dev/null |
     grep -v -x -F -f <(printf '%s\n' "${guest_tests[@]}"))
 
+# Whether any component registered meson unit tests.
+meson_tests="$("$venv/bin/meson" introspect --tests "$build" 2>/dev/null | grep -o '"name"' | head -1)"
+
 host_lane() {
     rm -f "$build/meson-logs/testlog.json"
-    if [ -n "$("$venv/bin/meson" introspect --tests "$build" 2>/dev/null | grep -o '"name"' | head -1)" ]; then
+    if [ -n "$meson_tests" ]; then
         "$venv/bin/meson" test -C "$build" --print-errorlogs
     fi
     avocado_lane host "${host_tests[@]}"
@@ -83,7 +86,7 @@ tally() {  # counter-output
     read -r p f s <<<"$1"
     passed=$((passed + p)) failed=$((failed + f)) skipped=$((skipped + s))
 }
-if [ -n "$("$venv/bin/meson" introspect --tests "$build" 2>/dev/null | grep -o '"name"' | head -1)" ]; then
+if [ -n "$meson_tests" ]; then
     log=$build/meson-logs/testlog.json
     if [ -f "$log" ]; then tally "$(count_meson "$log")"; else tally ""; fi
 fi
