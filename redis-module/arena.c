@@ -23,8 +23,18 @@ typedef struct Slot {
     uint32_t off;
 } Slot;
 
+/* Probing reads a byte array of tags first (like a Swiss table): a lookup
+ * of a key that is not cold -- every command on a hot key -- then touches
+ * one cache line of a table 12x smaller than the slots, which mostly stays
+ * in cache, instead of missing on the slots (perf: that miss was 13 % of
+ * the server's CPU with 210k cold items). A slot is only read on a tag
+ * match. */
+#define TAG_FREE        0u              /* matches SLOT_FREE: zero pages */
+#define TAG_DEAD        1u
+
 typedef struct Table {
-    Slot *slots;        /* mmap'd */
+    uint8_t *tags;      /* mmap'd: cap tags, then the slots */
+    Slot *slots;        /* inside the tags' mapping */
     uint64_t cap;       /* power of two, 0 when unused */
     uint64_t used;      /* live slots */
     uint64_t tombs;
@@ -114,25 +124,43 @@ static size_t pageRound(size_t n) {
     return (n + pg - 1) & ~(pg - 1);
 }
 
+/* Tags of a table of 'cap' slots, rounded to a cache line (keeps the
+ * slots aligned). */
+static size_t tagBytes(uint64_t cap) {
+    return (size_t)((cap + 63) & ~63ULL);
+}
+
+static uint64_t tableBytesFor(uint64_t cap) {
+    return pageRound(tagBytes(cap) + cap * sizeof(Slot));
+}
+
 static int tableInit(Table *t, uint64_t cap) {
-    size_t len = pageRound(cap * sizeof(Slot));
-    Slot *s = mapBytes(len);
-    if (!s) return -1;
-    /* SLOT_FREE is 0: a fresh anonymous mapping is an empty table, no
-     * page is touched until used (a 16M-slot table costs no memset). */
-    t->slots = s;
+    uint8_t *m = mapBytes(tableBytesFor(cap));
+    if (!m) return -1;
+    /* SLOT_FREE and TAG_FREE are 0: a fresh anonymous mapping is an empty
+     * table, no page is touched until used (a 16M-slot table costs no
+     * memset). */
+    t->tags = m;
+    t->slots = (Slot *)(m + tagBytes(cap));
     t->cap = cap;
     t->used = t->tombs = 0;
     return 0;
 }
 
 static uint64_t tableBytes(const Table *t) {
-    return t->cap ? pageRound(t->cap * sizeof(Slot)) : 0;
+    return t->cap ? tableBytesFor(t->cap) : 0;
 }
 
 static void tableRelease(Table *t) {
-    if (t->cap) munmap(t->slots, tableBytes(t));
+    if (t->cap) munmap(t->tags, tableBytes(t));
     memset(t, 0, sizeof(*t));
+}
+
+/* The tag of a hash: bits 24-31 (the index uses the low bits; rehashing
+ * only has the 32 stored bits), moved off the two reserved values. */
+static inline uint8_t hashTag(uint64_t h) {
+    uint8_t tag = (uint8_t)(h >> 24);
+    return tag < 2 ? tag + 2 : tag;
 }
 
 /* ----------------------------------------------------------- chunks */
@@ -286,10 +314,13 @@ static uint64_t tableFind(ColdArena *a, Table *t, uint64_t h,
                           const char *key, size_t klen, int *err) {
     if (!t->cap) return UINT64_MAX;
     uint64_t mask = t->cap - 1;
+    uint8_t tag = hashTag(h);
     for (uint64_t i = h & mask, n = 0; n < t->cap; i = (i + 1) & mask, n++) {
+        uint8_t ti = t->tags[i];
+        if (ti == TAG_FREE) return UINT64_MAX;
+        if (ti != tag) continue;
         Slot *s = &t->slots[i];
-        if (s->chunk == SLOT_FREE) return UINT64_MAX;
-        if (s->chunk == SLOT_DEAD || s->hash != (uint32_t)h) continue;
+        if (s->hash != (uint32_t)h) continue;
         int eq = keyAt(a, s->chunk - 1, s->off, key, klen);
         if (eq < 0) { *err = 1; return UINT64_MAX; }
         if (eq) return i;
@@ -302,10 +333,11 @@ static uint64_t tableFind(ColdArena *a, Table *t, uint64_t h,
 static void tablePut(Table *t, uint64_t h, uint32_t chunk, uint32_t off) {
     uint64_t mask = t->cap - 1;
     uint64_t i = h & mask;
-    while (t->slots[i].chunk != SLOT_FREE && t->slots[i].chunk != SLOT_DEAD)
+    while (t->tags[i] != TAG_FREE && t->tags[i] != TAG_DEAD)
         i = (i + 1) & mask;
-    if (t->slots[i].chunk == SLOT_DEAD) t->tombs--;
+    if (t->tags[i] == TAG_DEAD) t->tombs--;
     t->slots[i] = (Slot){(uint32_t)h, chunk, off};
+    t->tags[i] = hashTag(h);
     t->used++;
 }
 
@@ -318,11 +350,13 @@ int arenaRehashStep(ColdArena *a, unsigned slots) {
     if (!a->rehashing) return 0;
     Table *o = &a->ht[0], *n = &a->ht[1];
     while (slots-- && a->rehashidx < o->cap) {
-        Slot *s = &o->slots[a->rehashidx++];
-        if (s->chunk == SLOT_FREE || s->chunk == SLOT_DEAD) continue;
+        uint64_t i = a->rehashidx++;
+        Slot *s = &o->slots[i];
+        if (o->tags[i] == TAG_FREE || o->tags[i] == TAG_DEAD) continue;
         tablePut(n, s->hash, s->chunk, s->off);
         /* A tombstone keeps later probe chains in ht[0] intact. */
         s->chunk = SLOT_DEAD;
+        o->tags[i] = TAG_DEAD;
         o->used--;
         o->tombs++;
     }
@@ -431,6 +465,7 @@ int arenaDelete(ColdArena *a, const char *key, size_t klen) {
         return -1;
     }
     sl->chunk = SLOT_DEAD;
+    t->tags[s] = TAG_DEAD;
     t->used--;
     t->tombs++;
     c->live_items--;
@@ -486,7 +521,7 @@ static uint64_t dropMappings(ColdArena *a, uint64_t *items,
     for (int t = 0; t < 2; t++) {
         uint64_t bytes = tableBytes(&a->ht[t]);
         if (bytes && m) {
-            m[n++] = (ArenaMapping){a->ht[t].slots, bytes};
+            m[n++] = (ArenaMapping){a->ht[t].tags, bytes};
             memset(&a->ht[t], 0, sizeof(a->ht[t]));
         } else {
             tableRelease(&a->ht[t]);
