@@ -189,6 +189,45 @@ class DifferentialTest(ServerTestCase):
     def test_seed_2(self):
         self.stream(2, 6000)
 
+    def test_reads_count_like_stock(self):
+        """The filter asks the keyspace before the arena: reads of hot,
+        cold, absent and expired keys still count keyspace hits/misses and
+        fire keymiss/expired events exactly as stock Redis does."""
+        seen = {}
+        for name, module in (('stock', False), ('mod', True)):
+            srv = self.server(name, module=module,
+                              configs={'hot-percent': 0, 'min-idle-ms': 0, 'demote': 'no'})
+            c = srv.client()
+            c.execute_command('DEBUG', 'SET-ACTIVE-EXPIRE', '0')
+            c.config_set('notify-keyspace-events', 'KEmx')
+            for k in ('a', 'c', 'x', 'y'):
+                c.set(k, 'v' + k, px=300 if k in ('x', 'y') else None)
+            if module:
+                self.demote_all(c, 4)
+            c.set('e', 've')
+            c.set('h', 'vh', px=300)        # hot, expires
+            time.sleep(0.4)
+            before = c.info('stats')
+            sub = srv.client().pubsub()
+            sub.psubscribe('__key*__:*')
+            self.assertEqual(sub.get_message(timeout=2)['type'], 'psubscribe')
+            replies = [c.get(k) for k in ('e', 'b', 'a', 'zz', 'x', 'h')]
+            replies.append(c.mget('c', 'y', 'q'))
+            replies.append(c.exists('a', 'b'))
+            events = []
+            while True:
+                m = sub.get_message(timeout=0.5)
+                if m is None:
+                    break
+                events.append((m['channel'], m['data']))
+            after = c.info('stats')
+            seen[name] = (replies, events, {f: after[f] - before[f] for f in (
+                'keyspace_hits', 'keyspace_misses', 'expired_keys')})
+            sub.close()
+        self.assertEqual(seen['stock'], seen['mod'])
+        self.assertIn((b'__keyevent@0__:keymiss', b'zz'), seen['mod'][1])
+        self.assertIn((b'__keyevent@0__:expired', b'h'), seen['mod'][1])
+
     @unittest.skipUnless(LONG, 'long variant: set HYBRIDVM_LONG=1')
     def test_long(self):
         """More seeds, 50000 commands each."""
