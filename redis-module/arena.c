@@ -5,7 +5,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdlib.h>
-#include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <time.h>
@@ -120,25 +119,6 @@ static void *mapBytes(size_t len) {
     return p == MAP_FAILED ? NULL : p;
 }
 
-/* Chunks of a multiple of 2 MiB are mapped 2 MiB-aligned and advised as
- * transparent huge pages (the guest kernel's default THP mode is
- * "madvise"). Why: PREPARE drop unmaps the whole arena, and unmapping 4 KiB
- * pages one by one was most of its time in a TCG guest (~230 ms for 350 MiB:
- * the set-up of a migration waits for it); a huge page is freed in one
- * step. Without THP the advice is ignored and nothing else changes. */
-#define HUGE_BYTES      (2u << 20)
-
-static void *mapChunk(size_t len) {
-    if (len % HUGE_BYTES) return mapBytes(len);
-    char *p = mapBytes(len + HUGE_BYTES);
-    if (!p) return NULL;
-    char *a = (char *)(((uintptr_t)p + HUGE_BYTES - 1) & ~((uintptr_t)HUGE_BYTES - 1));
-    if (a > p) munmap(p, (size_t)(a - p));
-    munmap(a + len, (size_t)(p + HUGE_BYTES - a));      /* never empty */
-    madvise(a, len, MADV_HUGEPAGE);
-    return a;
-}
-
 static size_t pageRound(size_t n) {
     size_t pg = (size_t)sysconf(_SC_PAGESIZE);
     return (n + pg - 1) & ~(pg - 1);
@@ -251,7 +231,7 @@ static uint32_t chunkFor(ColdArena *a, size_t need) {
     }
     Chunk *c = &a->chunks[id];
     memset(c, 0, sizeof(*c));
-    c->mem = mapChunk(cap);
+    c->mem = mapBytes(cap);
     if (!c->mem) {
         a->free_ids[a->nfree++] = id;
         errno = ENOMEM;
@@ -666,7 +646,7 @@ int arenaUnspillStep(ColdArena *a) {
     for (uint32_t i = 0; i < a->nchunks; i++) {
         Chunk *c = &a->chunks[i];
         if (!c->spilled) continue;
-        char *mem = mapChunk(c->cap);
+        char *mem = mapBytes(c->cap);
         if (!mem) { errno = ENOMEM; return -1; }
         if (readFull(a->spill_fd, mem, c->used, c->file_off) < 0) {
             int e = errno;

@@ -31,7 +31,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#define ARENA_CHUNK_SIZE        (2u << 20)      /* 2 MiB: one huge page */
+#define ARENA_CHUNK_SIZE        (1u << 20)      /* 1 MiB */
 #define ARENA_ITEM_HDR          16u
 #define ARENA_MAX_KEY           (1u << 20)      /* refuse bigger keys */
 #define ARENA_MAX_VAL           (64u << 20)     /* refuse bigger values */
