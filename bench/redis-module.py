@@ -256,7 +256,7 @@ def prepare_vs_design(workdir, ncold, vlen=100):
     planned = -(-hot_bytes // 30) * 100
     m = Srv(workdir, 'mod-%d' % ncold, module=True,
             configs={'demote': 'no', 'hot-percent': 30, 'planned-memory': planned,
-                     'min-idle-ms': 0, 'interval-ms': 1})
+                     'min-idle-ms': 0, 'interval-ms': 1, 'slice-us': 1000})
     try:
         mc = m.client()
         mc.config_set('maxmemory-policy', 'allkeys-lfu')

@@ -1752,8 +1752,8 @@ static int registerConfigs(RedisModuleCtx *ctx) {
         {"planned-memory", 0, 0, LLONG_MAX, REDISMODULE_CONFIG_MEMORY},
         {"hot-percent", 30, 0, 100, 0},
         {"min-idle-ms", 10000, 0, 86400000LL, 0},
-        {"slice-us", 1000, 50, 1000000, 0},
-        {"interval-ms", 10, 1, 10000, 0},
+        {"slice-us", 250, 50, 1000000, 0},
+        {"interval-ms", 3, 1, 10000, 0},
         {"port-retry-ms", 200, 10, 3600000, 0},
         {"compact-percent", 10, 0, 100, 0},
     };

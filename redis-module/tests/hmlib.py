@@ -176,4 +176,4 @@ def asmap(rep):
 
 def aggressive():
     """Configs that demote every string item as soon as the pass sees it."""
-    return {'hot-percent': 0, 'min-idle-ms': 0, 'interval-ms': 1}
+    return {'hot-percent': 0, 'min-idle-ms': 0, 'interval-ms': 1, 'slice-us': 1000}

@@ -176,7 +176,7 @@ class CompactTest(ServerTestCase):
         """No compaction while a MULTI is open or between PREPARE and
         RESUME; a pass that was due runs after RESUME."""
         s = self.server(configs={'hot-percent': 0, 'min-idle-ms': 0, 'interval-ms': 1,
-                                 'demote': 'no'})
+                                 'slice-us': 1000, 'demote': 'no'})
         c = s.client()
         p = c.pipeline(transaction=False)
         for i in range(20000):

@@ -106,7 +106,7 @@ class MemoryTest(ServerTestCase):
         planned = -(-hot_bytes // 30) * 100
         mod = self.server('mod', configs={'demote': 'no', 'hot-percent': 30,
                                           'planned-memory': planned, 'min-idle-ms': 0,
-                                          'interval-ms': 1,
+                                          'interval-ms': 1, 'slice-us': 1000,
                                           'compact-percent': 0 if NO_COMPACT else 10},
                           extra=['--maxmemory-policy', 'allkeys-lfu', '--lfu-decay-time', '0'])
         mc = mod.client()

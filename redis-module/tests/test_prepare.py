@@ -143,7 +143,7 @@ class PrepareTest(ServerTestCase):
         """With a budget for ~30 % of the items, the frequently read third
         stays hot and the rest is demoted."""
         s = self.server(configs={'planned-memory': 300 * (200 + 48 + 6), 'hot-percent': 30,
-                                 'min-idle-ms': 0, 'interval-ms': 1})
+                                 'min-idle-ms': 0, 'interval-ms': 1, 'slice-us': 1000})
         c = s.client()
         for i in range(300):
             c.set('k%d' % i, 'x' * 200)

@@ -59,7 +59,8 @@ class AppAssistRedis(HybridVMTest):
             for k, v in data[i:i + 2000]:
                 pipe.set(k, v)
             pipe.execute()
-        for k, v in {'hot-percent': 0, 'min-idle-ms': 0, 'interval-ms': 1}.items():
+        for k, v in {'hot-percent': 0, 'min-idle-ms': 0, 'interval-ms': 1,
+                     'slice-us': 1000}.items():
             r.config_set(f'appassist.{k}', v)
         deadline = time.monotonic() + 120
         while r.info('appassist')['appassist_cold_items'] < len(data):
