@@ -63,6 +63,7 @@ struct ColdArena {
     uint32_t nfree;
 
     uint64_t items;
+    uint64_t expiring;          /* live items with an expire */
     uint64_t item_bytes;
 
     int spill_fd;               /* -1: none */
@@ -438,6 +439,7 @@ int arenaInsert(ColdArena *a, const char *key, size_t klen,
     c->live_items++;
     c->live_bytes += need;
     a->items++;
+    if (expire != ARENA_NO_EXPIRE) a->expiring++;
     a->item_bytes += need;
     return 0;
 }
@@ -453,13 +455,16 @@ int arenaDelete(ColdArena *a, const char *key, size_t klen) {
     /* The header gives the item size; in memory this is a memcpy. */
     uint64_t size = 0;
     Chunk *c = &a->chunks[id];
+    int64_t expire;
     if (c->mem) {
         uint32_t kl, vl;
         memcpy(&kl, c->mem + sl->off, 4);
         memcpy(&vl, c->mem + sl->off + 4, 4);
+        memcpy(&expire, c->mem + sl->off + 8, 8);
         size = ARENA_ITEM_HDR + (uint64_t)kl + vl;
     } else if (arenaRead(a, (ColdRef){id, sl->off}, &it) == 0) {
         size = ARENA_ITEM_HDR + (uint64_t)it.klen + it.vlen;
+        expire = it.expire;
         arenaItemRelease(&it);
     } else {
         return -1;
@@ -471,6 +476,7 @@ int arenaDelete(ColdArena *a, const char *key, size_t klen) {
     c->live_items--;
     c->live_bytes -= size;
     a->items--;
+    if (expire != ARENA_NO_EXPIRE) a->expiring--;
     a->item_bytes -= size;
     if (c->live_items == 0 && (id != a->cur || c->spilled)) chunkRelease(a, id);
     if (a->rehashing) arenaRehashStep(a, REHASH_STEP);
@@ -566,6 +572,7 @@ void arenaFree(ColdArena *a) {
 }
 
 uint64_t arenaCount(const ColdArena *a) { return a->items; }
+uint64_t arenaExpiring(const ColdArena *a) { return a->expiring; }
 
 void arenaGetStats(const ColdArena *a, ArenaStats *st) {
     memset(st, 0, sizeof(*st));

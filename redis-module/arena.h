@@ -92,6 +92,8 @@ int arenaDelete(ColdArena *a, const char *key, size_t klen);
 
 /* Number of live items (O(1)). */
 uint64_t arenaCount(const ColdArena *a);
+/* Number of live items that have an expire (O(1)). */
+uint64_t arenaExpiring(const ColdArena *a);
 void arenaGetStats(const ColdArena *a, ArenaStats *st);
 
 /* Move at most 'slots' index slots of an ongoing rehash. Returns 1 if more

@@ -95,12 +95,14 @@ static void randomOps(ColdArena *a, int n, int allow_insert) {
 }
 
 static void checkAll(ColdArena *a) {
-    uint64_t n = 0;
+    uint64_t n = 0, expiring = 0;
     for (int i = 0; i < NKEYS; i++) {
         checkItem(a, i);
         n += model[i].present;
+        expiring += model[i].present && model[i].expire != ARENA_NO_EXPIRE;
     }
     CHECK(arenaCount(a) == n);
+    CHECK(arenaExpiring(a) == expiring);
 }
 
 int main(void) {
