@@ -37,6 +37,18 @@ Configurations (--configs, comma-separated):
   postcopy-stock-redis-iof
                 stock post-copy of stock Redis in the same init_on_free=1
                 guest: the baseline for ours-iof
+  ours-nowait-lazy
+                ours-nowait with the module's appassist.lazy-drop yes: the
+                arena is unmapped by a thread after PREPARE has replied
+  ours-ioa0     ours in a guest booted with init_on_alloc=0: the balloon's
+                page allocations are not zeroed (Debian's kernel zeroes
+                every allocation by default; under TCG that zeroing is most
+                of the inflation's guest CPU time)
+  ours-nowait-ioa0
+                ours-nowait-lazy in the same init_on_alloc=0 guest
+  postcopy-stock-redis-ioa0
+                stock post-copy of stock Redis in the same init_on_alloc=0
+                guest: the baseline for the two above
 Writes a Markdown table and PNG charts into --out (docs/bench by default) and
 the raw figures as JSON.  Only measured numbers go there.
 """
@@ -63,11 +75,19 @@ LINK_PORTS = ('mkdir -p /dev/virtio-ports; for p in /sys/class/virtio-ports/vpor
               'ln -sf /dev/${p##*/} /dev/virtio-ports/$(cat $p/name); done')
 CONFIGS = ['precopy', 'precopy-fph', 'postcopy', 'postcopy-stock-redis', 'design', 'ours',
            'ours-nowait', 'ours-fpr', 'ours-balloon-fpr', 'postcopy-stock-redis-fpr',
-           'ours-iof', 'postcopy-stock-redis-iof']
+           'ours-iof', 'postcopy-stock-redis-iof', 'ours-nowait-lazy', 'ours-ioa0',
+           'ours-nowait-ioa0', 'postcopy-stock-redis-ioa0']
 STOCK_REDIS = ('design', 'postcopy-stock-redis', 'postcopy-stock-redis-fpr',
-               'postcopy-stock-redis-iof')
-# Guest kernel arguments per configuration (the guest zeroes freed pages).
-GUEST_APPEND = {'ours-iof': 'init_on_free=1', 'postcopy-stock-redis-iof': 'init_on_free=1'}
+               'postcopy-stock-redis-iof', 'postcopy-stock-redis-ioa0')
+# Guest kernel arguments per configuration: the guest zeroes freed pages
+# (iof), or does not zero allocated ones (ioa0).
+GUEST_APPEND = {'ours-iof': 'init_on_free=1', 'postcopy-stock-redis-iof': 'init_on_free=1',
+                'ours-ioa0': 'init_on_alloc=0', 'ours-nowait-ioa0': 'init_on_alloc=0',
+                'postcopy-stock-redis-ioa0': 'init_on_alloc=0'}
+NOWAIT = ('ours-nowait', 'ours-nowait-lazy', 'ours-nowait-ioa0')
+LAZY = ('ours-nowait-lazy', 'ours-nowait-ioa0')
+# Configurations compared against the baseline in the same kind of guest.
+BASELINE_SUFFIXES = ('-fpr', '-iof', '-ioa0')
 
 
 def log(msg):
@@ -135,7 +155,7 @@ class Load:
                 'max (ms)': round(1000 * lat[-1], 1)}
 
 
-def load_data(g, args, module):
+def load_data(g, args, module, lazy=False):
     r = g.redis(timeout=120)
     size, n = args.size, args.items
     rng = random.Random(7)
@@ -152,7 +172,8 @@ def load_data(g, args, module):
     nhot = int(n * args.hot)
     log(f'{g.name}: loaded {n} items in {time.monotonic() - t0:.0f} s')
     if module:
-        for k, v in {'hot-percent': 0, 'min-idle-ms': 0, 'interval-ms': 1}.items():
+        for k, v in {'hot-percent': 0, 'min-idle-ms': 0, 'interval-ms': 1,
+                     'slice-us': 1000}.items():
             r.config_set(f'appassist.{k}', v)
         while r.info('appassist')['appassist_cold_items'] < n:
             r.execute_command('APPASSIST.DEMOTE', 1000)
@@ -171,6 +192,8 @@ def load_data(g, args, module):
             log(f'{g.name}: compaction pass {time.monotonic() - t1:.1f} s, {moved} keys '
                 f'relocated, used_memory_rss {rss0} -> {r.info("memory")["used_memory_rss"]}')
             info = r.info('appassist')
+        if lazy:
+            r.config_set('appassist.lazy-drop', 'yes')
         mem = r.info('memory')
         log(f'{g.name}: {info["appassist_cold_items"]} cold items, '
             f'{info["appassist_cold_bytes"]} bytes in the arena, used_memory_rss '
@@ -233,7 +256,7 @@ def migrate(src, dst, config, args):
               'downtime-limit': 300}
     if config in ('ours-fpr', 'ours-iof'):
         params['app-assist-balloon'] = False
-    if config == 'ours-nowait':
+    if config in NOWAIT:
         params['app-assist-balloon-wait'] = 0
     src.qmp('migrate-set-parameters', **params)
     uri = f'tcp:127.0.0.1:{free_port()}'
@@ -279,7 +302,7 @@ def run_config(config, args, logdir):
         src.launch()
         src.wait_console(r'HV-READY redis', timeout=180)
         src.run(LINK_PORTS)
-        hot = load_data(src, args, module)
+        hot = load_data(src, args, module, lazy=config in LAZY)
         if module:
             r = src.redis()
             deadline = time.monotonic() + 30
@@ -306,6 +329,7 @@ def run_config(config, args, logdir):
         ram = info.get('ram', {})
         row = {
             'config': config,
+            'measured': args.started,
             'transferred (MiB)': round(ram.get('transferred', 0) / MiB, 1),
             'total time (ms)': info.get('total-time'),
             'setup time (ms)': info.get('setup-time'),
@@ -382,11 +406,12 @@ def summary(rows, args):
     cold = args.items * (1 - args.hot) * args.size
     o = base.get('ours')
     b = base.get('postcopy-stock-redis')
-    for name in ('ours', 'ours-nowait', 'ours-balloon-fpr', 'ours-iof'):
-        # Like with like: free-page reporting / init_on_free on both sides or
-        # on neither.
+    for name in ('ours', 'ours-nowait', 'ours-nowait-lazy', 'ours-balloon-fpr', 'ours-iof',
+                 'ours-ioa0', 'ours-nowait-ioa0'):
+        # Like with like: free-page reporting / init_on_free / init_on_alloc
+        # on both sides or on neither.
         bname = 'postcopy-stock-redis' + next(
-            (sfx for sfx in ('-fpr', '-iof') if name.endswith(sfx)), '')
+            (sfx for sfx in BASELINE_SUFFIXES if name.endswith(sfx)), '')
         if base.get(name) and base.get(bname):
             notes += goals(name, base[name], bname, base[bname], cold)
     p = base.get('postcopy')
@@ -400,7 +425,8 @@ def summary(rows, args):
                      f'vs {p["transferred (MiB)"]} MiB, total time '
                      f'{o["total time (ms)"] / p["total time (ms)"]:.2f}x; the module reported '
                      f'{o.get("freed (MiB)")} MiB freed.')
-    for name in ('ours-nowait', 'ours-fpr', 'ours-balloon-fpr', 'ours-iof'):
+    for name in ('ours-nowait', 'ours-nowait-lazy', 'ours-fpr', 'ours-balloon-fpr', 'ours-iof',
+                 'ours-ioa0', 'ours-nowait-ioa0'):
         f = base.get(name)
         if f and o:
             notes.append(f'- `{name}` vs ours: transferred {f["transferred (MiB)"]} vs '
@@ -424,7 +450,7 @@ def write_report(rows, args, out):
             'prepare (ms)', 'prepare: app (ms)', 'balloon (ms)', 'freed (MiB)', 'downtime (ms)',
             'switched to post-copy', 'post-copy requests', 'load before: ops/s', 'load during: ops/s',
             'load during: p50 (ms)', 'load during: p99 (ms)', 'load during: max (ms)',
-            'host load avg']
+            'host load avg', 'measured']
     lines = ['| ' + ' | '.join(cols) + ' |', '|' + '---|' * len(cols)]
     for r in rows:
         lines.append('| ' + ' | '.join('' if r.get(c) is None else str(r.get(c))
@@ -434,8 +460,8 @@ def write_report(rows, args, out):
             '',
             f'Generated by `bench/app-assist.py` ({args.cmdline or "defaults"}, started '
             f'{args.started}'
-            + (f'; rows of the configurations not run then come from the run started '
-               f'{getattr(args, "reused_from", None) or args.reuse}' if args.reuse else '') + '): '
+            + ('; rows of the configurations not run then are kept from earlier runs, the '
+               '`measured` column says when' if args.reuse else '') + '): '
             f'{args.mem} TCG guest, {args.items} Redis items of {args.size} bytes, '
             f'{int(100 * args.hot)} % hot, bandwidth {args.bandwidth * 8 / 1e9:.1f} Gbit/s, '
             'post-copy ' + (f'after {args.precopy_seconds} s of pre-copy'
@@ -461,14 +487,14 @@ def write_report(rows, args, out):
         return
     rows = [r for r in rows if 'transferred (MiB)' in r]
     names = [r['config'] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(max(7, 0.6 * len(names)), 3.5))
     ax.bar(names, [r['transferred (MiB)'] for r in rows], color='tab:blue')
     ax.set_ylabel('MiB transferred')
     plt.setp(ax.get_xticklabels(), rotation=25, ha='right')
     ax.set_title('Memory transferred')
     fig.tight_layout()
     fig.savefig(os.path.join(out, 'app-assist-transferred.png'), dpi=100)
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(max(7, 0.6 * len(names)), 3.5))
     setup = [r['setup time (ms)'] / 1000 for r in rows]
     rest = [(r['total time (ms)'] - r['setup time (ms)']) / 1000 for r in rows]
     ax.bar(names, setup, label='set-up', color='tab:orange')
