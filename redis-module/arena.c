@@ -10,8 +10,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#define SLOT_FREE       0u              /* never used: fresh mmap pages are zero */
-#define SLOT_DEAD       UINT32_MAX      /* tombstone */
 #define NO_CHUNK        UINT32_MAX
 #define MAX_CHUNKS      (UINT32_MAX - 2)
 #define MIN_SLOTS       1024u
@@ -19,7 +17,7 @@
 
 typedef struct Slot {
     uint32_t hash;      /* low 32 bits of the key hash */
-    uint32_t chunk;     /* SLOT_FREE, SLOT_DEAD or chunk id + 1 */
+    uint32_t chunk;     /* chunk id (meaningful when the slot's tag is live) */
     uint32_t off;
 } Slot;
 
@@ -29,7 +27,7 @@ typedef struct Slot {
  * in cache, instead of missing on the slots (perf: that miss was 13 % of
  * the server's CPU with 210k cold items). A slot is only read on a tag
  * match. */
-#define TAG_FREE        0u              /* matches SLOT_FREE: zero pages */
+#define TAG_FREE        0u              /* never used: fresh mmap pages are zero */
 #define TAG_DEAD        1u
 
 typedef struct Table {
@@ -138,7 +136,7 @@ static uint64_t tableBytesFor(uint64_t cap) {
 static int tableInit(Table *t, uint64_t cap) {
     uint8_t *m = mapBytes(tableBytesFor(cap));
     if (!m) return -1;
-    /* SLOT_FREE and TAG_FREE are 0: a fresh anonymous mapping is an empty
+    /* TAG_FREE is 0: a fresh anonymous mapping is an empty
      * table, no page is touched until used (a 16M-slot table costs no
      * memset). */
     t->tags = m;
@@ -322,15 +320,14 @@ static uint64_t tableFind(ColdArena *a, Table *t, uint64_t h,
         if (ti != tag) continue;
         Slot *s = &t->slots[i];
         if (s->hash != (uint32_t)h) continue;
-        int eq = keyAt(a, s->chunk - 1, s->off, key, klen);
+        int eq = keyAt(a, s->chunk, s->off, key, klen);
         if (eq < 0) { *err = 1; return UINT64_MAX; }
         if (eq) return i;
     }
     return UINT64_MAX;
 }
 
-/* Place a slot into t (which has room: fill < cap); 'chunk' is the stored
- * form, chunk id + 1. */
+/* Place a slot into t (which has room: fill < cap). */
 static void tablePut(Table *t, uint64_t h, uint32_t chunk, uint32_t off) {
     uint64_t mask = t->cap - 1;
     uint64_t i = h & mask;
@@ -356,7 +353,6 @@ int arenaRehashStep(ColdArena *a, unsigned slots) {
         if (o->tags[i] == TAG_FREE || o->tags[i] == TAG_DEAD) continue;
         tablePut(n, s->hash, s->chunk, s->off);
         /* A tombstone keeps later probe chains in ht[0] intact. */
-        s->chunk = SLOT_DEAD;
         o->tags[i] = TAG_DEAD;
         o->used--;
         o->tombs++;
@@ -412,7 +408,7 @@ int arenaLookup(ColdArena *a, const char *key, size_t klen, ColdRef *ref) {
     Table *t;
     uint64_t s;
     int r = findSlot(a, key, klen, &t, &s);
-    if (r == 1) *ref = (ColdRef){t->slots[s].chunk - 1, t->slots[s].off};
+    if (r == 1) *ref = (ColdRef){t->slots[s].chunk, t->slots[s].off};
     return r;
 }
 
@@ -434,7 +430,7 @@ int arenaInsert(ColdArena *a, const char *key, size_t klen,
     memcpy(p + ARENA_ITEM_HDR, key, klen);
     if (vlen) memcpy(p + ARENA_ITEM_HDR + klen, val, vlen);
     uint64_t h = hashKey(a->seed, key, klen);
-    tablePut(&a->ht[a->rehashing], h, id + 1, c->used);
+    tablePut(&a->ht[a->rehashing], h, id, c->used);
     c->used += (uint32_t)need;
     c->live_items++;
     c->live_bytes += need;
@@ -450,7 +446,7 @@ int arenaDelete(ColdArena *a, const char *key, size_t klen) {
     int r = findSlot(a, key, klen, &t, &s);
     if (r != 1) return r;
     Slot *sl = &t->slots[s];
-    uint32_t id = sl->chunk - 1;
+    uint32_t id = sl->chunk;
     ColdItem it;
     /* The header gives the item size; in memory this is a memcpy. */
     uint64_t size = 0;
@@ -469,7 +465,6 @@ int arenaDelete(ColdArena *a, const char *key, size_t klen) {
     } else {
         return -1;
     }
-    sl->chunk = SLOT_DEAD;
     t->tags[s] = TAG_DEAD;
     t->used--;
     t->tombs++;

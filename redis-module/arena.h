@@ -15,8 +15,10 @@
  * the index and the chunk's live counters, and a chunk whose last live item
  * goes is unmapped at once.
  *
- * The index is a linear-probing table of {hash32, chunk, offset} slots kept
- * in its own mappings, rehashed incrementally (two tables while rehashing,
+ * The index is a linear-probing table of {hash32, chunk, offset} slots,
+ * each with a byte of tag (free, tombstone, or 8 bits of the hash) in an
+ * array in front that probing reads first, kept in its own mappings,
+ * rehashed incrementally (two tables while rehashing,
  * a bounded number of slots moved per operation, like dict.c).
  *
  * Dropping (arenaDrop) unmaps every chunk and both index tables: O(chunks),
