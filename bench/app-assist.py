@@ -56,8 +56,6 @@ import argparse
 import json
 import os
 import random
-import socket
-import statistics
 import sys
 import threading
 import time
@@ -74,20 +72,23 @@ PORT_NAME = 'org.qemu.app-assist.0'
 LINK_PORTS = ('mkdir -p /dev/virtio-ports; for p in /sys/class/virtio-ports/vport*; do '
               'ln -sf /dev/${p##*/} /dev/virtio-ports/$(cat $p/name); done')
 CONFIGS = ['precopy', 'precopy-fph', 'postcopy', 'postcopy-stock-redis', 'design', 'ours',
-           'ours-nowait', 'ours-fpr', 'ours-balloon-fpr', 'postcopy-stock-redis-fpr',
-           'ours-iof', 'postcopy-stock-redis-iof', 'ours-nowait-lazy', 'ours-ioa0',
+           'ours-nowait', 'ours-nowait-lazy', 'ours-fpr', 'ours-balloon-fpr',
+           'postcopy-stock-redis-fpr', 'ours-iof', 'postcopy-stock-redis-iof', 'ours-ioa0',
            'ours-nowait-ioa0', 'postcopy-stock-redis-ioa0']
-STOCK_REDIS = ('design', 'postcopy-stock-redis', 'postcopy-stock-redis-fpr',
-               'postcopy-stock-redis-iof', 'postcopy-stock-redis-ioa0')
-# Guest kernel arguments per configuration: the guest zeroes freed pages
-# (iof), or does not zero allocated ones (ioa0).
-GUEST_APPEND = {'ours-iof': 'init_on_free=1', 'postcopy-stock-redis-iof': 'init_on_free=1',
-                'ours-ioa0': 'init_on_alloc=0', 'ours-nowait-ioa0': 'init_on_alloc=0',
-                'postcopy-stock-redis-ioa0': 'init_on_alloc=0'}
+STOCK_REDIS = ('design',) + tuple(c for c in CONFIGS if c.startswith('postcopy-stock-redis'))
+OURS = [c for c in CONFIGS if c.startswith('ours')]
 NOWAIT = ('ours-nowait', 'ours-nowait-lazy', 'ours-nowait-ioa0')
 LAZY = ('ours-nowait-lazy', 'ours-nowait-ioa0')
-# Configurations compared against the baseline in the same kind of guest.
-BASELINE_SUFFIXES = ('-fpr', '-iof', '-ioa0')
+# The kind of guest is the configuration's suffix, and a configuration is
+# compared with the stock baseline of the same kind: free-page reporting on
+# the balloon (fpr), a guest that zeroes freed pages (iof) or one that does
+# not zero allocated ones (ioa0).
+GUEST_KINDS = ('-fpr', '-iof', '-ioa0')
+GUEST_APPEND = {'-iof': 'init_on_free=1', '-ioa0': 'init_on_alloc=0'}
+
+
+def guest_kind(config):
+    return next((sfx for sfx in GUEST_KINDS if config.endswith(sfx)), '')
 
 
 def log(msg):
@@ -103,7 +104,7 @@ def guest_args(config, trace=None):
     if config == 'precopy-fph':
         args += ['-object', 'iothread,id=bio0']
         balloon += ',free-page-hint=on,iothread=bio0'
-    if config in ('ours-fpr', 'ours-balloon-fpr', 'postcopy-stock-redis-fpr'):
+    if guest_kind(config) == '-fpr':
         balloon += ',free-page-reporting=on'
     return args + ['-device', balloon]
 
@@ -295,7 +296,7 @@ def run_config(config, args, logdir):
     module = config not in STOCK_REDIS
     log(f'=== {config}')
     kw = dict(mem=args.mem, module=module, balloon=False, args=guest_args(config, args.trace),
-              append=GUEST_APPEND.get(config, ''))
+              append=GUEST_APPEND.get(guest_kind(config), ''))
     src = hvlib.Guest(f'{config}-src', logdir, **kw)
     dst = None
     try:
@@ -406,12 +407,9 @@ def summary(rows, args):
     cold = args.items * (1 - args.hot) * args.size
     o = base.get('ours')
     b = base.get('postcopy-stock-redis')
-    for name in ('ours', 'ours-nowait', 'ours-nowait-lazy', 'ours-balloon-fpr', 'ours-iof',
-                 'ours-ioa0', 'ours-nowait-ioa0'):
-        # Like with like: free-page reporting / init_on_free / init_on_alloc
-        # on both sides or on neither.
-        bname = 'postcopy-stock-redis' + next(
-            (sfx for sfx in BASELINE_SUFFIXES if name.endswith(sfx)), '')
+    # ours-fpr does not balloon: it shows what free-page reporting does alone.
+    for name in (c for c in OURS if c != 'ours-fpr'):
+        bname = 'postcopy-stock-redis' + guest_kind(name)
         if base.get(name) and base.get(bname):
             notes += goals(name, base[name], bname, base[bname], cold)
     p = base.get('postcopy')
@@ -425,8 +423,7 @@ def summary(rows, args):
                      f'vs {p["transferred (MiB)"]} MiB, total time '
                      f'{o["total time (ms)"] / p["total time (ms)"]:.2f}x; the module reported '
                      f'{o.get("freed (MiB)")} MiB freed.')
-    for name in ('ours-nowait', 'ours-nowait-lazy', 'ours-fpr', 'ours-balloon-fpr', 'ours-iof',
-                 'ours-ioa0', 'ours-nowait-ioa0'):
+    for name in OURS[1:]:
         f = base.get(name)
         if f and o:
             notes.append(f'- `{name}` vs ours: transferred {f["transferred (MiB)"]} vs '
