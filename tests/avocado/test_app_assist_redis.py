@@ -201,7 +201,6 @@ class AppAssistRedis(HybridVMTest):
         disk (shared by both QEMUs, as for any migration without storage
         copy); after the assisted migration every item, hot and cold, reads
         back on the destination and the balloon is back to full size."""
-        import hvlib
         img = os.path.join(self.workdir, 'spill.img')
         with open(img, 'wb') as f:
             f.truncate(256 * MiB)
