@@ -315,19 +315,21 @@ static int portRenderFields(RespBuf *b, const Fields *fs) {
  * key whose TTL has passed. A replica only expires keys when its master
  * says so, so there the arena is asked first, as the keyspace wins
  * anyway. */
+static RedisModuleKey *openIfAbsent(RedisModuleString *key) {
+    RedisModuleKey *kh = RedisModule_OpenKey(hm.dctx, key, REDISMODULE_WRITE |
+                                                           REDISMODULE_OPEN_KEY_NOTOUCH);
+    if (RedisModule_KeyType(kh) == REDISMODULE_KEYTYPE_EMPTY) return kh;
+    RedisModule_CloseKey(kh);
+    return NULL;
+}
+
 static int promoteKey(RedisModuleString *key) {
     size_t klen;
     const char *k = RedisModule_StringPtrLen(key, &klen);
     RedisModuleCtx *ctx = hm.dctx;
     RedisModuleKey *kh = NULL;
     ColdRef ref;
-    if (!hm.replica) {
-        kh = RedisModule_OpenKey(ctx, key, REDISMODULE_WRITE | REDISMODULE_OPEN_KEY_NOTOUCH);
-        if (RedisModule_KeyType(kh) != REDISMODULE_KEYTYPE_EMPTY) {
-            RedisModule_CloseKey(kh);
-            return 0;
-        }
-    }
+    if (!hm.replica && !(kh = openIfAbsent(key))) return 0;
     int r = arenaLookup(hm.arena, k, klen, &ref);
     if (r <= 0) {
         if (r < 0)
@@ -336,14 +338,10 @@ static int promoteKey(RedisModuleString *key) {
         if (kh) RedisModule_CloseKey(kh);
         return r;
     }
-    if (!kh) {
-        kh = RedisModule_OpenKey(ctx, key, REDISMODULE_WRITE | REDISMODULE_OPEN_KEY_NOTOUCH);
-        if (RedisModule_KeyType(kh) != REDISMODULE_KEYTYPE_EMPTY) {
-            /* Keyspace wins (see the invariants at the top). */
-            RedisModule_CloseKey(kh);
-            arenaDelete(hm.arena, k, klen);
-            return 0;
-        }
+    if (!kh && !(kh = openIfAbsent(key))) {
+        /* Keyspace wins (see the invariants at the top). */
+        arenaDelete(hm.arena, k, klen);
+        return 0;
     }
     ColdItem it;
     if (arenaRead(hm.arena, ref, &it) < 0) {
@@ -913,15 +911,14 @@ static void sliceTimer(RedisModuleCtx *ctx, void *data) {
      * that falls due starts at most HM_IDLE_INTERVAL_MS late. */
     busy |= rehash || hm.cursor || hm.ccursor || (hm.compact_wanted && hm.mallctl) ||
             hm.sweep_cursor != 0;
-    long long ms = HM_IDLE_INTERVAL_MS;
-    uint64_t now = nowUs();
-    if (hm.demote && hm.next_pass_us > now && (long long)((hm.next_pass_us - now) / 1000) < ms)
-        ms = (long long)((hm.next_pass_us - now) / 1000);
-    if (arenaExpiring(hm.arena) && hm.next_sweep_us > now &&
-        (long long)((hm.next_sweep_us - now) / 1000) < ms)
-        ms = (long long)((hm.next_sweep_us - now) / 1000);
-    if (busy || ms < hm.interval_ms) ms = hm.interval_ms;
-    armTimerIn(ms);
+    uint64_t now = nowUs(), wake = now + HM_IDLE_INTERVAL_MS * 1000ULL;
+    /* Only what falls due later: a pass that is already due but not
+     * allowed (replica, MULTI, migration) must not keep the timer fast. */
+    if (hm.demote && hm.next_pass_us > now && hm.next_pass_us < wake) wake = hm.next_pass_us;
+    if (arenaExpiring(hm.arena) && hm.next_sweep_us > now && hm.next_sweep_us < wake)
+        wake = hm.next_sweep_us;
+    long long ms = (long long)((wake - now) / 1000);
+    armTimerIn(busy || ms < hm.interval_ms ? hm.interval_ms : ms);
 }
 
 /* ------------------------------------------------------------ command filter */
