@@ -52,6 +52,7 @@
 #include "arena.h"
 #include "glob.h"
 #include "resp.h"
+#include "zerofree.h"
 
 #define HM_VERSION              1
 #define HM_AUX_ENCVER           1
@@ -77,9 +78,10 @@ typedef enum { POLICY_DROP = 0, POLICY_SPILL = 1, POLICY_NONE = 2 } Policy;
 static const char *policy_names[] = {"drop", "spill", "none"};
 static const int policy_values[] = {POLICY_DROP, POLICY_SPILL, POLICY_NONE};
 
-enum { LAZY_AUTO, LAZY_YES, LAZY_NO };
-static const char *lazy_names[] = {"auto", "yes", "no"};
-static const int lazy_values[] = {LAZY_AUTO, LAZY_YES, LAZY_NO};
+/* appassist.lazy-drop and appassist.zero-freed */
+enum { TRI_AUTO, TRI_YES, TRI_NO };
+static const char *tri_names[] = {"auto", "yes", "no"};
+static const int tri_values[] = {TRI_AUTO, TRI_YES, TRI_NO};
 
 typedef enum {
     ST_NORMAL = 0,      /* demotion running */
@@ -102,6 +104,7 @@ static struct {
     int policy;
     int demote;                 /* appassist.demote yes|no */
     int lazy_drop;              /* appassist.lazy-drop auto|yes|no */
+    int zero_freed;             /* appassist.zero-freed auto|yes|no */
     RedisModuleString *port_path;
     RedisModuleString *spill_path;
 
@@ -157,6 +160,10 @@ static struct {
     long long prepares, resumes, aborts;
     long long last_freed, last_items, last_time_us, last_rss_before, last_rss_after;
     int last_policy, last_complete, last_lazy;
+    long long last_zeroed;
+    /* Clearing of freed memory (zerofree.h) has been on since the window
+     * of processPeakRss() began: everything given back since is zero. */
+    int zero_window;
     long long dropped_items;
     long long compactions, relocations, compact_skipped;
     long long last_compact_relocated, last_compact_time_us, last_compact_busy_us;
@@ -701,9 +708,15 @@ static void compactInit(RedisModuleCtx *ctx) {
     size_t len = sizeof(on);
     if (hm.mallctl && hm.mallctl("thread.tcache.enabled", &on, &len, NULL, 0) != 0)
         hm.mallctl = NULL;
-    if (!hm.mallctl)
+    if (!hm.mallctl) {
         RedisModule_Log(ctx, "notice", "appassist: allocator is not jemalloc with mallctl (%s): "
-                        "no compaction after demotion", jemalloc ? "no mallctl symbol" : "mem_allocator");
+                        "no compaction after demotion, freed memory is not cleared",
+                        jemalloc ? "no mallctl symbol" : "mem_allocator");
+        return;
+    }
+    char why[160];
+    if (zeroFreeInstall(hm.mallctl, RedisModule_Alloc, RedisModule_Free, why, sizeof(why)) != 0)
+        RedisModule_Log(ctx, "notice", "appassist: freed memory is not cleared: %s", why);
 }
 
 /* Called at the end of a demotion pass. A pass is due when both the bytes
@@ -1029,15 +1042,22 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
  * does not wait for the kernel to free hundreds of MiB page by page (under
  * TCG that was most of PREPARE's time). Nothing refers to the mappings any
  * more; the pages are free in the guest moments later, while the host is
- * already ballooning or migrating.
+ * already migrating.
  *
- * It only pays when the guest kernel zeroes the pages it frees
- * (init_on_free=1): then a page the migration reaches before the thread
- * freed it is the only loss. With the balloon doing that job the pages must
- * be free before the balloon and the first RAM pass get to them, and the
- * thread competes with both for the guest's vCPUs (measured: longer total
- * migrations). 'auto' is therefore: lazy iff the kernel command line has
- * init_on_free=1. */
+ * It only pays when the freed pages end up zero, by the kernel
+ * (init_on_free=1) or by this process (appassist.zero-freed): then a page
+ * the migration reaches before the thread cleared it is the only loss.
+ * When the balloon has to take the pages instead, they must be free before
+ * the balloon and the first RAM pass get to them, and the thread competes
+ * with both for the guest's vCPUs (measured: longer total migrations).
+ * 'auto' is therefore: lazy iff the freed pages are cleared.
+ *
+ * Zeroing what the process frees (appassist.zero-freed, zerofree.c) makes
+ * the balloon unnecessary for it: a free zero page costs the migration a
+ * flag, and clearing happens when memory is freed (jemalloc purges, spread
+ * over the server's life) or in the drop thread (the arena), not in the
+ * migration's set-up. 'auto' is on unless the kernel clears freed pages
+ * itself. */
 static int kernelZeroesFreedPages(void) {
     static int known = -1;
     if (known >= 0) return known;
@@ -1054,42 +1074,76 @@ static int kernelZeroesFreedPages(void) {
     }
     return known;
 }
+static int zeroFreedWanted(void) {
+    return hm.zero_freed == TRI_YES || (hm.zero_freed == TRI_AUTO && !kernelZeroesFreedPages());
+}
+
+/* Turn clearing on or off per appassist.zero-freed. Turning it off ends the
+ * window in which everything freed was cleared; turning it on starts one
+ * only at the next peak reset (RESUME/ABORT), since pages freed before are
+ * not zero. */
+static void zeroFreedApply(void) {
+    int on = zeroFreedWanted() && zeroFreeInstalled();
+    if (!on) hm.zero_window = 0;
+    zeroFreeEnable(on);
+}
+
+static int applyZeroFreed(RedisModuleCtx *ctx, void *priv, RedisModuleString **err) {
+    (void)ctx; (void)priv; (void)err;
+    zeroFreedApply();
+    return REDISMODULE_OK;
+}
+
 typedef struct UnmapJob {
     ArenaMapping *maps;
     size_t n;
+    int zero;                   /* clear the pages before unmapping */
 } UnmapJob;
 
-static void *unmapThread(void *arg) {
-    UnmapJob *job = arg;
+/* Wall time of the last drop's clear and unmap (written by the thread). */
+static long long last_clear_us, last_unmap_us;
+
+static void unmapJob(UnmapJob *job) {
+    uint64_t t0 = nowUs();
+    for (size_t i = 0; job->zero && i < job->n; i++)
+        zeroResident(job->maps[i].addr, job->maps[i].len);
+    uint64_t t1 = nowUs();
     arenaUnmap(job->maps, job->n);
     free(job);
+    __atomic_store_n(&last_clear_us, (long long)(t1 - t0), __ATOMIC_RELAXED);
+    __atomic_store_n(&last_unmap_us, (long long)(nowUs() - t1), __ATOMIC_RELAXED);
+}
+
+static void *unmapThread(void *arg) {
+    unmapJob(arg);
     return NULL;
 }
 
 /* Drop the arena; returns the bytes of mappings released (or being
- * released by the thread). */
-static uint64_t dropArena(uint64_t *items, int *lazy) {
+ * released by the thread). *zeroed: the released pages end up zero. */
+static uint64_t dropArena(uint64_t *items, int *lazy, int *zeroed) {
+    int kernel = kernelZeroesFreedPages(), zero = zeroFreeEnabled();
+    int want_lazy = hm.lazy_drop == TRI_YES || (hm.lazy_drop == TRI_AUTO && (kernel || zero));
     *lazy = 0;
-    if (hm.lazy_drop == LAZY_NO || (hm.lazy_drop == LAZY_AUTO && !kernelZeroesFreedPages()))
-        return arenaDrop(hm.arena, items);
+    *zeroed = kernel;
+    if (!want_lazy && !zero) return arenaDrop(hm.arena, items);
     UnmapJob *job = malloc(sizeof(*job));
     if (!job) return arenaDrop(hm.arena, items);
+    job->zero = zero;
+    *zeroed = kernel || zero;
     uint64_t freed = arenaDropDeferred(hm.arena, items, &job->maps, &job->n);
-    if (job->n == 0) {
-        arenaUnmap(job->maps, 0);
-        free(job);
+    if (!want_lazy || job->n == 0) {
+        unmapJob(job);
         return freed;
     }
     pthread_t t;
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    if (pthread_create(&t, &attr, unmapThread, job) != 0) {
-        arenaUnmap(job->maps, job->n);      /* no thread: unmap here */
-        free(job);
-    } else {
+    if (pthread_create(&t, &attr, unmapThread, job) != 0)
+        unmapJob(job);          /* no thread: do it here */
+    else
         *lazy = 1;
-    }
     pthread_attr_destroy(&attr);
     return freed;
 }
@@ -1100,7 +1154,7 @@ static void prepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms
     int64_t freed = 0;
     uint64_t items = 0;
     int complete = 1;
-    int lazy = 0;
+    int lazy = 0, arena_zeroed = 0;
     if (hm.cursor) {
         /* abandon the running demotion pass; demotion is paused */
         RedisModule_ScanCursorDestroy(hm.cursor);
@@ -1111,7 +1165,7 @@ static void prepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms
     switch (hm.policy) {
     case POLICY_DROP:
         items = arenaCount(hm.arena);
-        freed = (int64_t)dropArena(NULL, &lazy);
+        freed = (int64_t)dropArena(NULL, &lazy, &arena_zeroed);
         hm.dropped_items += (long long)items;
         break;
     case POLICY_SPILL: {
@@ -1151,6 +1205,16 @@ static void prepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms
     long long given = peak > 0 && rss1 > 0 ? peak - rss1 + (lazy ? dropped : 0) : -1;
     if (hm.policy != POLICY_NONE && given > freed)
         freed = given;
+    /* The part of it the guest now holds as zero pages: all of it when the
+     * kernel clears freed pages or this process cleared everything it gave
+     * back since the window began (spilled chunks are not cleared), else
+     * what the arena drop cleared. The host balloons only the rest. */
+    int64_t zeroed = arena_zeroed ? dropped : 0;
+    if (kernelZeroesFreedPages())
+        zeroed = freed;
+    else if (hm.zero_window && zeroFreeEnabled())
+        zeroed = freed - (hm.policy == POLICY_SPILL ? dropped : 0);
+    if (zeroed < 0) zeroed = 0;
     hm.prepares++;
     hm.last_freed = freed;
     hm.last_items = (long long)items;
@@ -1160,7 +1224,9 @@ static void prepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms
     hm.last_policy = hm.policy;
     hm.last_complete = complete;
     hm.last_lazy = lazy;
+    hm.last_zeroed = zeroed;
     addInt(fs, "freed_bytes", freed);
+    addInt(fs, "zeroed_bytes", zeroed);
     addInt(fs, "dropped_bytes", dropped);
     addInt(fs, "peak_rss", peak);
     addInt(fs, "lazy", lazy);
@@ -1185,6 +1251,7 @@ static void resumeFields(RedisModuleCtx *ctx, Fields *fs, int abort) {
     /* The host has taken back what the last PREPARE reported: count the
      * next one from here. */
     processPeakReset();
+    hm.zero_window = zeroFreeEnabled();
     if (abort) hm.aborts++; else hm.resumes++;
     addStr(fs, "state", state_names[hm.state]);
     addInt(fs, "cold_items", (long long)arenaCount(hm.arena));
@@ -1804,8 +1871,11 @@ static int registerConfigs(RedisModuleCtx *ctx) {
     if (RedisModule_RegisterEnumConfig(ctx, "on-prepare", POLICY_DROP, REDISMODULE_CONFIG_DEFAULT,
             policy_names, policy_values, 3, getEnum, setEnum, NULL, &hm.policy) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
-    if (RedisModule_RegisterEnumConfig(ctx, "lazy-drop", LAZY_AUTO, REDISMODULE_CONFIG_DEFAULT,
-            lazy_names, lazy_values, 3, getEnum, setEnum, NULL, &hm.lazy_drop) == REDISMODULE_ERR)
+    if (RedisModule_RegisterEnumConfig(ctx, "lazy-drop", TRI_AUTO, REDISMODULE_CONFIG_DEFAULT,
+            tri_names, tri_values, 3, getEnum, setEnum, NULL, &hm.lazy_drop) == REDISMODULE_ERR)
+        return REDISMODULE_ERR;
+    if (RedisModule_RegisterEnumConfig(ctx, "zero-freed", TRI_AUTO, REDISMODULE_CONFIG_DEFAULT,
+            tri_names, tri_values, 3, getEnum, setEnum, applyZeroFreed, &hm.zero_freed) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
     if (RedisModule_RegisterBoolConfig(ctx, "demote", 1, REDISMODULE_CONFIG_DEFAULT,
             getBool, setBool, NULL, &hm.demote) == REDISMODULE_ERR)
@@ -2000,6 +2070,17 @@ static void infoFunc(RedisModuleInfoCtx *ctx, int for_crash_report) {
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_rss_after", hm.last_rss_after);
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_complete", hm.last_complete);
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_lazy", hm.last_lazy);
+    RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_zeroed_bytes", hm.last_zeroed);
+    RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_clear_us",
+                                     __atomic_load_n(&last_clear_us, __ATOMIC_RELAXED));
+    RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_unmap_us",
+                                     __atomic_load_n(&last_unmap_us, __ATOMIC_RELAXED));
+    uint64_t zbytes, zpurges;
+    zeroFreeStats(&zbytes, &zpurges);
+    RedisModule_InfoAddFieldLongLong(ctx, "zero_freed_active", zeroFreeEnabled());
+    RedisModule_InfoAddFieldLongLong(ctx, "zero_freed_window", hm.zero_window);
+    RedisModule_InfoAddFieldULongLong(ctx, "zero_freed_bytes", zbytes);
+    RedisModule_InfoAddFieldULongLong(ctx, "zero_freed_purges", zpurges);
     RedisModule_InfoAddFieldLongLong(ctx, "port_connected", hm.port_fd >= 0);
     RedisModule_InfoAddFieldLongLong(ctx, "port_opens", hm.port_opens);
     RedisModule_InfoAddFieldLongLong(ctx, "port_requests", hm.port_requests);
@@ -2106,6 +2187,12 @@ int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
 
     hm.dctx = RedisModule_GetDetachedThreadSafeContext(ctx);
     compactInit(ctx);
+    zeroFreedApply();
+    if (zeroFreeEnabled()) {
+        /* What was freed before now was not cleared: start the window here. */
+        processPeakReset();
+        hm.zero_window = 1;
+    }
     hm.loaded = 1;
     armTimer();
     portOpen();

@@ -11,6 +11,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hmlib import ServerTestCase, aggressive, asmap  # noqa: E402
 
 
+def kernel_zeroes_freed_pages():
+    with open('/proc/cmdline') as f:
+        return any(t.split('=', 1)[1] in ('1', 'y', 'Y', 'on')
+                   for t in f.read().split() if t.startswith('init_on_free='))
+
+
 def peak_rss(pid):
     with open('/proc/%d/status' % pid) as f:
         for line in f:
@@ -94,18 +100,75 @@ class ReturnedMemoryTest(ServerTestCase):
             self.assertHealthy(s)
 
     def test_lazy_drop_auto(self):
-        """auto (default): lazy only when the kernel zeroes freed pages
-        (init_on_free=1 on its command line)."""
+        """auto (default): lazy only when the freed pages end up zero, by the
+        kernel (init_on_free=1 on its command line) or by the module
+        (appassist.zero-freed); not when the balloon has to take them."""
+        for zero in ('auto', 'no'):
+            s = self.server(name='zero-' + zero,
+                            configs=dict(aggressive(), demote='no', **{'zero-freed': zero}))
+            c = s.client()
+            self.assertEqual(c.config_get('appassist.lazy-drop')['appassist.lazy-drop'], 'auto')
+            self.load_and_demote(c)
+            rep = asmap(c.execute_command('APPASSIST.PREPARE', 5000))
+            self.assertEqual(rep[b'lazy'], 1 if zero == 'auto' or kernel_zeroes_freed_pages() else 0)
+            c.execute_command('APPASSIST.RESUME')
+
+    def test_zero_freed(self):
+        """appassist.zero-freed (auto: on unless the kernel zeroes freed
+        pages): jemalloc's purges go through the module's clearing hook and
+        PREPARE reports all it gave back as zero pages (zeroed_bytes), so the
+        host has nothing to balloon. Off: nothing is reported zero. Back on:
+        only the arena it just cleared counts, until RESUME starts a new
+        window (what was freed while off still holds data)."""
+        if kernel_zeroes_freed_pages():
+            self.skipTest('the kernel zeroes freed pages (init_on_free=1): zero-freed auto is off')
         s = self.server(configs=dict(aggressive(), demote='no'))
         c = s.client()
-        self.assertEqual(c.config_get('appassist.lazy-drop')['appassist.lazy-drop'], 'auto')
+        info = c.info('appassist')
+        self.assertEqual(c.config_get('appassist.zero-freed')['appassist.zero-freed'], 'auto')
+        self.assertEqual((info['appassist_zero_freed_active'], info['appassist_zero_freed_window']),
+                         (1, 1))
+        self.load_and_demote(c)
+        info = c.info('appassist')
+        # Demotion emptied the keyspace's slabs: what MEMORY PURGE returned was cleared first.
+        self.assertGreater(info['appassist_zero_freed_bytes'], self.N * 50)
+        self.assertGreater(info['appassist_zero_freed_purges'], 0)
+        rep = asmap(c.execute_command('APPASSIST.PREPARE', 5000))
+        self.assertGreater(rep[b'freed_bytes'], rep[b'dropped_bytes'] + self.N * 50)
+        self.assertEqual(rep[b'zeroed_bytes'], rep[b'freed_bytes'])
+        self.assertEqual(c.info('appassist')['appassist_last_prepare_zeroed_bytes'],
+                         rep[b'freed_bytes'])
+        c.execute_command('APPASSIST.RESUME')
+
+        c.config_set('appassist.zero-freed', 'no')
+        info = c.info('appassist')
+        self.assertEqual((info['appassist_zero_freed_active'], info['appassist_zero_freed_window']),
+                         (0, 0))
+        cleared = info['appassist_zero_freed_bytes']
+        c.flushall()
+        self.load_and_demote(c)
+        self.assertEqual(c.info('appassist')['appassist_zero_freed_bytes'], cleared)
+        rep = asmap(c.execute_command('APPASSIST.PREPARE', 5000))
+        self.assertGreater(rep[b'freed_bytes'], 0)
+        self.assertEqual((rep[b'zeroed_bytes'], rep[b'lazy']), (0, 0))
+        c.execute_command('APPASSIST.RESUME')
+
+        c.config_set('appassist.zero-freed', 'yes')
+        self.assertEqual(c.info('appassist')['appassist_zero_freed_window'], 0)
+        c.flushall()
         self.load_and_demote(c)
         rep = asmap(c.execute_command('APPASSIST.PREPARE', 5000))
-        with open('/proc/cmdline') as f:
-            zeroes = any(t.split('=', 1)[1] in ('1', 'y', 'Y', 'on')
-                         for t in f.read().split() if t.startswith('init_on_free='))
-        self.assertEqual(rep[b'lazy'], 1 if zeroes else 0)
+        self.assertGreater(rep[b'dropped_bytes'], 0)
+        self.assertEqual(rep[b'zeroed_bytes'], rep[b'dropped_bytes'])
+        self.assertEqual(rep[b'lazy'], 1)
         c.execute_command('APPASSIST.RESUME')
+        self.assertEqual(c.info('appassist')['appassist_zero_freed_window'], 1)
+        c.flushall()
+        self.load_and_demote(c)
+        rep = asmap(c.execute_command('APPASSIST.PREPARE', 5000))
+        self.assertEqual(rep[b'zeroed_bytes'], rep[b'freed_bytes'])
+        c.execute_command('APPASSIST.RESUME')
+        self.assertHealthy(s)
 
     def test_none_reports_nothing(self):
         s = self.server(configs=dict(aggressive(), demote='no', **{'on-prepare': 'none'}))
