@@ -10,9 +10,11 @@
  * time counts in setup-time):
  *   1. APPASSIST.PREPARE <deadline-ms> to every port with an application, in
  *      parallel; wait for the replies until the deadline.
- *   2. Balloon target = actual - sum(freed bytes), clamped (each reply to the
- *      guest's RAM, the target to a floor); inflate; wait until the balloon
- *      reaches the target, stalls, or app-assist-balloon-wait runs out.
+ *   2. Balloon target = actual - sum(freed bytes that are not zero pages),
+ *      clamped (each reply to the guest's RAM, the target to a floor);
+ *      inflate; wait until the balloon reaches the target, stalls, or
+ *      app-assist-balloon-wait runs out.  An application that left what it
+ *      freed as zero pages (zeroed-bytes) needs no balloon at all.
  *   3. Return: the migration goes on.  The discarded pages read as zero and
  *      cost a few bytes each in the stream instead of a page.
  * Every wait is bounded and ends early on cancel.  Nothing here fails the
@@ -145,6 +147,7 @@ static void aa_collect_ports(void)
     info->ports = NULL;
     info->apps_answered = 0;
     info->freed_bytes = 0;
+    info->zeroed_bytes = 0;
     while ((port = aa_port_next(port))) {
         AppAssistPortInfo *pi = g_new0(AppAssistPortInfo, 1);
         const AAReply *r = aa_port_reply(port);
@@ -155,17 +158,31 @@ static void aa_collect_ports(void)
             /* Sane clamping: no application frees more than the guest has. */
             pi->has_freed_bytes = true;
             pi->freed_bytes = MIN(r->freed_bytes, ram);
+            pi->has_zeroed_bytes = r->has_zeroed_bytes;
+            pi->zeroed_bytes = MIN(r->zeroed_bytes, pi->freed_bytes);
             pi->has_items = r->has_items;
             pi->items = r->items;
             pi->has_app_time = r->has_time_us;
             pi->app_time = r->time_us;
             info->apps_answered++;
             info->freed_bytes = MIN(info->freed_bytes + pi->freed_bytes, ram);
+            info->zeroed_bytes = MIN(info->zeroed_bytes + pi->zeroed_bytes,
+                                     info->freed_bytes);
         } else if (aa_port_error(port)[0]) {
             pi->error = g_strdup(aa_port_error(port));
         }
         QAPI_LIST_APPEND(tail, pi);
     }
+}
+
+/*
+ * What the balloon is for: freed memory that still holds data.  Pages an
+ * application left zero cost the migration a flag each; inflating over
+ * them would only make the guest allocate and clear them again.
+ */
+static uint64_t aa_balloon_bytes(void)
+{
+    return aa_state.info->freed_bytes - aa_state.info->zeroed_bytes;
 }
 
 static bool aa_still_setting_up(MigrationState *s)
@@ -216,6 +233,7 @@ static void aa_prepare(MigrationState *s, uint32_t deadline_ms)
     aa_state.info->prepare_time = aa_now_ms() - start;
     trace_app_assist_prepare_done(contacted, aa_state.info->apps_answered,
                                   aa_state.info->freed_bytes,
+                                  aa_state.info->zeroed_bytes,
                                   aa_state.info->prepare_time);
     if (!aa_still_setting_up(s)) {
         aa_set_reason("migration cancelled during PREPARE");
@@ -301,8 +319,7 @@ static uint64_t aa_balloon_want(uint64_t actual)
     uint64_t min_bytes = MAX(AA_MIN_GUEST_BYTES, ram / 8);
     uint64_t target;
 
-    target = actual > aa_state.info->freed_bytes ?
-             actual - aa_state.info->freed_bytes : 0;
+    target = actual > aa_balloon_bytes() ? actual - aa_balloon_bytes() : 0;
     target = ROUND_UP(MAX(target, min_bytes), AA_BALLOON_PAGE);
     return target < actual ? actual - target : 0;
 }
@@ -380,11 +397,11 @@ static uint64_t aa_balloon_inflate(uint64_t guest_avail)
     }
     info->balloon_initial = bi->actual;
     info->balloon_reached = bi->actual;
-    if (!info->freed_bytes) {
+    if (!aa_balloon_bytes()) {
         return 0;
     }
-    target = bi->actual > info->freed_bytes ? bi->actual - info->freed_bytes
-                                            : 0;
+    target = bi->actual > aa_balloon_bytes() ? bi->actual - aa_balloon_bytes()
+                                             : 0;
     target = ROUND_UP(MAX(target, min_bytes), AA_BALLOON_PAGE);
     /*
      * Where the guest reports its available memory after PREPARE, never
@@ -510,8 +527,8 @@ void app_assist_source_run(MigrationState *s)
     }
     prepared_at = time(NULL);
 
-    if (!aa_state.info->freed_bytes) {
-        /* Nothing to balloon away. */
+    if (!aa_balloon_bytes()) {
+        /* Nothing to balloon away (none freed, or all of it zero pages). */
     } else if (!balloon) {
         bql_lock();
         aa_set_reason("ballooning disabled (app-assist-balloon=off)");
@@ -711,8 +728,9 @@ void app_assist_hmp_print(Monitor *mon, AppAssistInfo *info)
     }
     monitor_printf(mon, "  apps contacted/answered: %u/%u\n",
                    info->apps_contacted, info->apps_answered);
-    monitor_printf(mon, "  freed: %" PRIu64 " kbytes\n",
-                   info->freed_bytes >> 10);
+    monitor_printf(mon, "  freed: %" PRIu64 " kbytes (zero pages: %" PRIu64
+                   " kbytes)\n", info->freed_bytes >> 10,
+                   info->zeroed_bytes >> 10);
     monitor_printf(mon, "  balloon initial/target/reached: %" PRIu64 "/%"
                    PRIu64 "/%" PRIu64 " MiB\n", info->balloon_initial >> 20,
                    info->balloon_target >> 20, info->balloon_reached >> 20);

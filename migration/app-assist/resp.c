@@ -306,6 +306,7 @@ static const AAKey aa_keys[] = {
     AA_KEY("freed-bytes", freed_bytes, 1),
     AA_KEY("bytes-freed", freed_bytes, 1),
     AA_KEY("freed", freed_bytes, 1),
+    AA_KEY("zeroed-bytes", zeroed_bytes, 1),
     AA_KEY("items", items, 1),
     AA_KEY("items-affected", items, 1),
     AA_KEY("freed-items", items, 1),

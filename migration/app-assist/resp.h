@@ -34,8 +34,10 @@ typedef struct AAReply {
     bool is_error;                  /* "-ERR ..." from the application */
     bool is_status;                 /* "+OK" */
     char message[AA_RESP_ERRLEN];   /* error/status text, printable ASCII */
-    bool has_freed_bytes, has_items, has_used_memory, has_rss, has_time_us;
+    bool has_freed_bytes, has_zeroed_bytes, has_items, has_used_memory;
+    bool has_rss, has_time_us;
     uint64_t freed_bytes;
+    uint64_t zeroed_bytes;          /* part of freed_bytes left as zero pages */
     uint64_t items;
     uint64_t used_memory;
     uint64_t rss;

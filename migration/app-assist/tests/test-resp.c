@@ -44,7 +44,8 @@ static void test_module_reply(void)
 {
     /* What redis-module/hybridmem.c sends on the port (RESP2 flat map). */
     static const char s[] =
-        "*18\r\n$11\r\nfreed_bytes\r\n:73400320\r\n$5\r\nitems\r\n:42000\r\n"
+        "*20\r\n$11\r\nfreed_bytes\r\n:73400320\r\n$5\r\nitems\r\n:42000\r\n"
+        "$12\r\nzeroed_bytes\r\n:65536\r\n"
         "$11\r\nused_memory\r\n:1234567\r\n$3\r\nrss\r\n:7654321\r\n"
         "$10\r\nrss_before\r\n:99999999\r\n$7\r\ntime_us\r\n:3512\r\n"
         "$6\r\npolicy\r\n$4\r\ndrop\r\n$8\r\ncomplete\r\n:1\r\n"
@@ -56,6 +57,7 @@ static void test_module_reply(void)
 
         EXPECT(PARSE(s, bw, &r) == AA_RESP_DONE);
         EXPECT(r.has_freed_bytes && r.freed_bytes == 73400320);
+        EXPECT(r.has_zeroed_bytes && r.zeroed_bytes == 65536);
         EXPECT(r.has_items && r.items == 42000);
         EXPECT(r.has_used_memory && r.used_memory == 1234567);
         EXPECT(r.has_rss && r.rss == 7654321);
@@ -71,6 +73,7 @@ static void test_aliases_and_strings(void)
     EXPECT(PARSE("*4\r\n$11\r\nFREED-BYTES\r\n$4\r\n4096\r\n$7\r\ntime_ms\r\n:3\r\n",
                  0, &r) == AA_RESP_DONE);
     EXPECT(r.freed_bytes == 4096 && r.time_us == 3000);
+    EXPECT(!r.has_zeroed_bytes && r.zeroed_bytes == 0);   /* older modules */
 }
 
 static void test_refusals(void)
