@@ -14,13 +14,20 @@ Configurations (--configs, comma-separated):
   design        the design's way: stock Redis, scan every key and delete the
                 cold ones, MEMORY PURGE, balloon by the RSS that went away,
                 then post-copy (the scan/delete/balloon time counts as set-up)
-  ours          our module + app-assist capability, post-copy
+  ours          our module + app-assist capability, post-copy, defaults: the
+                module clears what Redis frees (appassist.zero-freed auto)
+                and drops its arena lazily, so what it gave back is zero
+                pages and QEMU has nothing to balloon
+  ours-balloon  ours with appassist.zero-freed no: freed pages keep their
+                data, QEMU inflates the balloon over them and waits for it
+                (the balloon path; every configuration below runs with
+                zero-freed no as well, except ours-iof)
   ours-fpr      our module + app-assist without ballooning, free-page
                 reporting on the balloon instead
   ours-balloon-fpr
-                ours with free-page reporting on as well (does it shorten
-                the inflation?)
-  ours-nowait   ours with app-assist-balloon-wait=0: the set-up phase ends
+                ours-balloon with free-page reporting on as well (does it
+                shorten the inflation?)
+  ours-nowait   ours-balloon with app-assist-balloon-wait=0: the set-up phase ends
                 after PREPARE and sets the balloon target; the guest inflates
                 while the first RAM pass runs (pages it takes before the pass
                 reaches them are not sent)
@@ -72,13 +79,16 @@ PORT_NAME = 'org.qemu.app-assist.0'
 LINK_PORTS = ('mkdir -p /dev/virtio-ports; for p in /sys/class/virtio-ports/vport*; do '
               'ln -sf /dev/${p##*/} /dev/virtio-ports/$(cat $p/name); done')
 CONFIGS = ['precopy', 'precopy-fph', 'postcopy', 'postcopy-stock-redis', 'design', 'ours',
-           'ours-nowait', 'ours-nowait-lazy', 'ours-fpr', 'ours-balloon-fpr',
+           'ours-balloon', 'ours-nowait', 'ours-nowait-lazy', 'ours-fpr', 'ours-balloon-fpr',
            'postcopy-stock-redis-fpr', 'ours-iof', 'postcopy-stock-redis-iof', 'ours-ioa0',
            'ours-nowait-ioa0', 'postcopy-stock-redis-ioa0']
 STOCK_REDIS = ('design',) + tuple(c for c in CONFIGS if c.startswith('postcopy-stock-redis'))
 OURS = [c for c in CONFIGS if c.startswith('ours')]
 NOWAIT = ('ours-nowait', 'ours-nowait-lazy', 'ours-nowait-ioa0')
 LAZY = ('ours-nowait-lazy', 'ours-nowait-ioa0')
+# Configurations that keep freed pages' data (appassist.zero-freed no): the
+# balloon and free-page-reporting experiments.
+ZERO_OFF = tuple(c for c in OURS if c not in ('ours', 'ours-iof'))
 # The kind of guest is the configuration's suffix, and a configuration is
 # compared with the stock baseline of the same kind: free-page reporting on
 # the balloon (fpr), a guest that zeroes freed pages (iof) or one that does
@@ -156,8 +166,10 @@ class Load:
                 'max (ms)': round(1000 * lat[-1], 1)}
 
 
-def load_data(g, args, module, lazy=False):
+def load_data(g, args, module, lazy=False, zero_off=False):
     r = g.redis(timeout=120)
+    if zero_off:
+        r.config_set('appassist.zero-freed', 'no')
     size, n = args.size, args.items
     rng = random.Random(7)
     blob = rng.randbytes(size + 4096)
@@ -303,7 +315,7 @@ def run_config(config, args, logdir):
         src.launch()
         src.wait_console(r'HV-READY redis', timeout=180)
         src.run(LINK_PORTS)
-        hot = load_data(src, args, module, lazy=config in LAZY)
+        hot = load_data(src, args, module, lazy=config in LAZY, zero_off=config in ZERO_OFF)
         if module:
             r = src.redis()
             deadline = time.monotonic() + 30
@@ -337,6 +349,7 @@ def run_config(config, args, logdir):
             'downtime (ms)': info.get('downtime'),
             'switched to post-copy': switched,
             'post-copy requests': ram.get('postcopy-requests', 0),
+            'ram': ram,     # query-migrate's whole RAM section, for the JSON
         }
         if pre:
             # The design prepares before the migration starts: count it.
@@ -349,6 +362,7 @@ def run_config(config, args, logdir):
         aa = info.get('app-assist')
         if aa:
             row['freed (MiB)'] = round(aa['freed-bytes'] / MiB, 1)
+            row['zero pages (MiB)'] = round(aa.get('zeroed-bytes', 0) / MiB, 1)
             row['prepare (ms)'] = aa['prepare-time']
             row['balloon (ms)'] = aa['balloon-time']
             # The applications' own share of prepare (their time_us), the
@@ -357,6 +371,15 @@ def run_config(config, args, logdir):
             if times:
                 row['prepare: app (ms)'] = round(max(times) / 1000)
             row['app-assist'] = aa
+            if aa.get('zeroed-bytes'):
+                # How long the guest took to clear and unmap the arena after
+                # PREPARE replied (the migration was already running).
+                r = dst.redis()
+                i = r.info('appassist')
+                row['arena clear / unmap (ms)'] = (
+                    f"{i.get('appassist_last_prepare_clear_us', 0) / 1000:.0f} / "
+                    f"{i.get('appassist_last_prepare_unmap_us', 0) / 1000:.0f}")
+                r.close()
         before = load.figures(t_before - 1.0, t_before)
         during = load.figures(t0, t1)
         row['load before: ops/s'] = before['ops/s']
@@ -444,7 +467,9 @@ def write_report(rows, args, out):
     with open(os.path.join(out, 'app-assist.json'), 'w') as f:
         json.dump({'args': vars(args), 'rows': rows}, f, indent=1)
     cols = ['config', 'transferred (MiB)', 'total time (ms)', 'setup time (ms)',
-            'prepare (ms)', 'prepare: app (ms)', 'balloon (ms)', 'freed (MiB)', 'downtime (ms)',
+            'prepare (ms)', 'prepare: app (ms)', 'balloon (ms)', 'freed (MiB)', 'zero pages (MiB)',
+            'arena clear / unmap (ms)',
+            'downtime (ms)',
             'switched to post-copy', 'post-copy requests', 'load before: ops/s', 'load during: ops/s',
             'load during: p50 (ms)', 'load during: p99 (ms)', 'load during: max (ms)',
             'host load avg', 'measured']

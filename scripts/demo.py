@@ -4,8 +4,9 @@
 Boots the Redis guest (our module loaded, the app-assist port attached) under
 our QEMU, loads it with items of which 70 % are cold, and migrates it to a
 second QEMU process with post-copy over a link capped at 1 Gbit/s, twice:
-stock, then app-assisted (the module drops its cold set, QEMU balloons the
-freed memory away, then migrates).  Checks the items on the destination and
+stock, then app-assisted (the module drops its cold set and leaves what it
+freed as zero pages; QEMU balloons whatever the module reports it did not
+clear, then migrates).  Checks the items on the destination and
 prints both migrations' figures side by side.
 
 --libvirt does the same through two private libvirtd instances and
@@ -55,6 +56,7 @@ def run_qemu(args, mode, log_dir, data):
         balloon = dst.qmp('query-balloon')['actual']
         row = {'migration': f'{mode} post-copy', **res.row(),
                'freed by apps (MiB)': round(aa.get('freed-bytes', 0) / 2**20, 1) if assisted else '-',
+               'of it zero pages (MiB)': round(aa.get('zeroed-bytes', 0) / 2**20, 1) if assisted else '-',
                'prepare (ms)': aa.get('prepare-time', '-') if assisted else '-',
                'balloon (ms)': aa.get('balloon-time', '-') if assisted else '-',
                'hot items wrong': wrong_hot, 'cold items wrong': wrong_cold}
