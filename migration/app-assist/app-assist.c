@@ -63,6 +63,13 @@
 #define AA_BALLOON_STALL_MS     3000    /* no progress for this long: stop */
 #define AA_MIN_GUEST_BYTES      (128 * MiB)
 #define AA_INCOMING_POLL_MS     100
+/*
+ * virtio-serial tells a port's backend that the guest has it open again
+ * from a QEMU_CLOCK_VIRTUAL timer after the VM starts on the destination
+ * (virtio_serial_post_load_timer_cb): a check right after the start can
+ * find every port closed (seen under load).  Wait this long for one.
+ */
+#define AA_INCOMING_OPEN_WAIT_MS 3000
 #define AA_BALLOON_PAGE         4096    /* VIRTIO_BALLOON_PFN_SHIFT */
 #define AA_AVAIL_MARGIN         (64 * MiB)  /* left available in the guest */
 #define AA_STATS_WAIT_MS        3000    /* for a report newer than PREPARE */
@@ -86,6 +93,7 @@ typedef struct AppAssistState {
     uint64_t balloon_restore;       /* balloon "actual" to go back to */
 
     QEMUTimer *incoming_timer;      /* destination: wait for the end */
+    int64_t incoming_running_ms;    /* when the guest was first seen running */
 } AppAssistState;
 
 static AppAssistState aa_state;
@@ -601,6 +609,35 @@ static int aa_migration_notify(NotifierWithReturn *notifier,
     return 0;
 }
 
+static bool aa_any_port_open(void)
+{
+    AppAssistPort *port = NULL;
+
+    while ((port = aa_port_next(port))) {
+        if (aa_port_guest_open(port)) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/*
+ * The guest runs on the destination and, if applications are to be
+ * resumed, one of their ports is open again or AA_INCOMING_OPEN_WAIT_MS
+ * have passed since it started.
+ */
+static bool aa_incoming_ready(void)
+{
+    if (!runstate_is_running()) {
+        return false;
+    }
+    if (!aa_state.incoming_running_ms) {
+        aa_state.incoming_running_ms = aa_now_ms();
+    }
+    return !aa_state.prepared || !aa_port_count() || aa_any_port_open() ||
+           aa_now_ms() - aa_state.incoming_running_ms >= AA_INCOMING_OPEN_WAIT_MS;
+}
+
 /* Destination: deflate and RESUME once the guest runs with all its RAM. */
 static void aa_incoming_check(void *opaque)
 {
@@ -609,19 +646,20 @@ static void aa_incoming_check(void *opaque)
     int resumed = 0;
 
     switch (mis->state) {
-    case MIGRATION_STATUS_COMPLETED:
-        if (runstate_is_running()) {
-            break;
-        }
-        /* fall through: not running yet */
-    default:
-        timer_mod(aa_state.incoming_timer,
-                  aa_now_ms() + AA_INCOMING_POLL_MS);
-        return;
     case MIGRATION_STATUS_FAILED:
     case MIGRATION_STATUS_CANCELLED:
         /* The source undoes the phase on its side. */
         aa_state.prepared = aa_state.balloon_changed = false;
+        aa_state.incoming_running_ms = 0;
+        return;
+    case MIGRATION_STATUS_COMPLETED:
+        if (aa_incoming_ready()) {
+            break;
+        }
+        /* fall through: wait */
+    default:
+        timer_mod(aa_state.incoming_timer,
+                  aa_now_ms() + AA_INCOMING_POLL_MS);
         return;
     }
 
@@ -657,6 +695,7 @@ static void aa_incoming_check(void *opaque)
         warn_report("migration: app-assist: %s", aa_state.info->reason);
     }
     aa_state.prepared = aa_state.balloon_changed = false;
+    aa_state.incoming_running_ms = 0;
 }
 
 static bool aa_vmstate_needed(void *opaque)
