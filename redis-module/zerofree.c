@@ -119,10 +119,18 @@ int zeroFreeInstall(ZeroFreeMallctl mallctl, void *(*alloc)(size_t), void (*deal
     }
     if (!mallctl) return zfFail(err, errlen, "%s%s", "no mallctl", 0);
 
+    /* Without opt.retain jemalloc also gives memory back by munmap(), which
+     * no hook sees before the pages are free: nothing could be promised. */
+    bool retain = false;
+    size_t sz = sizeof(retain);
+    if (mallctl("opt.retain", &retain, &sz, NULL, 0) != 0 || !retain)
+        return zfFail(err, errlen, "%s%s", "jemalloc's opt.retain is off (it unmaps freed memory)", 0);
+
     /* Allocations above opt.oversize_threshold go to a huge arena that
      * jemalloc creates on first use, and an arena that does not exist yet
      * cannot take hooks: create it now. Untouched, so nothing is resident. */
-    size_t oversize = 0, sz = sizeof(oversize);
+    size_t oversize = 0;
+    sz = sizeof(oversize);
     if (mallctl("opt.oversize_threshold", &oversize, &sz, NULL, 0) == 0 &&
         oversize > 0 && oversize <= ((size_t)1 << 30) && alloc && dealloc) {
         void *volatile big = alloc(oversize);

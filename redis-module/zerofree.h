@@ -37,7 +37,8 @@ size_t zeroResident(void *addr, size_t len);
 /* Wrap the purge hooks of every jemalloc arena through 'mallctl'; 'alloc'
  * and 'dealloc' are the allocator's own (they create its huge arena first).
  * Returns 0, or -1 with a reason in 'err' (an arena that could not be
- * wrapped fails the whole install). Call once; later calls return the first
+ * wrapped fails the whole install, and so does opt.retain off: jemalloc
+ * would then also free memory by munmap(), past every hook). Call once; later calls return the first
  * result. Clearing starts disabled. */
 int zeroFreeInstall(ZeroFreeMallctl mallctl, void *(*alloc)(size_t), void (*dealloc)(void *),
                     char *err, size_t errlen);
