@@ -209,8 +209,9 @@ def throughput(workdir, quick):
                                 run_workload(s, workload, test, p, n * (4 if p == 16 else 1),
                                              keyspace))
             after = appassist(m)
-            stats[workload] = {k: after['appassist_' + k] - before['appassist_' + k]
-                               for k in ('promotions', 'demotions', 'compactions')}
+            stats[workload] = {k: after.get('appassist_' + k, 0) - before.get('appassist_' + k, 0)
+                               for k in ('promotions', 'demotions', 'compactions',
+                                         'background_slices', 'background_bites')}
             stats[workload]['cold_items_end'] = after['appassist_cold_items']
     finally:
         for s in servers.values():
@@ -414,12 +415,17 @@ def write(tp, setups, stats, n, keyspace, prep, cpu, loadavg, when):
                                                 c['last_compaction_busy_us'] / 1000,
                                                 c['last_compaction_slice_max_us']))
         L.append('')
-        L.append('| workload | promotions | demotions | compaction passes | cold items at the end |')
-        L.append('|---|---|---|---|---|')
+        L.append('Background work during the runs: in slices of the timer when the server was idle '
+                 '(between runs), in bites before the event loop sleeps while it served clients.')
+        L.append('')
+        L.append('| workload | promotions | demotions | compaction passes | cold items at the end '
+                 '| timer slices | event-loop bites |')
+        L.append('|---|---|---|---|---|---|---|')
         for workload in WORKLOADS:
             w = stats[workload]
-            L.append('| %s | %d | %d | %d | %d |' % (workload, w['promotions'], w['demotions'],
-                                                    w['compactions'], w['cold_items_end']))
+            L.append('| %s | %d | %d | %d | %d | %d | %d |' % (
+                workload, w['promotions'], w['demotions'], w['compactions'], w['cold_items_end'],
+                w.get('background_slices', 0), w.get('background_bites', 0)))
         L.append('')
     if prep:
         L.append('## Memory after PREPARE (drop), and the design\'s way (in-server SCAN + DEL of '

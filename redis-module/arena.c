@@ -344,6 +344,8 @@ static void tablePut(Table *t, uint64_t h, uint32_t chunk, uint32_t off) {
  * avoid I/O for spilled chunks the 32 stored bits are used as the hash when
  * placing into the new table: both tables index with 'hash & mask', so the
  * low 32 bits are what matters as long as tables stay below 2^32 slots. */
+int arenaRehashing(const ColdArena *a) { return a->rehashing; }
+
 int arenaRehashStep(ColdArena *a, unsigned slots) {
     if (!a->rehashing) return 0;
     Table *o = &a->ht[0], *n = &a->ht[1];

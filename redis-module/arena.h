@@ -101,6 +101,8 @@ void arenaGetStats(const ColdArena *a, ArenaStats *st);
 /* Move at most 'slots' index slots of an ongoing rehash. Returns 1 if more
  * work remains, 0 otherwise. */
 int arenaRehashStep(ColdArena *a, unsigned slots);
+/* 1 while an incremental rehash of the index is under way. */
+int arenaRehashing(const ColdArena *a);
 
 /* Unmap every chunk and the index (the spill file too). Returns the bytes of
  * mappings released; *items gets the number of items dropped. O(chunks). */

@@ -68,6 +68,8 @@
 #define HM_PORT_OUTBUF          (64 * 1024)
 #define HM_BUCKETS              64
 #define HM_SWEEP_ITEMS          1024    /* arena items checked per slice */
+#define HM_REHASH_STEP          512     /* arena slots moved per rehash step */
+#define HM_BITE_MIN_US          20      /* shortest bite (see bgBite) */
 #define HM_SWEEP_PAUSE_MS       1000    /* between two full expiry sweeps */
 #define HM_MALLCTL_ARENAS_ALL   4096    /* jemalloc's MALLCTL_ARENAS_ALL */
 
@@ -143,6 +145,7 @@ static struct {
     long long compact_rss0;
     long long compact_busy_us, compact_purge_us, compact_purge_max_us, compact_slice_max_us;
     long long compact_relocated;
+    long long compact_unpurged_us; /* relocation time since the last purge */
     long long last_frag_bytes;  /* allocator_frag_bytes at the last check */
 
     int replica;                /* this server replicates a master */
@@ -154,6 +157,13 @@ static struct {
     /* expiry sweep of the arena */
     uint64_t sweep_cursor;
     uint64_t next_sweep_us;
+
+    /* who runs the background work (see sliceTimer, bgBite) */
+    uint64_t served;            /* commands seen by the filter */
+    uint64_t served_at_tick, served_at_bite;
+    uint64_t last_bite_us;
+    long long slices, bites;
+    uint64_t step_max_us;       /* longest slice or bite (wall) */
 
     /* statistics */
     long long demotions, promotions, expired_promotions, demote_errors;
@@ -871,11 +881,17 @@ static void compactSlice(uint64_t deadline) {
     }
     /* Half the slice relocates, the purge of what that emptied takes the
      * rest (measured: a 1 ms relocation step emptied pages whose purge took
-     * up to 1.3 ms). */
+     * up to 1.3 ms). A short step (a bite, see bgBite) leaves the purge to
+     * the step that brings the relocation time since the last purge to
+     * half a slice: a purge has a fixed cost of its own. */
     uint64_t reloc_deadline = deadline > t ? t + (deadline - t) / 2 : t;
     int more = scanApply(hm.ccursor, compactScanCb, relocateKey, reloc_deadline);
     tcacheSet(true);
-    compactPurge();
+    hm.compact_unpurged_us += (long long)(nowUs() - t);
+    if (!more || hm.compact_unpurged_us * 2 >= hm.slice_us) {
+        compactPurge();
+        hm.compact_unpurged_us = 0;
+    }
     hm.compact_busy_us += (long long)(nowUs() - t);
     long long cpu_us = (long long)(threadCpuUs() - cpu);
     if (cpu_us > hm.compact_slice_max_us) hm.compact_slice_max_us = cpu_us;
@@ -899,11 +915,11 @@ static void armTimer(void) {
     armTimerIn(hm.interval_ms);
 }
 
-/* One background slice: bounded by appassist.slice-us. */
-static void sliceTimer(RedisModuleCtx *ctx, void *data) {
-    (void)ctx;
-    (void)data;
-    uint64_t deadline = nowUs() + (uint64_t)hm.slice_us;
+/* The background work (unspill, arena rehash, a demotion or compaction
+ * pass, expiry sweep) until 'deadline'. Returns 1 while some of it is under
+ * way. */
+static int backgroundWork(uint64_t deadline) {
+    uint64_t t0 = nowUs();
     if (hm.state == ST_RESUMING) {
         int r = 1;
         while (r == 1 && nowUs() < deadline) r = arenaUnspillStep(hm.arena);
@@ -913,17 +929,38 @@ static void sliceTimer(RedisModuleCtx *ctx, void *data) {
                             strerror(errno));
     }
     int busy = hm.state == ST_RESUMING, rehash = 1;
-    while (rehash && nowUs() < deadline) rehash = arenaRehashStep(hm.arena, 4096);
+    while (rehash && nowUs() < deadline) rehash = arenaRehashStep(hm.arena, HM_REHASH_STEP);
     if (hm.compact_wanted && hm.mallctl && !hm.cursor && backgroundAllowed())
         compactSlice(deadline);
     else if (demotionAllowed())
         demoteSlice(deadline);
     sweepSlice(deadline);
+    uint64_t us = nowUs() - t0;
+    if (us > hm.step_max_us) hm.step_max_us = us;
+    return busy || rehash || hm.cursor || hm.ccursor || (hm.compact_wanted && hm.mallctl) ||
+           hm.sweep_cursor != 0;
+}
+
+/* The background timer. On an idle server it runs the work in slices of
+ * appassist.slice-us every interval-ms. While clients are served, the
+ * event loop's bites (bgBite) run it instead: one 250 us slice every 3 ms
+ * delayed every request that arrived meanwhile by up to the whole slice,
+ * the source of the p99 tail at pipeline 1 under promote/demote churn. */
+static void sliceTimer(RedisModuleCtx *ctx, void *data) {
+    (void)ctx;
+    (void)data;
+    int busy;
+    if (hm.served != hm.served_at_tick) {
+        hm.served_at_tick = hm.served;
+        busy = hm.state == ST_RESUMING || arenaRehashing(hm.arena) || hm.cursor || hm.ccursor ||
+               (hm.compact_wanted && hm.mallctl) || hm.sweep_cursor != 0;
+    } else {
+        busy = backgroundWork(nowUs() + (uint64_t)hm.slice_us);
+        hm.slices++;
+    }
     /* With no pass, rehash or sweep under way, wake up less often: a
      * timer every interval-ms was most of an idle server's CPU. A pass
      * that falls due starts at most HM_IDLE_INTERVAL_MS late. */
-    busy |= rehash || hm.cursor || hm.ccursor || (hm.compact_wanted && hm.mallctl) ||
-            hm.sweep_cursor != 0;
     uint64_t now = nowUs(), wake = now + HM_IDLE_INTERVAL_MS * 1000ULL;
     /* Only what falls due later: a pass that is already due but not
      * allowed (replica, MULTI, migration) must not keep the timer fast. */
@@ -932,6 +969,32 @@ static void sliceTimer(RedisModuleCtx *ctx, void *data) {
         wake = hm.next_sweep_us;
     long long ms = (long long)((wake - now) / 1000);
     armTimerIn(busy || ms < hm.interval_ms ? hm.interval_ms : ms);
+}
+
+/* Before the event loop sleeps, after it served some commands: a bite of
+ * the background work, as long as the same share of the time as one
+ * slice per interval (slice-us / interval-ms) gives, counted from the end
+ * of the previous bite. So the work spreads over every round of the loop
+ * (each request waits a few tens of us more) instead of one long slice
+ * landing on a few. Shorter credits accumulate: a bite has a fixed cost. */
+static void bgBite(RedisModuleCtx *ctx, RedisModuleEvent e, uint64_t sub, void *data) {
+    (void)ctx;
+    (void)e;
+    (void)data;
+    if (sub != REDISMODULE_SUBEVENT_EVENTLOOP_BEFORE_SLEEP || hm.served == hm.served_at_bite)
+        return;
+    uint64_t now = nowUs();
+    uint64_t period = (uint64_t)hm.interval_ms * 1000;
+    uint64_t credit = period > (uint64_t)hm.slice_us
+                          ? (now - hm.last_bite_us) * (uint64_t)hm.slice_us /
+                                (period - (uint64_t)hm.slice_us)
+                          : (uint64_t)hm.slice_us;
+    if (credit < HM_BITE_MIN_US) return;
+    if (credit > (uint64_t)hm.slice_us) credit = (uint64_t)hm.slice_us;
+    hm.served_at_bite = hm.served;
+    backgroundWork(now + credit);
+    hm.bites++;
+    hm.last_bite_us = nowUs();
 }
 
 /* ------------------------------------------------------------ command filter */
@@ -983,6 +1046,7 @@ static int firstArgIsOnlyKey(const char *c, size_t l, int argc) {
  * 0, which is harmless for a command on another DB. */
 static void hmFilter(RedisModuleCommandFilterCtx *f) {
     int argc = RedisModule_CommandFilterArgsCount(f);
+    hm.served++;
     if (argc < 1 || !hm.arena) return;
     size_t cl;
     const char *c = RedisModule_StringPtrLen(RedisModule_CommandFilterArgGet(f, 0), &cl);
@@ -2059,6 +2123,9 @@ static void infoFunc(RedisModuleInfoCtx *ctx, int for_crash_report) {
     RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_time_us", hm.last_compact_time_us);
     RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_busy_us", hm.last_compact_busy_us);
     RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_slice_max_us", hm.last_compact_slice_max_us);
+    RedisModule_InfoAddFieldLongLong(ctx, "background_slices", hm.slices);
+    RedisModule_InfoAddFieldLongLong(ctx, "background_bites", hm.bites);
+    RedisModule_InfoAddFieldULongLong(ctx, "background_step_max_us", hm.step_max_us);
     RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_purge_us", hm.last_compact_purge_us);
     RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_purge_max_us", hm.last_compact_purge_max_us);
     RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_rss_before", hm.last_compact_rss_before);
@@ -2184,6 +2251,7 @@ int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
     hm.replica = !!(RedisModule_GetContextFlags(ctx) & REDISMODULE_CTX_FLAGS_SLAVE);
     RedisModule_SubscribeToServerEvent(ctx, RedisModuleEvent_Persistence, onPersistence);
     RedisModule_SubscribeToServerEvent(ctx, RedisModuleEvent_Shutdown, onShutdown);
+    RedisModule_SubscribeToServerEvent(ctx, RedisModuleEvent_EventLoop, bgBite);
 
     hm.dctx = RedisModule_GetDetachedThreadSafeContext(ctx);
     compactInit(ctx);
