@@ -26,6 +26,15 @@ class BackgroundTest(ServerTestCase):
     def load(self, srv):
         pipe(srv, ((b'SET', b'k%d' % i, b'v' * 100) for i in range(N)))
 
+    def wait_all_cold(self, c, poll, what):
+        """Poll (every `poll` s: each poll is a command served) until all N
+        items are cold; INFO appassist then."""
+        deadline = time.monotonic() + 60
+        while self.info(c)['appassist_cold_items'] < N:
+            self.assertLess(time.monotonic(), deadline, what)
+            time.sleep(poll)
+        return self.info(c)
+
     def test_idle_server_uses_slices(self):
         srv = self.server(configs=configs())
         self.load(srv)
@@ -33,11 +42,7 @@ class BackgroundTest(ServerTestCase):
         before = self.info(c)
         c.config_set('appassist.demote', 'yes')
         # Poll rarely: every command counts as work being served.
-        deadline = time.monotonic() + 60
-        while self.info(c)['appassist_cold_items'] < N:
-            self.assertLess(time.monotonic(), deadline, 'demotion did not finish')
-            time.sleep(0.5)
-        after = self.info(c)
+        after = self.wait_all_cold(c, 0.5, 'demotion did not finish')
         self.assertGreater(after['appassist_background_slices'],
                            before['appassist_background_slices'])
         self.assertHealthy(srv)
@@ -69,11 +74,7 @@ class BackgroundTest(ServerTestCase):
             self.wait_for(lambda: sent[0] > 1000, what='the load to start')
             before = self.info(c)
             c.config_set('appassist.demote', 'yes')
-            deadline = time.monotonic() + 60
-            while self.info(c)['appassist_cold_items'] < N:
-                self.assertLess(time.monotonic(), deadline, 'demotion did not finish under load')
-                time.sleep(0.05)
-            after = self.info(c)
+            after = self.wait_all_cold(c, 0.05, 'demotion did not finish under load')
         finally:
             stop.set()
             t.join()
