@@ -160,6 +160,7 @@ static struct {
     uint64_t next_sweep_us;
 
     /* who runs the background work (see sliceTimer, bgBite) */
+    int bites_on;               /* subscribed to the event loop's BEFORE_SLEEP */
     uint64_t served;            /* commands seen by the filter */
     uint64_t served_at_tick, served_at_bite;
     uint64_t last_bite_us;
@@ -951,7 +952,7 @@ static void sliceTimer(RedisModuleCtx *ctx, void *data) {
     (void)ctx;
     (void)data;
     int busy;
-    if (hm.served != hm.served_at_tick) {
+    if (hm.bites_on && hm.served != hm.served_at_tick) {
         hm.served_at_tick = hm.served;
         busy = hm.state == ST_RESUMING || arenaRehashing(hm.arena) || hm.cursor || hm.ccursor ||
                (hm.compact_wanted && hm.mallctl) || hm.sweep_cursor != 0;
@@ -2125,13 +2126,13 @@ static void infoFunc(RedisModuleInfoCtx *ctx, int for_crash_report) {
     RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_time_us", hm.last_compact_time_us);
     RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_busy_us", hm.last_compact_busy_us);
     RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_slice_max_us", hm.last_compact_slice_max_us);
-    RedisModule_InfoAddFieldLongLong(ctx, "background_slices", hm.slices);
-    RedisModule_InfoAddFieldLongLong(ctx, "background_bites", hm.bites);
-    RedisModule_InfoAddFieldULongLong(ctx, "background_step_max_us", hm.step_max_us);
     RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_purge_us", hm.last_compact_purge_us);
     RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_purge_max_us", hm.last_compact_purge_max_us);
     RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_rss_before", hm.last_compact_rss_before);
     RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_rss_after", hm.last_compact_rss_after);
+    RedisModule_InfoAddFieldLongLong(ctx, "background_slices", hm.slices);
+    RedisModule_InfoAddFieldLongLong(ctx, "background_bites", hm.bites);
+    RedisModule_InfoAddFieldULongLong(ctx, "background_step_max_us", hm.step_max_us);
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_freed_bytes", hm.last_freed);
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_items", hm.last_items);
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_time_us", hm.last_time_us);
@@ -2253,7 +2254,9 @@ int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
     hm.replica = !!(RedisModule_GetContextFlags(ctx) & REDISMODULE_CTX_FLAGS_SLAVE);
     RedisModule_SubscribeToServerEvent(ctx, RedisModuleEvent_Persistence, onPersistence);
     RedisModule_SubscribeToServerEvent(ctx, RedisModuleEvent_Shutdown, onShutdown);
-    RedisModule_SubscribeToServerEvent(ctx, RedisModuleEvent_EventLoop, bgBite);
+    /* A server that does not offer the event: the timer keeps all the work. */
+    hm.bites_on = RedisModule_SubscribeToServerEvent(ctx, RedisModuleEvent_EventLoop, bgBite) ==
+                  REDISMODULE_OK;
 
     hm.dctx = RedisModule_GetDetachedThreadSafeContext(ctx);
     compactInit(ctx);
