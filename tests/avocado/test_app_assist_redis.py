@@ -269,3 +269,68 @@ class AppAssistRedis(HybridVMTest):
             self.assertTrue(r.mget([k for k, _ in chunk]) == [v for _, v in chunk],
                             'items differ on the destination')
         r.close()
+
+    def test_cancel_and_failure(self):
+        """Redis with the module, balloon path (zero-freed no): a migration
+        cancelled while the balloon inflates, then one whose destination dies
+        during pre-copy.  Each time the source deflates to the full size, the
+        module gets ABORT (back to its normal state) and Redis keeps serving
+        the hot items and new writes."""
+        import hvlib
+        data = dataset(7, self.COUNT, self.SIZE)
+        src = self.redis_guest('undo-src').launch()
+        hot, cold = self.load(src, data, zero_freed='no')
+        full = balloon_actual(src)
+        caps = [{'capability': 'postcopy-ram', 'state': True},
+                {'capability': 'app-assist', 'state': True}]
+        src.qmp('migrate-set-capabilities', capabilities=caps)
+        src.qmp('migrate-set-parameters', **{'max-bandwidth': BANDWIDTH})
+
+        def serving(aborts):
+            r = src.redis()
+            wait_for(lambda: r.info('appassist')['appassist_aborts'] == aborts, 30, 'ABORT')
+            self.assertEqual(r.info('appassist')['appassist_state'], 'normal')
+            for i in range(0, len(hot), 1000):
+                chunk = hot[i:i + 1000]
+                self.assertTrue(r.mget([k for k, _ in chunk]) == [v for _, v in chunk],
+                                'hot items differ after ABORT')
+            self.assertTrue(r.set(f'after-abort-{aborts}', b'1'))
+            self.assertEqual(r.get(f'after-abort-{aborts}'), b'1')
+            r.close()
+
+        def start(tag):
+            dst = self.redis_guest(tag, incoming='defer').launch()
+            uri = f'tcp:127.0.0.1:{hvlib.free_port()}'
+            dst.qmp('migrate-set-capabilities', capabilities=caps)
+            dst.qmp('migrate-incoming', uri=uri)
+            src.qmp('migrate', uri=uri)
+            return dst
+
+        # 1. Cancelled while the balloon inflates.
+        dst = start('undo-dst1')
+        wait_for(lambda: src.qmp('query-migrate').get('app-assist', {}).get('status') ==
+                 'ballooning', 60, 'the ballooning phase', interval=0.01)
+        src.qmp('migrate_cancel')
+        wait_for(lambda: src.qmp('query-migrate')['status'] == 'cancelled', 30, 'cancelled')
+        aa = src.qmp('query-migrate')['app-assist']
+        self.log.info('cancelled: %s', aa)
+        self.assertEqual(aa['status'], 'cancelled')
+        self.assertEqual(aa['apps-answered'], 1)
+        self.assertGreater(aa['balloon-target'], 0)
+        wait_for(lambda: balloon_actual(src) == full, 60, 'the balloon to deflate')
+        serving(1)
+        dst.shutdown()
+
+        # 2. The destination dies during pre-copy (the assist had completed).
+        src.qmp('migrate-set-parameters', **{'max-bandwidth': 20_000_000})
+        dst = start('undo-dst2')
+        wait_for(lambda: src.qmp('query-migrate')['status'] == 'active', 120,
+                 'pre-copy to start')
+        self.assertEqual(src.qmp('query-migrate')['app-assist']['status'], 'completed')
+        self.assertLess(balloon_actual(src), full)
+        dst.kill()
+        wait_for(lambda: src.qmp('query-migrate')['status'] == 'failed', 60, 'failed')
+        wait_for(lambda: balloon_actual(src) == full, 60, 'the balloon to deflate')
+        serving(2)
+        self.assertEqual(src.qmp('query-status')['status'], 'running')
+        src.shutdown()
