@@ -209,7 +209,7 @@ def throughput(workdir, quick):
                                 run_workload(s, workload, test, p, n * (4 if p == 16 else 1),
                                              keyspace))
             after = appassist(m)
-            stats[workload] = {k: after.get('appassist_' + k, 0) - before.get('appassist_' + k, 0)
+            stats[workload] = {k: after['appassist_' + k] - before['appassist_' + k]
                                for k in ('promotions', 'demotions', 'compactions',
                                          'background_slices', 'background_bites')}
             stats[workload]['cold_items_end'] = after['appassist_cold_items']

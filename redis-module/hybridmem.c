@@ -917,9 +917,14 @@ static void armTimer(void) {
     armTimerIn(hm.interval_ms);
 }
 
+/* 1 while some background work is under way (not merely due). */
+static int backgroundPending(void) {
+    return hm.state == ST_RESUMING || arenaRehashing(hm.arena) || hm.cursor || hm.ccursor ||
+           (hm.compact_wanted && hm.mallctl) || hm.sweep_cursor != 0;
+}
+
 /* The background work (unspill, arena rehash, a demotion or compaction
- * pass, expiry sweep) until 'deadline'. Returns 1 while some of it is under
- * way. */
+ * pass, expiry sweep) until 'deadline'. Returns backgroundPending(). */
 static int backgroundWork(uint64_t deadline) {
     uint64_t t0 = nowUs();
     if (hm.state == ST_RESUMING) {
@@ -930,7 +935,7 @@ static int backgroundWork(uint64_t deadline) {
             RedisModule_Log(hm.dctx, "warning", "appassist: reading the spill file back failed: %s",
                             strerror(errno));
     }
-    int busy = hm.state == ST_RESUMING, rehash = 1;
+    int rehash = 1;
     while (rehash && nowUs() < deadline) rehash = arenaRehashStep(hm.arena, HM_REHASH_STEP);
     if (hm.compact_wanted && hm.mallctl && !hm.cursor && backgroundAllowed())
         compactSlice(deadline);
@@ -939,8 +944,7 @@ static int backgroundWork(uint64_t deadline) {
     sweepSlice(deadline);
     uint64_t us = nowUs() - t0;
     if (us > hm.step_max_us) hm.step_max_us = us;
-    return busy || rehash || hm.cursor || hm.ccursor || (hm.compact_wanted && hm.mallctl) ||
-           hm.sweep_cursor != 0;
+    return backgroundPending();
 }
 
 /* The background timer. On an idle server it runs the work in slices of
@@ -954,8 +958,7 @@ static void sliceTimer(RedisModuleCtx *ctx, void *data) {
     int busy;
     if (hm.bites_on && hm.served != hm.served_at_tick) {
         hm.served_at_tick = hm.served;
-        busy = hm.state == ST_RESUMING || arenaRehashing(hm.arena) || hm.cursor || hm.ccursor ||
-               (hm.compact_wanted && hm.mallctl) || hm.sweep_cursor != 0;
+        busy = backgroundPending();
     } else {
         busy = backgroundWork(nowUs() + (uint64_t)hm.slice_us);
         hm.slices++;
@@ -1141,6 +1144,7 @@ static int kernelZeroesFreedPages(void) {
     }
     return known;
 }
+
 static int zeroFreedWanted(void) {
     return hm.zero_freed == TRI_YES || (hm.zero_freed == TRI_AUTO && !kernelZeroesFreedPages());
 }
