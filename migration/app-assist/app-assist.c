@@ -317,18 +317,32 @@ static void aa_request_stats(void)
     }
 }
 
+/* What the guest must keep whatever the applications report. */
+static uint64_t aa_balloon_floor(void)
+{
+    return MAX(AA_MIN_GUEST_BYTES, current_machine->ram_size / 8);
+}
+
 /*
- * What the balloon may take without statistics: the freed bytes, within the
- * floor (BQL held).  Returns the number of bytes to inflate by, 0 for none.
+ * The balloon target without statistics: 'actual' less the freed bytes
+ * that still hold data, never below the floor.
+ */
+static uint64_t aa_balloon_target(uint64_t actual)
+{
+    uint64_t target = actual > aa_balloon_bytes() ? actual - aa_balloon_bytes()
+                                                  : 0;
+
+    return ROUND_UP(MAX(target, aa_balloon_floor()), AA_BALLOON_PAGE);
+}
+
+/*
+ * What the balloon may take without statistics (BQL held).  Returns the
+ * number of bytes to inflate by, 0 for none.
  */
 static uint64_t aa_balloon_want(uint64_t actual)
 {
-    uint64_t ram = current_machine->ram_size;
-    uint64_t min_bytes = MAX(AA_MIN_GUEST_BYTES, ram / 8);
-    uint64_t target;
+    uint64_t target = aa_balloon_target(actual);
 
-    target = actual > aa_balloon_bytes() ? actual - aa_balloon_bytes() : 0;
-    target = ROUND_UP(MAX(target, min_bytes), AA_BALLOON_PAGE);
     return target < actual ? actual - target : 0;
 }
 
@@ -391,8 +405,7 @@ static uint64_t aa_wait_guest_available(MigrationState *s, time_t since,
 static uint64_t aa_balloon_inflate(uint64_t guest_avail)
 {
     AppAssistInfo *info = aa_state.info;
-    uint64_t ram = current_machine->ram_size;
-    uint64_t min_bytes = MAX(AA_MIN_GUEST_BYTES, ram / 8);
+    uint64_t min_bytes = aa_balloon_floor();
     g_autoptr(BalloonInfo) bi = NULL;
     Error *err = NULL;
     uint64_t target;
@@ -408,9 +421,7 @@ static uint64_t aa_balloon_inflate(uint64_t guest_avail)
     if (!aa_balloon_bytes()) {
         return 0;
     }
-    target = bi->actual > aa_balloon_bytes() ? bi->actual - aa_balloon_bytes()
-                                             : 0;
-    target = ROUND_UP(MAX(target, min_bytes), AA_BALLOON_PAGE);
+    target = aa_balloon_target(bi->actual);
     /*
      * Where the guest reports its available memory after PREPARE, never
      * inflate into what it needs: an application may over-report.
