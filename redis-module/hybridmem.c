@@ -23,8 +23,11 @@
  *     representation changes: they propagate nothing to replicas/AOF, fire
  *     no keyspace notification and do not touch WATCHed keys
  *     (REDISMODULE_OPTION_NO_IMPLICIT_SIGNAL_MODIFIED).
- *   - Every access to a cold key through a command promotes it before the
- *     command runs, so the command's reply is the stock reply by construction.
+ *   - Every access to a cold key through a command brings it into the
+ *     keyspace before the command runs, so the command's reply is the stock
+ *     reply by construction. A read is a visit (the item goes back to the
+ *     arena once the command has run) unless the item was read recently;
+ *     any other access promotes it.
  *   - All background work runs in time-bounded slices (appassist.slice-us).
  */
 
@@ -72,6 +75,8 @@
 #define HM_BITE_MIN_US          20      /* shortest bite (see bgBite) */
 #define HM_BITE_SHARE_DIV       2       /* bites: half the timer's share (see bgBite) */
 #define HM_SWEEP_PAUSE_MS       1000    /* between two full expiry sweeps */
+#define HM_READ_BACK_MAX        4096    /* cold reads awaiting their way back (see readBack) */
+#define HM_SEEN_BITS            (1u << 20) /* per generation of the read filter (128 KiB) */
 #define HM_MALLCTL_ARENAS_ALL   4096    /* jemalloc's MALLCTL_ARENAS_ALL */
 
 #define DEFAULT_PORT_PATH       "/dev/virtio-ports/org.qemu.app-assist.0"
@@ -94,6 +99,11 @@ typedef enum {
 static const char *state_names[] = {"normal", "prepared", "resuming"};
 
 /* ------------------------------------------------------------ state */
+
+typedef struct KeyList {
+    RedisModuleString **v;
+    size_t n, cap;
+} KeyList;
 
 static struct {
     /* configuration */
@@ -167,8 +177,15 @@ static struct {
     long long slices, bites;
     uint64_t step_max_us;       /* longest slice or bite (wall) */
 
+    /* reads of cold items (see readBack) */
+    long long promote_window_ms; /* promote on the 2nd read within this; 0: on the 1st */
+    KeyList back;               /* keys read cold by this round of the event loop */
+    uint64_t *seen[2];          /* reads of cold keys, this and the previous window */
+    uint64_t seen_since_us;     /* start of the current window */
+
     /* statistics */
     long long demotions, promotions, expired_promotions, demote_errors;
+    long long cold_reads;       /* reads served by a visit (the item went back cold) */
     long long prepares, resumes, aborts;
     long long last_freed, last_items, last_time_us, last_rss_before, last_rss_after;
     int last_policy, last_complete, last_lazy;
@@ -342,7 +359,24 @@ static RedisModuleKey *openIfAbsent(RedisModuleString *key) {
     return NULL;
 }
 
-static int promoteKey(RedisModuleString *key) {
+static int readBackWanted(const char *k, size_t klen);
+static void visitMark(RedisModuleKey *kh);
+
+static void keyListPush(KeyList *l, RedisModuleString *s) {
+    if (l->n == l->cap) {
+        l->cap = l->cap ? l->cap * 2 : 64;
+        l->v = RedisModule_Realloc(l->v, l->cap * sizeof(*l->v));
+    }
+    l->v[l->n++] = s;
+}
+
+/* Bring the cold item 'key' into the keyspace before a command runs on it.
+ * 'read': the command only reads it; then, unless the item was read
+ * before within appassist.promote-window-ms, it is a visit, not a
+ * promotion: the item goes back to the arena once the command has run
+ * (readBackSettle). Returns 1 if the item was brought in, 0 if it was not
+ * cold, -1 on error. */
+static int promoteKey(RedisModuleString *key, int read) {
     size_t klen;
     const char *k = RedisModule_StringPtrLen(key, &klen);
     RedisModuleCtx *ctx = hm.dctx;
@@ -373,31 +407,27 @@ static int promoteKey(RedisModuleString *key) {
     int64_t expire = it.expire;
     arenaItemRelease(&it);
     RedisModule_StringSet(kh, val);
+    int expired = 0;
     if (expire != ARENA_NO_EXPIRE) {
         RedisModule_SetAbsExpire(kh, expire);
-        if (expire <= nowMs()) hm.expired_promotions++;
+        expired = expire <= nowMs();
     }
-    RedisModule_CloseKey(kh);
     RedisModule_FreeString(ctx, val);
     arenaDelete(hm.arena, k, klen);
-    hm.promotions++;
+    if (read && !expired && readBackWanted(k, klen)) {
+        visitMark(kh);
+        keyListPush(&hm.back, RedisModule_CreateStringFromString(NULL, key));
+        hm.cold_reads++;
+    } else {
+        if (expired) hm.expired_promotions++;
+        hm.promotions++;
+    }
+    RedisModule_CloseKey(kh);
     return 1;
 }
 
 /* Promote every cold item (SWAPDB touching db 0, pure-AOF rewrites). This is
  * O(cold items) and blocks; it only runs for rare administrative commands. */
-typedef struct KeyList {
-    RedisModuleString **v;
-    size_t n, cap;
-} KeyList;
-
-static void keyListPush(KeyList *l, RedisModuleString *s) {
-    if (l->n == l->cap) {
-        l->cap = l->cap ? l->cap * 2 : 64;
-        l->v = RedisModule_Realloc(l->v, l->cap * sizeof(*l->v));
-    }
-    l->v[l->n++] = s;
-}
 
 static void collectCb(void *priv, const ColdItem *it) {
     keyListPush(priv, RedisModule_CreateString(hm.dctx, it->key, it->klen));
@@ -410,7 +440,7 @@ static void promoteAll(void) {
         cur = arenaIterate(hm.arena, cur, 4096, collectCb, &l);
     } while (cur && cur != UINT64_MAX);
     for (size_t i = 0; i < l.n; i++) {
-        promoteKey(l.v[i]);
+        promoteKey(l.v[i], 0);
         RedisModule_FreeString(hm.dctx, l.v[i]);
     }
     RedisModule_Free(l.v);
@@ -437,11 +467,10 @@ static RedisModuleKey *openLiveString(RedisModuleString *key, mstime_t *expire) 
     return kh;
 }
 
-/* Move string key 'key' from db 0 into the arena. Returns 1 if demoted. */
-static int demoteKey(RedisModuleString *key) {
-    mstime_t expire;
-    RedisModuleKey *kh = openLiveString(key, &expire);
-    if (!kh) return 0;
+/* Move string key 'key', open as 'kh' (openLiveString), from db 0 into the
+ * arena and close 'kh'. Returns the bytes moved (key, value and the
+ * estimated overhead), 0 if it was not moved. */
+static uint64_t moveToArena(RedisModuleString *key, RedisModuleKey *kh, mstime_t expire) {
     size_t klen, vlen;
     const char *k = RedisModule_StringPtrLen(key, &klen);
     const char *v = RedisModule_StringDMA(kh, &vlen, REDISMODULE_READ);
@@ -455,9 +484,133 @@ static int demoteKey(RedisModuleString *key) {
     }
     RedisModule_DeleteKey(kh);
     RedisModule_CloseKey(kh);
+    return klen + vlen + HM_ITEM_OVERHEAD;
+}
+
+/* Demote 'key' (a pass picked it). Returns 1 if demoted. */
+static int demoteKey(RedisModuleString *key) {
+    mstime_t expire;
+    RedisModuleKey *kh = openLiveString(key, &expire);
+    uint64_t bytes = kh ? moveToArena(key, kh, expire) : 0;
+    if (!bytes) return 0;
     hm.demotions++;
-    hm.compact_pending += klen + vlen + HM_ITEM_OVERHEAD;
+    hm.compact_pending += bytes;
     return 1;
+}
+
+/* ------------------------------------------------------------ cold reads */
+
+/* A read of a cold item is a visit: the item comes into the keyspace so
+ * that the stock command reads it, and goes back to the arena before the
+ * event loop sleeps (readBackSettle). Only a second read within
+ * appassist.promote-window-ms promotes it. Why: under reads spread over
+ * the cold set (the 10 % of a 90/10 mix), promoting at the first read made
+ * every such read a promotion and, a pass later, a demotion plus its share
+ * of a compaction pass (perf: 10-15 % of the server's CPU per request).
+ * The way back costs one arenaInsert and one keyspace delete; the
+ * allocations of the visit are freed at once, so they leave no holes for
+ * compaction. The filter cannot serve the read from the arena itself: that
+ * would mean rewriting GET into a module command, which changes ACL
+ * checks, keyspace hit counts, commandstats and MONITOR.
+ *
+ * The filter runs before the command, which may then wait (queued in a
+ * MULTI, postponed by CLIENT PAUSE): the item may only go back once the
+ * command has read it. So the visit marks the key's access clock as long
+ * ago (LRU idle HM_VISIT_IDLE_MS, or LFU counter 0); the command's read
+ * touches it (GET, MGET, STRLEN, GETRANGE all do; commands that read with
+ * NOTOUCH promote instead). A key still marked when the round ends stays
+ * hot with a fresh clock, as a promotion.
+ *
+ * Reads are remembered in two generations of a bit set indexed by a hash
+ * of the key (a false positive only promotes early), each generation one
+ * window long: "seen" = set in either. */
+
+#define HM_VISIT_IDLE_MS        (1LL << 32)     /* ~50 days */
+#define HM_LFU_INIT             5               /* Redis's LFU_INIT_VAL */
+
+static uint64_t keyHash64(const char *p, size_t l) {
+    uint64_t h = 1469598103934665603ULL;   /* FNV-1a */
+    while (l--) h = (h ^ (unsigned char)*p++) * 1099511628211ULL;
+    return h ^ (h >> 29);
+}
+
+static int demotionAllowed(void);
+
+/* 1 if the cold item read now is a visit (see above). */
+static int readBackWanted(const char *k, size_t klen) {
+    if (hm.promote_window_ms == 0 || !hm.bites_on ||
+        hm.replica || hm.back.n >= HM_READ_BACK_MAX || !demotionAllowed())
+        return 0;
+    if (!hm.seen[0]) {
+        hm.seen[0] = RedisModule_Calloc(HM_SEEN_BITS / 64, sizeof(uint64_t));
+        hm.seen[1] = RedisModule_Calloc(HM_SEEN_BITS / 64, sizeof(uint64_t));
+        hm.seen_since_us = nowUs();
+    }
+    uint64_t now = nowUs(), window = (uint64_t)hm.promote_window_ms * 1000;
+    if (now - hm.seen_since_us >= window) {
+        uint64_t *old = hm.seen[1];
+        hm.seen[1] = hm.seen[0];
+        hm.seen[0] = old;
+        memset(old, 0, HM_SEEN_BITS / 8);
+        if (now - hm.seen_since_us >= 2 * window) memset(hm.seen[1], 0, HM_SEEN_BITS / 8);
+        hm.seen_since_us = now;
+    }
+    uint64_t bit = keyHash64(k, klen) & (HM_SEEN_BITS - 1), mask = 1ULL << (bit & 63);
+    size_t w = bit >> 6;
+    int seen = ((hm.seen[0][w] | hm.seen[1][w]) & mask) != 0;
+    hm.seen[0][w] |= mask;
+    return !seen;
+}
+
+/* Mark a visited key's access clock (see above). */
+static void visitMark(RedisModuleKey *kh) {
+    if (RedisModule_SetLFU(kh, 0) != REDISMODULE_OK) RedisModule_SetLRU(kh, HM_VISIT_IDLE_MS);
+}
+
+/* Give a visited key the clock of a fresh key: it stays hot. */
+static void visitReset(RedisModuleKey *kh) {
+    if (RedisModule_SetLFU(kh, HM_LFU_INIT) != REDISMODULE_OK) RedisModule_SetLRU(kh, 0);
+}
+
+/* 1 if a command read the key since visitMark; otherwise visitReset. */
+static int visitDone(RedisModuleKey *kh) {
+    long long freq;
+    mstime_t idle;
+    if (RedisModule_GetLFU(kh, &freq) == REDISMODULE_OK && freq >= 0) {
+        if (freq > 0) return 1;
+    } else if (RedisModule_GetLRU(kh, &idle) == REDISMODULE_OK && idle >= 0 &&
+               idle < HM_VISIT_IDLE_MS / 2) {
+        return 1;
+    }
+    visitReset(kh);
+    return 0;
+}
+
+/* After the commands of this round of the event loop: the visited items
+ * that were read go back. A key the round deleted or turned into another
+ * type stays as it is; one it wrote goes back with its new value (a write
+ * right after a read is rare, and the next read promotes it). If demotion
+ * is not allowed now (a migration began), the keys stay hot and a pass
+ * demotes them later. */
+static void readBackSettle(void) {
+    int allowed = demotionAllowed();
+    for (size_t i = 0; i < hm.back.n; i++) {
+        RedisModuleString *key = hm.back.v[i];
+        mstime_t expire;
+        RedisModuleKey *kh = openLiveString(key, &expire);
+        if (!kh) {
+            /* deleted, expired or no longer a string */
+        } else if (allowed && visitDone(kh)) {
+            moveToArena(key, kh, expire);
+        } else {
+            if (!allowed) visitReset(kh);
+            RedisModule_CloseKey(kh);
+            hm.cold_reads--;
+            hm.promotions++;
+        }
+        RedisModule_FreeString(NULL, key);
+    }
+    hm.back.n = 0;
 }
 
 static void compactCheck(RedisModuleCtx *ctx);
@@ -665,7 +818,7 @@ static void sweepSlice(uint64_t deadline) {
         hm.sweep_cursor = arenaIterate(hm.arena, hm.sweep_cursor, 256, expiredCb, priv);
         for (size_t i = 0; i < l.n; i++) {
             RedisModuleKey *kh;
-            promoteKey(l.v[i]);
+            promoteKey(l.v[i], 0);
             /* Let Redis expire it now, as its active expire cycle would. */
             kh = RedisModule_OpenKey(hm.dctx, l.v[i], REDISMODULE_READ);
             RedisModule_CloseKey(kh);
@@ -992,6 +1145,7 @@ static void bgBite(RedisModuleCtx *ctx, RedisModuleEvent e, uint64_t sub, void *
     (void)data;
     if (sub != REDISMODULE_SUBEVENT_EVENTLOOP_BEFORE_SLEEP || hm.served == hm.served_at_bite)
         return;
+    if (hm.back.n) readBackSettle();
     uint64_t now = nowUs();
     uint64_t period = (uint64_t)hm.interval_ms * 1000;
     uint64_t credit = (now - hm.last_bite_us) * (uint64_t)hm.slice_us / (HM_BITE_SHARE_DIV * period);
@@ -1016,38 +1170,44 @@ static int cmdIs(const char *c, size_t l, const char *name) {
  * (RedisModule_GetCommandKeys looks the command up and allocates; measured
  * ~0.1 us per command, 10 % of a pipelined GET). Must stay exact: a
  * command listed here with another key would run on that key cold. */
-#define NAMELEN(s) {s, sizeof(s) - 1}
-typedef struct { const char *name; size_t len; } CmdName;
+#define NAMELEN(s) s, sizeof(s) - 1
+typedef struct { const char *name; size_t len; int read; } CmdName;
+/* 'read': the command only reads the value and touches the key's access
+ * clock, so a cold item is visited, not promoted (see readBackWanted). */
 static const CmdName one_key_cmds[] = {
-    NAMELEN("get"), NAMELEN("set"), NAMELEN("setnx"), NAMELEN("setex"), NAMELEN("psetex"),
-    NAMELEN("getset"), NAMELEN("getdel"), NAMELEN("getex"), NAMELEN("incr"), NAMELEN("decr"),
-    NAMELEN("incrby"), NAMELEN("decrby"), NAMELEN("incrbyfloat"), NAMELEN("append"),
-    NAMELEN("strlen"), NAMELEN("getrange"), NAMELEN("setrange"), NAMELEN("substr"),
-    NAMELEN("ttl"), NAMELEN("pttl"), NAMELEN("expire"), NAMELEN("pexpire"),
-    NAMELEN("expireat"), NAMELEN("pexpireat"), NAMELEN("persist"), NAMELEN("type"),
-    NAMELEN("expiretime"), NAMELEN("pexpiretime"),
+    {NAMELEN("get"), 1}, {NAMELEN("set"), 0}, {NAMELEN("setnx"), 0}, {NAMELEN("setex"), 0},
+    {NAMELEN("psetex"), 0}, {NAMELEN("getset"), 0}, {NAMELEN("getdel"), 0},
+    {NAMELEN("getex"), 0}, {NAMELEN("incr"), 0}, {NAMELEN("decr"), 0}, {NAMELEN("incrby"), 0},
+    {NAMELEN("decrby"), 0}, {NAMELEN("incrbyfloat"), 0}, {NAMELEN("append"), 0},
+    {NAMELEN("strlen"), 1}, {NAMELEN("getrange"), 1}, {NAMELEN("setrange"), 0},
+    {NAMELEN("substr"), 1}, {NAMELEN("ttl"), 0}, {NAMELEN("pttl"), 0}, {NAMELEN("expire"), 0},
+    {NAMELEN("pexpire"), 0}, {NAMELEN("expireat"), 0}, {NAMELEN("pexpireat"), 0},
+    {NAMELEN("persist"), 0}, {NAMELEN("type"), 0}, {NAMELEN("expiretime"), 0},
+    {NAMELEN("pexpiretime"), 0},
 };
 static const CmdName one_key_if_argc2[] = {
-    NAMELEN("exists"), NAMELEN("del"), NAMELEN("unlink"), NAMELEN("touch"),
+    {NAMELEN("exists"), 0}, {NAMELEN("del"), 0}, {NAMELEN("unlink"), 0}, {NAMELEN("touch"), 0},
 };
 
-static int inNames(const CmdName *t, size_t n, const char *c, size_t l) {
+static const CmdName *inNames(const CmdName *t, size_t n, const char *c, size_t l) {
     for (size_t i = 0; i < n; i++)
-        if (t[i].len == l && strncasecmp(c, t[i].name, l) == 0) return 1;
-    return 0;
+        if (t[i].len == l && strncasecmp(c, t[i].name, l) == 0) return &t[i];
+    return NULL;
 }
 
-static int firstArgIsOnlyKey(const char *c, size_t l, int argc) {
-    if (argc < 2) return 0;
-    if (inNames(one_key_cmds, sizeof(one_key_cmds) / sizeof(one_key_cmds[0]), c, l)) return 1;
-    return argc == 2 &&
-           inNames(one_key_if_argc2, sizeof(one_key_if_argc2) / sizeof(one_key_if_argc2[0]), c, l);
+/* The table entry if argv[1] is the command's only key, else NULL. */
+static const CmdName *firstArgIsOnlyKey(const char *c, size_t l, int argc) {
+    if (argc < 2) return NULL;
+    const CmdName *e = inNames(one_key_cmds, sizeof(one_key_cmds) / sizeof(one_key_cmds[0]), c, l);
+    if (e || argc != 2) return e;
+    return inNames(one_key_if_argc2, sizeof(one_key_if_argc2) / sizeof(one_key_if_argc2[0]), c, l);
 }
 
 /* Runs before every command (client, script, MULTI queueing, RM_Call of
  * other modules). Whole-keyspace commands are rewritten to module commands
- * that also see the arena; every key argument that is cold is promoted so
- * the real command runs on the hot item. The filter does not know the
+ * that also see the arena; every key argument that is cold is brought into
+ * the keyspace (promoted, or visited for a read) so the real command runs on
+ * an ordinary key. The filter does not know the
  * client's selected DB (7.0 has no API for it): promotion always targets db
  * 0, which is harmless for a command on another DB. */
 static void hmFilter(RedisModuleCommandFilterCtx *f) {
@@ -1090,8 +1250,13 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
         break;
     }
     if (arenaCount(hm.arena) == 0) return;
-    if (firstArgIsOnlyKey(c, cl, argc)) {
-        promoteKey(RedisModule_CommandFilterArgGet(f, 1));
+    const CmdName *one = firstArgIsOnlyKey(c, cl, argc);
+    if (one) {
+        promoteKey(RedisModule_CommandFilterArgGet(f, 1), one->read);
+        return;
+    }
+    if (cmdIs(c, cl, "mget")) {
+        for (int i = 1; i < argc; i++) promoteKey(RedisModule_CommandFilterArgGet(f, i), 1);
         return;
     }
 
@@ -1100,7 +1265,7 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
     for (int i = 0; i < argc; i++) argv[i] = RedisModule_CommandFilterArgGet(f, i);
     int nkeys = 0;
     int *pos = RedisModule_GetCommandKeys(hm.dctx, argv, argc, &nkeys);
-    for (int i = 0; pos && i < nkeys; i++) promoteKey(argv[pos[i]]);
+    for (int i = 0; pos && i < nkeys; i++) promoteKey(argv[pos[i]], 0);
     if (pos) RedisModule_Free(pos);
     if (argv != stackv) RedisModule_Free(argv);
 }
@@ -1345,6 +1510,7 @@ static void statusFields(RedisModuleCtx *ctx, Fields *fs) {
     addInt(fs, "spilled_bytes", (long long)st.spilled_bytes);
     addInt(fs, "demotions", hm.demotions);
     addInt(fs, "promotions", hm.promotions);
+    addInt(fs, "cold_reads", hm.cold_reads);
     addInt(fs, "prepares", hm.prepares);
     addInt(fs, "used_memory", (long long)infoMemoryField(ctx, "used_memory"));
     addInt(fs, "rss", processRss());
@@ -1838,6 +2004,7 @@ static long long *numericConfig(const char *name) {
     if (!strcasecmp(name, "interval-ms")) return &hm.interval_ms;
     if (!strcasecmp(name, "port-retry-ms")) return &hm.port_retry_ms;
     if (!strcasecmp(name, "compact-percent")) return &hm.compact_percent;
+    if (!strcasecmp(name, "promote-window-ms")) return &hm.promote_window_ms;
     return NULL;
 }
 
@@ -1933,6 +2100,7 @@ static int registerConfigs(RedisModuleCtx *ctx) {
         {"interval-ms", 3, 1, 10000, 0},
         {"port-retry-ms", 200, 10, 3600000, 0},
         {"compact-percent", 10, 0, 100, 0},
+        {"promote-window-ms", 1000, 0, 3600000, 0},
     };
     for (size_t i = 0; i < sizeof(nums) / sizeof(nums[0]); i++)
         if (RedisModule_RegisterNumericConfig(ctx, nums[i].name, nums[i].def,
@@ -2114,6 +2282,7 @@ static void infoFunc(RedisModuleInfoCtx *ctx, int for_crash_report) {
     RedisModule_InfoAddFieldULongLong(ctx, "skipped_passes", hm.skipped_passes);
     RedisModule_InfoAddFieldLongLong(ctx, "demotions", hm.demotions);
     RedisModule_InfoAddFieldLongLong(ctx, "promotions", hm.promotions);
+    RedisModule_InfoAddFieldLongLong(ctx, "cold_reads", hm.cold_reads);
     RedisModule_InfoAddFieldLongLong(ctx, "expired_promotions", hm.expired_promotions);
     RedisModule_InfoAddFieldLongLong(ctx, "prepares", hm.prepares);
     RedisModule_InfoAddFieldLongLong(ctx, "resumes", hm.resumes);

@@ -1,0 +1,188 @@
+"""Reads of cold items are visits: the item comes into the keyspace for the
+command and goes back to the arena before the event loop sleeps; only a
+second read within appassist.promote-window-ms promotes it. A visit must
+never go back before its command has read it (MULTI, CLIENT PAUSE), and
+reads still count and notify exactly as stock Redis's do."""
+
+import os
+import sys
+import threading
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hmlib import ServerTestCase  # noqa: E402
+
+VAL = b'v' * 100
+
+
+def configs(**kw):
+    c = {'hot-percent': 0, 'min-idle-ms': 0, 'promote-window-ms': 60000}
+    c.update(kw)
+    return c
+
+
+def demoted(test, c, n):
+    """Everything cold; then passes keep demoting, but only keys idle for
+    an hour: a promoted key stays hot, so the test can see it."""
+    test.demote_all(c, n)
+    c.config_set('appassist.min-idle-ms', 3600000)
+
+
+class VisitTest(ServerTestCase):
+
+    def cold_server(self, n=8, **kw):
+        srv = self.server(configs=configs(**kw))
+        c = srv.client()
+        for i in range(n):
+            c.set('k%d' % i, VAL + b'%d' % i)
+        demoted(self, c, n)
+        return srv, c
+
+    def counts(self, c):
+        i = self.info(c)
+        return i['appassist_cold_reads'], i['appassist_promotions']
+
+    def cold(self, c, key):
+        return c.execute_command('APPASSIST.ISCOLD', key) == 1
+
+    def test_first_read_visits_second_promotes(self):
+        srv, c = self.cold_server()
+        self.assertEqual(self.counts(c), (0, 0))
+        self.assertEqual(c.get('k1'), VAL + b'1')
+        # The command that asks ran in a later round: the item is back.
+        self.assertTrue(self.cold(c, 'k1'))
+        self.assertEqual(self.counts(c), (1, 0))
+        self.assertEqual(c.mget('k2', 'k3', 'nope'), [VAL + b'2', VAL + b'3', None])
+        self.assertEqual(c.strlen('k4'), 101)
+        self.assertEqual(c.getrange('k5', 0, 1), b'vv')
+        self.assertTrue(all(self.cold(c, k) for k in ('k2', 'k3', 'k4', 'k5')))
+        self.assertEqual(self.counts(c), (5, 0))
+        # Read again within the window: promoted, it stays hot.
+        self.assertEqual(c.get('k1'), VAL + b'1')
+        self.assertFalse(self.cold(c, 'k1'))
+        self.assertEqual(self.counts(c), (5, 1))
+        # Not a read: promoted at once.
+        self.assertEqual(c.ttl('k6'), -1)
+        self.assertFalse(self.cold(c, 'k6'))
+        self.assertEqual(self.counts(c), (5, 2))
+        self.assertEqual(c.dbsize(), 8)
+        self.assertHealthy(srv)
+
+    def test_window(self):
+        srv, c = self.cold_server(**{'promote-window-ms': 100})
+        c.get('k1')
+        time.sleep(0.3)     # two windows: forgotten
+        c.get('k1')
+        self.assertTrue(self.cold(c, 'k1'))
+        self.assertEqual(self.counts(c), (2, 0))
+        c.config_set('appassist.promote-window-ms', 0)
+        c.get('k2')
+        self.assertFalse(self.cold(c, 'k2'))
+        self.assertEqual(self.counts(c), (2, 1))
+
+    def test_no_visit_without_demotion(self):
+        srv, c = self.cold_server()
+        c.config_set('appassist.demote', 'no')
+        self.assertEqual(c.get('k1'), VAL + b'1')
+        self.assertFalse(self.cold(c, 'k1'))
+        self.assertEqual(self.counts(c), (0, 1))
+
+    def test_write_in_the_same_round(self):
+        """A read then a write in one pipeline: the key goes back with the
+        written value, nothing is lost."""
+        srv, c = self.cold_server()
+        p = c.pipeline(transaction=False)
+        p.get('k1').set('k1', 'new').append('k1', '!').get('k2').delete('k2')
+        self.assertEqual(p.execute(), [VAL + b'1', True, 4, VAL + b'2', 1])
+        self.assertEqual(c.get('k1'), b'new!')
+        self.assertIsNone(c.get('k2'))
+        self.assertEqual(c.dbsize(), 7)
+
+    def test_queued_read_waits_for_exec(self):
+        """MULTI queues the read (the filter runs at queueing): the item
+        must still be in the keyspace at EXEC, however many rounds later."""
+        srv, c = self.cold_server()
+        t = srv.client().connection_pool.get_connection('MULTI')
+        t.send_command('MULTI')
+        self.assertEqual(t.read_response(), b'OK')
+        t.send_command('GET', 'k1')
+        self.assertEqual(t.read_response(), b'QUEUED')
+        for _ in range(20):             # rounds of the event loop
+            c.ping()
+        time.sleep(0.2)
+        t.send_command('EXEC')
+        self.assertEqual(t.read_response(), [VAL + b'1'])
+        self.assertEqual(c.get('k1'), VAL + b'1')
+
+    def test_postponed_read(self):
+        """CLIENT PAUSE postpones a read after the filter ran: the item
+        stays until the command has read it."""
+        srv, c = self.cold_server()
+        c.execute_command('CLIENT', 'PAUSE', 400, 'ALL')
+        got = []
+        r = srv.client()
+        th = threading.Thread(target=lambda: got.append(r.get('k1')))
+        th.start()
+        th.join(5)
+        self.assertEqual(got, [VAL + b'1'])
+        self.assertEqual(c.get('k3'), VAL + b'3')
+
+    def test_lfu_policy(self):
+        srv, c = self.cold_server()
+        c.config_set('maxmemory-policy', 'allkeys-lfu')
+        self.assertEqual(c.get('k1'), VAL + b'1')
+        self.assertTrue(self.cold(c, 'k1'))
+        self.assertEqual(self.counts(c), (1, 0))
+        self.assertEqual(c.get('k1'), VAL + b'1')
+        self.assertFalse(self.cold(c, 'k1'))
+        # A fresh key's counter (LFU_INIT_VAL, 5) after the read that promoted it.
+        self.assertEqual(c.object('freq', 'k1'), 6)
+
+    def test_expire_kept(self):
+        srv = self.server(configs=configs())
+        c = srv.client()
+        c.set('t', 'x', ex=1000)
+        c.set('p', 'y', px=300)
+        demoted(self, c, 2)
+        self.assertEqual(c.get('t'), b'x')
+        self.assertTrue(self.cold(c, 't'))
+        self.assertGreater(c.pttl('t'), 990000)
+        time.sleep(0.4)
+        self.assertIsNone(c.get('p'))   # expired while cold: a miss, as stock
+        self.assertEqual(c.dbsize(), 1)
+
+    def test_reads_count_like_stock(self):
+        """Visits run the stock command on the real key: hits, misses and
+        keyspace events are stock Redis's."""
+        seen = {}
+        for name, module in (('stock', False), ('mod', True)):
+            srv = self.server(name, module=module, configs=configs())
+            c = srv.client()
+            c.config_set('notify-keyspace-events', 'KEA')
+            for k in ('a', 'b', 'c'):
+                c.set(k, 'v' + k)
+            if module:
+                demoted(self, c, 3)
+            before = c.info('stats')
+            sub = srv.client().pubsub()
+            sub.psubscribe('__key*__:*')
+            self.assertEqual(sub.get_message(timeout=2)['type'], 'psubscribe')
+            replies = [c.get('a'), c.get('zz'), c.mget('b', 'q'), c.strlen('c')]
+            events = []
+            while True:
+                m = sub.get_message(timeout=0.5)
+                if m is None:
+                    break
+                events.append((m['channel'], m['data']))
+            after = c.info('stats')
+            seen[name] = (replies, events, {f: after[f] - before[f] for f in (
+                'keyspace_hits', 'keyspace_misses')})
+            if module:
+                self.assertEqual(self.counts(c), (3, 0))
+            sub.close()
+        self.assertEqual(seen['stock'], seen['mod'])
+
+
+if __name__ == '__main__':
+    unittest.main()
