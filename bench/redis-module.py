@@ -210,7 +210,7 @@ def throughput(workdir, quick):
                                              keyspace))
             after = appassist(m)
             stats[workload] = {k: after['appassist_' + k] - before['appassist_' + k]
-                               for k in ('promotions', 'demotions', 'compactions',
+                               for k in ('visits', 'promotions', 'demotions', 'compactions',
                                          'background_slices', 'background_bites')}
             stats[workload]['cold_items_end'] = after['appassist_cold_items']
     finally:
@@ -416,15 +416,18 @@ def write(tp, setups, stats, n, keyspace, prep, cpu, loadavg, when):
                                                 c['last_compaction_slice_max_us']))
         L.append('')
         L.append('Background work during the runs: in slices of the timer when the server was idle '
-                 '(between runs), in bites before the event loop sleeps while it served clients.')
+                 '(between runs), in bites before the event loop sleeps while it served clients. '
+                 'A cold read is a visit (the item goes back to the arena after the command) unless '
+                 'the item was read within `promote-window-ms`; writes promote.')
         L.append('')
-        L.append('| workload | promotions | demotions | compaction passes | cold items at the end '
-                 '| timer slices | event-loop bites |')
-        L.append('|---|---|---|---|---|---|---|')
+        L.append('| workload | visits | promotions | demotions | compaction passes '
+                 '| cold items at the end | timer slices | event-loop bites |')
+        L.append('|---|---|---|---|---|---|---|---|')
         for workload in WORKLOADS:
             w = stats[workload]
-            L.append('| %s | %d | %d | %d | %d | %d | %d |' % (
-                workload, w['promotions'], w['demotions'], w['compactions'], w['cold_items_end'],
+            L.append('| %s | %d | %d | %d | %d | %d | %d | %d |' % (
+                workload, w['visits'], w['promotions'], w['demotions'], w['compactions'],
+                w['cold_items_end'],
                 w.get('background_slices', 0), w.get('background_bites', 0)))
         L.append('')
     if prep:

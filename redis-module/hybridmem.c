@@ -75,7 +75,7 @@
 #define HM_BITE_MIN_US          20      /* shortest bite (see bgBite) */
 #define HM_BITE_SHARE_DIV       2       /* bites: half the timer's share (see bgBite) */
 #define HM_SWEEP_PAUSE_MS       1000    /* between two full expiry sweeps */
-#define HM_READ_BACK_MAX        4096    /* cold reads awaiting their way back (see readBack) */
+#define HM_READ_BACK_MAX        4096    /* visited keys awaiting their way back (readBackSettle) */
 #define HM_SEEN_BITS            (1u << 20) /* per generation of the read filter (128 KiB) */
 #define HM_MALLCTL_ARENAS_ALL   4096    /* jemalloc's MALLCTL_ARENAS_ALL */
 
@@ -179,13 +179,14 @@ static struct {
 
     /* reads of cold items (see readBack) */
     long long promote_window_ms; /* promote on the 2nd read within this; 0: on the 1st */
-    KeyList back;               /* keys read cold by this round of the event loop */
+    KeyList back;               /* keys visited in this round of the event loop */
     uint64_t *seen[2];          /* reads of cold keys, this and the previous window */
     uint64_t seen_since_us;     /* start of the current window */
+    uint64_t paused_until_us;   /* clients may be paused (see notePause) */
 
     /* statistics */
     long long demotions, promotions, expired_promotions, demote_errors;
-    long long cold_reads;       /* reads served by a visit (the item went back cold) */
+    long long visits;           /* accesses served by a visit (the item went back cold) */
     long long prepares, resumes, aborts;
     long long last_freed, last_items, last_time_us, last_rss_before, last_rss_after;
     int last_policy, last_complete, last_lazy;
@@ -371,12 +372,12 @@ static void keyListPush(KeyList *l, RedisModuleString *s) {
 }
 
 /* Bring the cold item 'key' into the keyspace before a command runs on it.
- * 'read': the command only reads it; then, unless the item was read
- * before within appassist.promote-window-ms, it is a visit, not a
- * promotion: the item goes back to the arena once the command has run
- * (readBackSettle). Returns 1 if the item was brought in, 0 if it was not
- * cold, -1 on error. */
-static int promoteKey(RedisModuleString *key, int read) {
+ * 'visit': the command touches the key's access clock; then, unless the
+ * item was accessed before within appassist.promote-window-ms, it is a
+ * visit, not a promotion: the item goes back to the arena once the command
+ * has run (readBackSettle). Returns 1 if the item was brought in, 0 if it
+ * was not cold, -1 on error. */
+static int promoteKey(RedisModuleString *key, int visit) {
     size_t klen;
     const char *k = RedisModule_StringPtrLen(key, &klen);
     RedisModuleCtx *ctx = hm.dctx;
@@ -414,10 +415,10 @@ static int promoteKey(RedisModuleString *key, int read) {
     }
     RedisModule_FreeString(ctx, val);
     arenaDelete(hm.arena, k, klen);
-    if (read && !expired && readBackWanted(k, klen)) {
+    if (visit && !expired && readBackWanted(k, klen)) {
         visitMark(kh);
         keyListPush(&hm.back, RedisModule_CreateStringFromString(NULL, key));
-        hm.cold_reads++;
+        hm.visits++;
     } else {
         if (expired) hm.expired_promotions++;
         hm.promotions++;
@@ -498,32 +499,34 @@ static int demoteKey(RedisModuleString *key) {
     return 1;
 }
 
-/* ------------------------------------------------------------ cold reads */
+/* ------------------------------------------------------------ visits */
 
-/* A read of a cold item is a visit: the item comes into the keyspace so
- * that the stock command reads it, and goes back to the arena before the
- * event loop sleeps (readBackSettle). Only a second read within
- * appassist.promote-window-ms promotes it. Why: under reads spread over
- * the cold set (the 10 % of a 90/10 mix), promoting at the first read made
- * every such read a promotion and, a pass later, a demotion plus its share
- * of a compaction pass (perf: 10-15 % of the server's CPU per request).
- * The way back costs one arenaInsert and one keyspace delete; the
- * allocations of the visit are freed at once, so they leave no holes for
- * compaction. The filter cannot serve the read from the arena itself: that
- * would mean rewriting GET into a module command, which changes ACL
- * checks, keyspace hit counts, commandstats and MONITOR.
+/* An access to a cold item is a visit: the item comes into the keyspace so
+ * that the stock command runs on it, and goes back to the arena, with what
+ * the command left in it, before the event loop sleeps (readBackSettle).
+ * Only a second access within appassist.promote-window-ms promotes it.
+ * Why: under accesses spread over the cold set (the 10 % of a 90/10 mix),
+ * promoting at the first access made each one a promotion and, a pass
+ * later, a demotion plus its share of a compaction pass, and the cold set
+ * eroded while clients ran. The way back costs one arenaInsert and one
+ * keyspace delete; the allocations of the visit are freed at once, so they
+ * leave no holes for compaction. The filter cannot serve a read from the
+ * arena itself: that would mean rewriting GET into a module command, which
+ * changes ACL checks, keyspace hit counts, commandstats and MONITOR.
  *
  * The filter runs before the command, which may then wait (queued in a
  * MULTI, postponed by CLIENT PAUSE): the item may only go back once the
- * command has read it. So the visit marks the key's access clock as long
- * ago (LRU idle HM_VISIT_IDLE_MS, or LFU counter 0); the command's read
- * touches it (GET, MGET, STRLEN, GETRANGE all do; commands that read with
- * NOTOUCH promote instead). A key still marked when the round ends stays
- * hot with a fresh clock, as a promotion.
+ * command has run. So the visit marks the key's access clock as long ago
+ * (LRU idle HM_VISIT_IDLE_MS, or LFU counter 0), the command's lookup
+ * touches it (commands that look up with NOTOUCH promote instead), and a
+ * key still marked when the round ends stays hot with a fresh clock, as a
+ * promotion. Another client's access to the same key in that round would
+ * touch the clock too: so there are no visits while a MULTI is open (as
+ * for demotion) or clients may be paused (notePause).
  *
- * Reads are remembered in two generations of a bit set indexed by a hash
- * of the key (a false positive only promotes early), each generation one
- * window long: "seen" = set in either. */
+ * Accesses are remembered in two generations of a bit set indexed by a
+ * hash of the key (a false positive only promotes early), each generation
+ * one window long: "seen" = set in either. */
 
 #define HM_VISIT_IDLE_MS        (1LL << 32)     /* ~50 days */
 #define HM_LFU_INIT             5               /* Redis's LFU_INIT_VAL */
@@ -536,10 +539,14 @@ static uint64_t keyHash64(const char *p, size_t l) {
 
 static int demotionAllowed(void);
 
-/* 1 if the cold item read now is a visit (see above). */
+static int visitsAllowed(void) {
+    return demotionAllowed() && nowUs() >= hm.paused_until_us;
+}
+
+/* 1 if the cold item accessed now is a visit (see above). */
 static int readBackWanted(const char *k, size_t klen) {
-    if (hm.promote_window_ms == 0 || !hm.bites_on ||
-        hm.replica || hm.back.n >= HM_READ_BACK_MAX || !demotionAllowed())
+    if (hm.promote_window_ms == 0 || !hm.bites_on || hm.replica ||
+        hm.back.n >= HM_READ_BACK_MAX || !visitsAllowed())
         return 0;
     if (!hm.seen[0]) {
         hm.seen[0] = RedisModule_Calloc(HM_SEEN_BITS / 64, sizeof(uint64_t));
@@ -587,13 +594,12 @@ static int visitDone(RedisModuleKey *kh) {
 }
 
 /* After the commands of this round of the event loop: the visited items
- * that were read go back. A key the round deleted or turned into another
- * type stays as it is; one it wrote goes back with its new value (a write
- * right after a read is rare, and the next read promotes it). If demotion
- * is not allowed now (a migration began), the keys stay hot and a pass
- * demotes them later. */
+ * the commands ran on go back, with their values and expires as the
+ * commands left them. A key the round deleted or turned into another type
+ * stays as it is. If visits are not allowed now (a migration or a pause
+ * began), the keys stay hot and a pass demotes them later. */
 static void readBackSettle(void) {
-    int allowed = demotionAllowed();
+    int allowed = visitsAllowed();
     for (size_t i = 0; i < hm.back.n; i++) {
         RedisModuleString *key = hm.back.v[i];
         mstime_t expire;
@@ -605,7 +611,7 @@ static void readBackSettle(void) {
         } else {
             if (!allowed) visitReset(kh);
             RedisModule_CloseKey(kh);
-            hm.cold_reads--;
+            hm.visits--;
             hm.promotions++;
         }
         RedisModule_FreeString(NULL, key);
@@ -1171,22 +1177,23 @@ static int cmdIs(const char *c, size_t l, const char *name) {
  * ~0.1 us per command, 10 % of a pipelined GET). Must stay exact: a
  * command listed here with another key would run on that key cold. */
 #define NAMELEN(s) s, sizeof(s) - 1
-typedef struct { const char *name; size_t len; int read; } CmdName;
-/* 'read': the command only reads the value and touches the key's access
- * clock, so a cold item is visited, not promoted (see readBackWanted). */
+typedef struct { const char *name; size_t len; int visit; } CmdName;
+/* 'visit': a cold key the command names is visited, not promoted (see
+ * readBackWanted); 0 for the commands that look the key up with NOTOUCH
+ * (the visit could not tell that they ran: it would end as a promotion). */
 static const CmdName one_key_cmds[] = {
-    {NAMELEN("get"), 1}, {NAMELEN("set"), 0}, {NAMELEN("setnx"), 0}, {NAMELEN("setex"), 0},
-    {NAMELEN("psetex"), 0}, {NAMELEN("getset"), 0}, {NAMELEN("getdel"), 0},
-    {NAMELEN("getex"), 0}, {NAMELEN("incr"), 0}, {NAMELEN("decr"), 0}, {NAMELEN("incrby"), 0},
-    {NAMELEN("decrby"), 0}, {NAMELEN("incrbyfloat"), 0}, {NAMELEN("append"), 0},
-    {NAMELEN("strlen"), 1}, {NAMELEN("getrange"), 1}, {NAMELEN("setrange"), 0},
-    {NAMELEN("substr"), 1}, {NAMELEN("ttl"), 0}, {NAMELEN("pttl"), 0}, {NAMELEN("expire"), 0},
-    {NAMELEN("pexpire"), 0}, {NAMELEN("expireat"), 0}, {NAMELEN("pexpireat"), 0},
-    {NAMELEN("persist"), 0}, {NAMELEN("type"), 0}, {NAMELEN("expiretime"), 0},
+    {NAMELEN("get"), 1}, {NAMELEN("set"), 1}, {NAMELEN("setnx"), 1}, {NAMELEN("setex"), 1},
+    {NAMELEN("psetex"), 1}, {NAMELEN("getset"), 1}, {NAMELEN("getdel"), 1},
+    {NAMELEN("getex"), 1}, {NAMELEN("incr"), 1}, {NAMELEN("decr"), 1}, {NAMELEN("incrby"), 1},
+    {NAMELEN("decrby"), 1}, {NAMELEN("incrbyfloat"), 1}, {NAMELEN("append"), 1},
+    {NAMELEN("strlen"), 1}, {NAMELEN("getrange"), 1}, {NAMELEN("setrange"), 1},
+    {NAMELEN("substr"), 1}, {NAMELEN("ttl"), 0}, {NAMELEN("pttl"), 0}, {NAMELEN("expire"), 1},
+    {NAMELEN("pexpire"), 1}, {NAMELEN("expireat"), 1}, {NAMELEN("pexpireat"), 1},
+    {NAMELEN("persist"), 1}, {NAMELEN("type"), 0}, {NAMELEN("expiretime"), 0},
     {NAMELEN("pexpiretime"), 0},
 };
 static const CmdName one_key_if_argc2[] = {
-    {NAMELEN("exists"), 0}, {NAMELEN("del"), 0}, {NAMELEN("unlink"), 0}, {NAMELEN("touch"), 0},
+    {NAMELEN("exists"), 0}, {NAMELEN("del"), 1}, {NAMELEN("unlink"), 1}, {NAMELEN("touch"), 1},
 };
 
 static const CmdName *inNames(const CmdName *t, size_t n, const char *c, size_t l) {
@@ -1201,6 +1208,34 @@ static const CmdName *firstArgIsOnlyKey(const char *c, size_t l, int argc) {
     const CmdName *e = inNames(one_key_cmds, sizeof(one_key_cmds) / sizeof(one_key_cmds[0]), c, l);
     if (e || argc != 2) return e;
     return inNames(one_key_if_argc2, sizeof(one_key_if_argc2) / sizeof(one_key_if_argc2[0]), c, l);
+}
+
+/* CLIENT PAUSE and FAILOVER postpone commands after the filter ran; a
+ * visit must not go back while another client's read touched the key and
+ * the postponed command has yet to run (Redis 7.2+ does not rerun the
+ * filter). So no visits until the pause ends: CLIENT PAUSE's timeout,
+ * FAILOVER's (60 s when it gives none), or CLIENT UNPAUSE / FAILOVER ABORT. */
+static void notePause(RedisModuleCommandFilterCtx *f, int argc) {
+    size_t l;
+    const char *c = RedisModule_StringPtrLen(RedisModule_CommandFilterArgGet(f, 0), &l);
+    long long ms = -1;
+    if (cmdIs(c, l, "failover")) {
+        ms = 60000;
+        for (int i = 1; i < argc; i++) {
+            const char *a = RedisModule_StringPtrLen(RedisModule_CommandFilterArgGet(f, i), &l);
+            if (cmdIs(a, l, "abort")) ms = 0;
+            else if (cmdIs(a, l, "timeout") && i + 1 < argc)
+                RedisModule_StringToLongLong(RedisModule_CommandFilterArgGet(f, i + 1), &ms);
+        }
+    } else if (argc >= 2) {
+        const char *a = RedisModule_StringPtrLen(RedisModule_CommandFilterArgGet(f, 1), &l);
+        if (cmdIs(a, l, "unpause")) ms = 0;
+        else if (cmdIs(a, l, "pause") && argc >= 3)
+            RedisModule_StringToLongLong(RedisModule_CommandFilterArgGet(f, 2), &ms);
+    }
+    if (ms == 0) hm.paused_until_us = 0;
+    else if (ms > 0 && nowUs() + (uint64_t)ms * 1000 > hm.paused_until_us)
+        hm.paused_until_us = nowUs() + (uint64_t)ms * 1000;
 }
 
 /* Runs before every command (client, script, MULTI queueing, RM_Call of
@@ -1244,6 +1279,10 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
             return;
         }
         if (cmdIs(c, cl, "swapdb")) { if (arenaCount(hm.arena)) promoteAll(); return; }
+        if (cmdIs(c, cl, "client")) { notePause(f, argc); return; }
+        break;
+    case 8:
+        if (cmdIs(c, cl, "failover")) { notePause(f, argc); return; }
         break;
     case 7:
         if (cmdIs(c, cl, "discard")) { if (hm.multi_open > 0) hm.multi_open--; return; }
@@ -1252,7 +1291,7 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
     if (arenaCount(hm.arena) == 0) return;
     const CmdName *one = firstArgIsOnlyKey(c, cl, argc);
     if (one) {
-        promoteKey(RedisModule_CommandFilterArgGet(f, 1), one->read);
+        promoteKey(RedisModule_CommandFilterArgGet(f, 1), one->visit);
         return;
     }
     if (cmdIs(c, cl, "mget")) {
@@ -1265,7 +1304,7 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
     for (int i = 0; i < argc; i++) argv[i] = RedisModule_CommandFilterArgGet(f, i);
     int nkeys = 0;
     int *pos = RedisModule_GetCommandKeys(hm.dctx, argv, argc, &nkeys);
-    for (int i = 0; pos && i < nkeys; i++) promoteKey(argv[pos[i]], 0);
+    for (int i = 0; pos && i < nkeys; i++) promoteKey(argv[pos[i]], 1);
     if (pos) RedisModule_Free(pos);
     if (argv != stackv) RedisModule_Free(argv);
 }
@@ -1510,7 +1549,7 @@ static void statusFields(RedisModuleCtx *ctx, Fields *fs) {
     addInt(fs, "spilled_bytes", (long long)st.spilled_bytes);
     addInt(fs, "demotions", hm.demotions);
     addInt(fs, "promotions", hm.promotions);
-    addInt(fs, "cold_reads", hm.cold_reads);
+    addInt(fs, "visits", hm.visits);
     addInt(fs, "prepares", hm.prepares);
     addInt(fs, "used_memory", (long long)infoMemoryField(ctx, "used_memory"));
     addInt(fs, "rss", processRss());
@@ -2282,7 +2321,7 @@ static void infoFunc(RedisModuleInfoCtx *ctx, int for_crash_report) {
     RedisModule_InfoAddFieldULongLong(ctx, "skipped_passes", hm.skipped_passes);
     RedisModule_InfoAddFieldLongLong(ctx, "demotions", hm.demotions);
     RedisModule_InfoAddFieldLongLong(ctx, "promotions", hm.promotions);
-    RedisModule_InfoAddFieldLongLong(ctx, "cold_reads", hm.cold_reads);
+    RedisModule_InfoAddFieldLongLong(ctx, "visits", hm.visits);
     RedisModule_InfoAddFieldLongLong(ctx, "expired_promotions", hm.expired_promotions);
     RedisModule_InfoAddFieldLongLong(ctx, "prepares", hm.prepares);
     RedisModule_InfoAddFieldLongLong(ctx, "resumes", hm.resumes);

@@ -1,8 +1,9 @@
-"""Reads of cold items are visits: the item comes into the keyspace for the
-command and goes back to the arena before the event loop sleeps; only a
-second read within appassist.promote-window-ms promotes it. A visit must
-never go back before its command has read it (MULTI, CLIENT PAUSE), and
-reads still count and notify exactly as stock Redis's do."""
+"""Accesses to cold items are visits: the item comes into the keyspace for
+the command and goes back to the arena, as the command left it, before the
+event loop sleeps; only a second access within appassist.promote-window-ms
+promotes it. A visit must never go back before its command has run (MULTI,
+CLIENT PAUSE), and reads still count and notify exactly as stock Redis's
+do."""
 
 import os
 import sys
@@ -41,7 +42,7 @@ class VisitTest(ServerTestCase):
 
     def counts(self, c):
         i = self.info(c)
-        return i['appassist_cold_reads'], i['appassist_promotions']
+        return i['appassist_visits'], i['appassist_promotions']
 
     def cold(self, c, key):
         return c.execute_command('APPASSIST.ISCOLD', key) == 1
@@ -68,6 +69,23 @@ class VisitTest(ServerTestCase):
         self.assertEqual(self.counts(c), (5, 2))
         self.assertEqual(c.dbsize(), 8)
         self.assertHealthy(srv)
+
+    def test_writes_visit(self):
+        srv = self.server(configs=configs())
+        c = srv.client()
+        c.mset({'s': 'old', 'n': 41, 'a': 'x', 'e': 'y', 'd': 'z'})
+        demoted(self, c, 5)
+        self.assertTrue(c.set('s', 'new'))
+        self.assertEqual(c.incr('n'), 42)
+        self.assertEqual(c.append('a', 'yz'), 3)
+        self.assertTrue(c.expire('e', 1000))
+        self.assertEqual(c.delete('d'), 1)
+        self.assertEqual(self.counts(c), (5, 0))
+        self.assertTrue(all(self.cold(c, k) for k in ('s', 'n', 'a', 'e')))
+        self.assertFalse(self.cold(c, 'd'))
+        self.assertEqual(c.mget('s', 'n', 'a', 'e', 'd'), [b'new', b'42', b'xyz', b'y', None])
+        self.assertGreater(c.ttl('e'), 990)
+        self.assertEqual(c.dbsize(), 4)
 
     def test_window(self):
         srv, c = self.cold_server(**{'promote-window-ms': 100})
@@ -127,6 +145,51 @@ class VisitTest(ServerTestCase):
         th.join(5)
         self.assertEqual(got, [VAL + b'1'])
         self.assertEqual(c.get('k3'), VAL + b'3')
+
+    def test_queued_write_and_a_read_in_between(self):
+        """A MULTI queues INCR of a cold key while another client reads
+        it: no visit may send the key back before EXEC."""
+        srv = self.server(configs=configs())
+        c = srv.client()
+        c.set('n', 41)
+        demoted(self, c, 1)
+        t = srv.client().connection_pool.get_connection('MULTI')
+        t.send_command('MULTI')
+        self.assertEqual(t.read_response(), b'OK')
+        t.send_command('INCR', 'n')
+        self.assertEqual(t.read_response(), b'QUEUED')
+        self.assertEqual(c.get('n'), b'41')
+        time.sleep(0.1)
+        t.send_command('EXEC')
+        self.assertEqual(t.read_response(), [42])
+        self.assertEqual(c.get('n'), b'42')
+
+    def test_paused_write_and_a_read_in_between(self):
+        """CLIENT PAUSE WRITE postpones INCR of a cold key while reads go
+        on: no visit may send the key back before the INCR has run, even on
+        a Redis that does not rerun the filter for the postponed command."""
+        srv = self.server(configs=configs())
+        c = srv.client()
+        c.set('n', 41)
+        demoted(self, c, 1)
+        c.execute_command('CLIENT', 'PAUSE', 500, 'WRITE')
+        got = []
+        w = srv.client()
+        th = threading.Thread(target=lambda: got.append(w.incr('n')))
+        th.start()
+        time.sleep(0.1)
+        self.assertEqual(c.get('n'), b'41')
+        self.assertEqual(c.get('n'), b'41')
+        th.join(5)
+        self.assertEqual(got, [42])
+        self.assertEqual(c.get('n'), b'42')
+        # The pause is over: visits again.
+        time.sleep(0.6)
+        c.config_set('appassist.min-idle-ms', 0)
+        demoted(self, c, 1)
+        v = self.counts(c)[0]
+        self.assertEqual(c.get('n'), b'42')
+        self.assertEqual(self.counts(c)[0], v + 1)
 
     def test_lfu_policy(self):
         srv, c = self.cold_server()
