@@ -11,15 +11,19 @@
 #include <unistd.h>
 
 #define NO_CHUNK        UINT32_MAX
-#define MAX_CHUNKS      (UINT32_MAX - 2)
+#define MAX_CHUNKS      ((1u << 31) - 2)
+#define SLOT_LENT       (1u << 31)      /* in Slot.chunk: lent (arenaBorrow) */
 #define MIN_SLOTS       1024u
 #define REHASH_STEP     64u     /* slots moved per insert/delete while rehashing */
 
 typedef struct Slot {
     uint32_t hash;      /* low 32 bits of the key hash */
-    uint32_t chunk;     /* chunk id (meaningful when the slot's tag is live) */
+    uint32_t chunk;     /* chunk id (meaningful when the slot's tag is live),
+                         * | SLOT_LENT while the item is lent */
     uint32_t off;
 } Slot;
+
+static inline uint32_t slotChunk(const Slot *s) { return s->chunk & ~SLOT_LENT; }
 
 /* Probing reads a byte array of tags first (like a Swiss table): a lookup
  * of a key that is not cold -- every command on a hot key -- then touches
@@ -61,6 +65,7 @@ struct ColdArena {
     uint32_t nfree;
 
     uint64_t items;
+    uint64_t lent;              /* of which lent (arenaBorrow) */
     uint64_t expiring;          /* live items with an expire */
     uint64_t item_bytes;
 
@@ -320,7 +325,7 @@ static uint64_t tableFind(ColdArena *a, Table *t, uint64_t h,
         if (ti != tag) continue;
         Slot *s = &t->slots[i];
         if (s->hash != (uint32_t)h) continue;
-        int eq = keyAt(a, s->chunk, s->off, key, klen);
+        int eq = keyAt(a, slotChunk(s), s->off, key, klen);
         if (eq < 0) { *err = 1; return UINT64_MAX; }
         if (eq) return i;
     }
@@ -410,8 +415,9 @@ int arenaLookup(ColdArena *a, const char *key, size_t klen, ColdRef *ref) {
     Table *t;
     uint64_t s;
     int r = findSlot(a, key, klen, &t, &s);
-    if (r == 1) *ref = (ColdRef){t->slots[s].chunk, t->slots[s].off};
-    return r;
+    if (r != 1) return r;
+    *ref = (ColdRef){slotChunk(&t->slots[s]), t->slots[s].off};
+    return t->slots[s].chunk & SLOT_LENT ? 2 : 1;
 }
 
 int arenaInsert(ColdArena *a, const char *key, size_t klen,
@@ -448,7 +454,8 @@ int arenaDelete(ColdArena *a, const char *key, size_t klen) {
     int r = findSlot(a, key, klen, &t, &s);
     if (r != 1) return r;
     Slot *sl = &t->slots[s];
-    uint32_t id = sl->chunk;
+    uint32_t id = slotChunk(sl);
+    if (sl->chunk & SLOT_LENT) a->lent--;
     ColdItem it;
     /* The header gives the item size; in memory this is a memcpy. */
     uint64_t size = 0;
@@ -478,6 +485,27 @@ int arenaDelete(ColdArena *a, const char *key, size_t klen) {
     if (c->live_items == 0 && (id != a->cur || c->spilled)) chunkRelease(a, id);
     if (a->rehashing) arenaRehashStep(a, REHASH_STEP);
     return 1;
+}
+
+static int setLent(ColdArena *a, const char *key, size_t klen, int lent) {
+    Table *t;
+    uint64_t s;
+    int r = findSlot(a, key, klen, &t, &s);
+    if (r != 1) return r;
+    Slot *sl = &t->slots[s];
+    if (!(sl->chunk & SLOT_LENT) == !lent) return 0;
+    sl->chunk ^= SLOT_LENT;
+    if (lent) a->lent++;
+    else a->lent--;
+    return 1;
+}
+
+int arenaBorrow(ColdArena *a, const char *key, size_t klen) {
+    return setLent(a, key, klen, 1);
+}
+
+int arenaReturn(ColdArena *a, const char *key, size_t klen) {
+    return setLent(a, key, klen, 0);
 }
 
 /* ----------------------------------------------------------- lifecycle */
@@ -512,7 +540,7 @@ static uint64_t dropMappings(ColdArena *a, uint64_t *items,
     ArenaMapping *m = NULL;
     size_t n = 0;
     if (maps) m = malloc(sizeof(*m) * ((size_t)a->nchunks + 2));
-    if (items) *items = a->items;
+    if (items) *items = a->items - a->lent;
     for (uint32_t i = 0; i < a->nchunks; i++) {
         Chunk *c = &a->chunks[i];
         if (c->mem) {
@@ -568,12 +596,12 @@ void arenaFree(ColdArena *a) {
     free(a);
 }
 
-uint64_t arenaCount(const ColdArena *a) { return a->items; }
+uint64_t arenaCount(const ColdArena *a) { return a->items - a->lent; }
 uint64_t arenaExpiring(const ColdArena *a) { return a->expiring; }
 
 void arenaGetStats(const ColdArena *a, ArenaStats *st) {
     memset(st, 0, sizeof(*st));
-    st->items = a->items;
+    st->items = a->items - a->lent;
     st->item_bytes = a->item_bytes;
     for (uint32_t i = 0; i < a->nchunks; i++) {
         const Chunk *c = &a->chunks[i];

@@ -81,9 +81,18 @@ void arenaFree(ColdArena *a);
 int arenaInsert(ColdArena *a, const char *key, size_t klen,
                 const char *val, size_t vlen, int64_t expire);
 
-/* Find a key. Returns 1 and fills *ref if present, 0 if absent, -1 on an I/O
- * error reading a spilled chunk (errno set). */
+/* Find a key. Returns 1 and fills *ref if present, 2 if present and lent
+ * (arenaBorrow), 0 if absent, -1 on an I/O error reading a spilled chunk
+ * (errno set). */
 int arenaLookup(ColdArena *a, const char *key, size_t klen, ColdRef *ref);
+
+/* Lend an item out (the module's visits: a copy of it is in the keyspace
+ * for a moment) or take it back. A lent item stays where it is, but is
+ * neither counted (arenaCount, stats) nor iterated (arenaIterate) until it
+ * is returned or deleted. Return 1 if the item changed state, 0 if it is
+ * absent or already in that state, -1 on error. */
+int arenaBorrow(ColdArena *a, const char *key, size_t klen);
+int arenaReturn(ColdArena *a, const char *key, size_t klen);
 
 /* Read the item at 'ref' into *it. 0 or -1 (errno) on I/O error. */
 int arenaRead(ColdArena *a, ColdRef ref, ColdItem *it);
@@ -92,7 +101,7 @@ void arenaItemRelease(ColdItem *it);
 /* Remove the key if present. Returns 1 if removed, 0 if absent, -1 on error. */
 int arenaDelete(ColdArena *a, const char *key, size_t klen);
 
-/* Number of live items (O(1)). */
+/* Number of live items that are not lent (O(1)). */
 uint64_t arenaCount(const ColdArena *a);
 /* Number of live items that have an expire (O(1)). */
 uint64_t arenaExpiring(const ColdArena *a);
@@ -138,7 +147,8 @@ int arenaHasSpilled(const ColdArena *a);
 
 /* Iteration over live items in a stable order (chunk id, offset): pass
  * cursor 0 first; returns the next cursor (0 when done). 'fn' gets each
- * live item and must not modify the arena (collect keys, act afterwards);
+ * live item that is not lent and must not modify the arena (collect keys,
+ * act afterwards);
  * 'max' bounds the number of items visited (live or dead).
  * Items inserted during an iteration may or may not be visited; items
  * present from start to end are visited exactly once. Returns the cursor,

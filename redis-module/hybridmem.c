@@ -33,6 +33,7 @@
 
 #include "redismodule.h"
 
+#include <ctype.h>
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -362,6 +363,7 @@ static RedisModuleKey *openIfAbsent(RedisModuleString *key) {
 
 static int readBackWanted(const char *k, size_t klen);
 static void visitMark(RedisModuleKey *kh);
+static void readBackSettle(void);
 
 static void keyListPush(KeyList *l, RedisModuleString *s) {
     if (l->n == l->cap) {
@@ -392,8 +394,11 @@ static int promoteKey(RedisModuleString *key, int visit) {
         if (kh) RedisModule_CloseKey(kh);
         return r;
     }
-    if (!kh && !(kh = openIfAbsent(key))) {
-        /* Keyspace wins (see the invariants at the top). */
+    if (r == 2 || (!kh && !(kh = openIfAbsent(key)))) {
+        /* Keyspace wins (see the invariants at the top). A lent item
+         * whose copy left the keyspace was deleted (or renamed, expired,
+         * evicted) by a command of this round. */
+        if (kh) RedisModule_CloseKey(kh);
         arenaDelete(hm.arena, k, klen);
         return 0;
     }
@@ -414,12 +419,15 @@ static int promoteKey(RedisModuleString *key, int visit) {
         expired = expire <= nowMs();
     }
     RedisModule_FreeString(ctx, val);
-    arenaDelete(hm.arena, k, klen);
     if (visit && !expired && readBackWanted(k, klen)) {
+        /* The arena keeps the item, lent: if the command leaves it as it
+         * was, going back costs only the keyspace delete. */
+        arenaBorrow(hm.arena, k, klen);
         visitMark(kh);
         keyListPush(&hm.back, RedisModule_CreateStringFromString(NULL, key));
         hm.visits++;
     } else {
+        arenaDelete(hm.arena, k, klen);
         if (expired) hm.expired_promotions++;
         hm.promotions++;
     }
@@ -435,6 +443,7 @@ static void collectCb(void *priv, const ColdItem *it) {
 }
 
 static void promoteAll(void) {
+    readBackSettle();
     KeyList l = {0};
     uint64_t cur = 0;
     do {
@@ -540,7 +549,7 @@ static uint64_t keyHash64(const char *p, size_t l) {
 static int demotionAllowed(void);
 
 static int visitsAllowed(void) {
-    return demotionAllowed() && nowUs() >= hm.paused_until_us;
+    return demotionAllowed() && (hm.paused_until_us == 0 || nowUs() >= hm.paused_until_us);
 }
 
 /* 1 if the cold item accessed now is a visit (see above). */
@@ -554,6 +563,7 @@ static int readBackWanted(const char *k, size_t klen) {
         hm.seen_since_us = nowUs();
     }
     uint64_t now = nowUs(), window = (uint64_t)hm.promote_window_ms * 1000;
+    if (hm.paused_until_us && now >= hm.paused_until_us) hm.paused_until_us = 0;
     if (now - hm.seen_since_us >= window) {
         uint64_t *old = hm.seen[1];
         hm.seen[1] = hm.seen[0];
@@ -593,23 +603,52 @@ static int visitDone(RedisModuleKey *kh) {
     return 0;
 }
 
-/* After the commands of this round of the event loop: the visited items
- * the commands ran on go back, with their values and expires as the
- * commands left them. A key the round deleted or turned into another type
- * stays as it is. If visits are not allowed now (a migration or a pause
- * began), the keys stay hot and a pass demotes them later. */
+/* 1 if the keyspace copy open as 'kh' still holds what the lent item at
+ * 'ref' holds: the same value and expire. */
+static int visitUnchanged(RedisModuleKey *kh, ColdRef ref, mstime_t expire) {
+    size_t vlen;
+    const char *v = RedisModule_StringDMA(kh, &vlen, REDISMODULE_READ);
+    ColdItem it;
+    if (!v || arenaRead(hm.arena, ref, &it) < 0) return 0;
+    int same = it.vlen == vlen && memcmp(it.val, v, vlen) == 0 &&
+               it.expire == (expire == REDISMODULE_NO_EXPIRE ? ARENA_NO_EXPIRE : expire);
+    arenaItemRelease(&it);
+    return same;
+}
+
+/* After the commands of this round of the event loop, the visited items go
+ * back: unchanged, by deleting the keyspace copy and taking the lent item
+ * back; changed, with the value and expire the commands left. A key the
+ * round deleted, expired or turned into another type stays as it is (the
+ * lent item goes). A key whose command has not run yet, or any key when
+ * visits are not allowed now (a migration or a pause began), stays hot: a
+ * promotion. Runs before anything walks the keyspace or the arena as a
+ * whole (bites, the timer, PREPARE, DEMOTE, COMPACT, SWAPDB). */
 static void readBackSettle(void) {
     int allowed = visitsAllowed();
     for (size_t i = 0; i < hm.back.n; i++) {
         RedisModuleString *key = hm.back.v[i];
+        size_t klen;
+        const char *k = RedisModule_StringPtrLen(key, &klen);
         mstime_t expire;
+        ColdRef ref;
         RedisModuleKey *kh = openLiveString(key, &expire);
+        int lent = arenaLookup(hm.arena, k, klen, &ref) == 2;
         if (!kh) {
-            /* deleted, expired or no longer a string */
-        } else if (allowed && visitDone(kh)) {
-            moveToArena(key, kh, expire);
+            if (lent) arenaDelete(hm.arena, k, klen);
+        } else if (lent && allowed && visitDone(kh)) {
+            if (visitUnchanged(kh, ref, expire)) {
+                RedisModule_DeleteKey(kh);
+                RedisModule_CloseKey(kh);
+                arenaReturn(hm.arena, k, klen);
+            } else {
+                arenaDelete(hm.arena, k, klen);
+                moveToArena(key, kh, expire);
+            }
         } else {
-            if (!allowed) visitReset(kh);
+            /* PREPARE dropped the arena, or the command is still to run. */
+            visitReset(kh);
+            if (lent) arenaDelete(hm.arena, k, klen);
             RedisModule_CloseKey(kh);
             hm.visits--;
             hm.promotions++;
@@ -1086,6 +1125,7 @@ static int backgroundPending(void) {
  * pass, expiry sweep) until 'deadline'. Returns backgroundPending(). */
 static int backgroundWork(uint64_t deadline) {
     uint64_t t0 = nowUs();
+    readBackSettle();
     if (hm.state == ST_RESUMING) {
         int r = 1;
         while (r == 1 && nowUs() < deadline) r = arenaUnspillStep(hm.arena);
@@ -1197,8 +1237,10 @@ static const CmdName one_key_if_argc2[] = {
 };
 
 static const CmdName *inNames(const CmdName *t, size_t n, const char *c, size_t l) {
+    int c0 = tolower((unsigned char)c[0]);
     for (size_t i = 0; i < n; i++)
-        if (t[i].len == l && strncasecmp(c, t[i].name, l) == 0) return &t[i];
+        if (t[i].len == l && t[i].name[0] == c0 && strncasecmp(c, t[i].name, l) == 0)
+            return &t[i];
     return NULL;
 }
 
@@ -1425,6 +1467,7 @@ static uint64_t dropArena(uint64_t *items, int *lazy, int *zeroed) {
 
 static void prepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms) {
     uint64_t t0 = nowUs();
+    readBackSettle();
     long long rss0 = processRss();
     int64_t freed = 0;
     uint64_t items = 0;
@@ -1608,6 +1651,7 @@ static int DemoteCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc
         return RedisModule_ReplyWithError(ctx, "ERR max-ms must be a non-negative integer");
     if (hm.state != ST_NORMAL)
         return RedisModule_ReplyWithError(ctx, "ERR demotion is paused until APPASSIST.RESUME");
+    readBackSettle();
     long long before = hm.demotions;
     uint64_t deadline = nowUs() + (uint64_t)ms * 1000;
     uint64_t passes = hm.passes + hm.skipped_passes;
@@ -1630,6 +1674,7 @@ static int CompactCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int arg
         return RedisModule_ReplyWithError(ctx, "ERR compaction needs jemalloc's mallctl");
     if (hm.state != ST_NORMAL)
         return RedisModule_ReplyWithError(ctx, "ERR compaction is paused until APPASSIST.RESUME");
+    readBackSettle();
     uint64_t deadline = nowUs() + (uint64_t)ms * 1000;
     long long passes = hm.compactions;
     hm.compact_wanted = 1;

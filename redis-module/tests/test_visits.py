@@ -117,6 +117,33 @@ class VisitTest(ServerTestCase):
         self.assertIsNone(c.get('k2'))
         self.assertEqual(c.dbsize(), 7)
 
+    def test_lent_item_in_the_same_round(self):
+        """While its copy visits the keyspace, the arena's item is lent:
+        counted and listed once, and gone for good if the round deletes
+        the copy."""
+        srv, c = self.cold_server()
+        p = c.pipeline(transaction=False)
+        p.get('k1').dbsize().keys('*')
+        p.scan(0, count=1000).scan(1 << 63, count=1000)     # keyspace phase, arena phase
+        p.get('k2').delete('k2')
+        p.get('k2').exists('k2').dbsize().keys('k2').get('k3').rename('k3', 'k9').get('k3')
+        p.get('k9')
+        r = p.execute()
+        self.assertEqual(r[0], VAL + b'1')
+        self.assertEqual(r[1], 8)
+        self.assertEqual(sorted(r[2]), sorted(b'k%d' % i for i in range(8)))
+        self.assertEqual(r[3], (1 << 63, [b'k1']))
+        self.assertEqual(r[4][0], 0)
+        self.assertEqual(sorted(r[4][1]), sorted(b'k%d' % i for i in range(8) if i != 1))
+        self.assertEqual(r[5:11], [VAL + b'2', 1, None, 0, 7, []])
+        self.assertEqual(r[11:], [VAL + b'3', True, None, VAL + b'3'])
+        self.assertEqual(c.dbsize(), 7)
+        self.assertEqual(sorted(c.keys('*')), sorted(b'k%d' % i for i in (0, 1, 4, 5, 6, 7, 9)))
+        self.assertIsNone(c.get('k2'))
+        self.assertTrue(self.cold(c, 'k1'))
+        i = self.info(c)
+        self.assertEqual(i['appassist_cold_items'], 6)      # k9 is hot: renamed
+
     def test_queued_read_waits_for_exec(self):
         """MULTI queues the read (the filter runs at queueing): the item
         must still be in the keyspace at EXEC, however many rounds later."""
