@@ -417,8 +417,9 @@ def write(tp, setups, stats, n, keyspace, prep, cpu, loadavg, when):
         L.append('')
         L.append('Background work during the runs: in slices of the timer when the server was idle '
                  '(between runs), in bites before the event loop sleeps while it served clients. '
-                 'A cold read is a visit (the item goes back to the arena after the command) unless '
-                 'the item was read within `promote-window-ms`; writes promote.')
+                 'An access to a cold item is a visit (the item goes back to the arena after the '
+                 'command) unless the item was accessed within `promote-window-ms` (1 s): then it is '
+                 'promoted.')
         L.append('')
         L.append('| workload | visits | promotions | demotions | compaction passes '
                  '| cold items at the end | timer slices | event-loop bites |')

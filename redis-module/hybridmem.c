@@ -517,9 +517,10 @@ static int demoteKey(RedisModuleString *key) {
  * Why: under accesses spread over the cold set (the 10 % of a 90/10 mix),
  * promoting at the first access made each one a promotion and, a pass
  * later, a demotion plus its share of a compaction pass, and the cold set
- * eroded while clients ran. The way back costs one arenaInsert and one
- * keyspace delete; the allocations of the visit are freed at once, so they
- * leave no holes for compaction. The filter cannot serve a read from the
+ * eroded while clients ran. Meanwhile the arena lends the item
+ * (arenaBorrow): if the command left the copy as it was, the way back is
+ * a keyspace delete; the allocations of the visit are freed at once, so
+ * they leave no holes for compaction. The filter cannot serve a read from the
  * arena itself: that would mean rewriting GET into a module command, which
  * changes ACL checks, keyspace hit counts, commandstats and MONITOR.
  *
