@@ -169,6 +169,17 @@ class ServerTestCase(unittest.TestCase):
         return client.info('appassist')
 
 
+def drain(sub, timeout=0.5):
+    """Every (channel, data) a pubsub object receives until it has been
+    quiet for `timeout` seconds."""
+    events = []
+    while True:
+        m = sub.get_message(timeout=timeout)
+        if m is None:
+            return events
+        events.append((m['channel'], m['data']))
+
+
 def asmap(rep):
     """A module reply map as a dict (RESP2 gives a flat name, value list)."""
     return dict(zip(rep[::2], rep[1::2]))

@@ -12,7 +12,7 @@ import unittest
 import redis
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hmlib import ServerTestCase, aggressive  # noqa: E402
+from hmlib import ServerTestCase, aggressive, drain  # noqa: E402
 
 LONG = os.environ.get('HYBRIDVM_LONG') == '1'
 NKEYS = 40
@@ -214,12 +214,7 @@ class DifferentialTest(ServerTestCase):
             replies = [c.get(k) for k in ('e', 'b', 'a', 'zz', 'x', 'h')]
             replies.append(c.mget('c', 'y', 'q'))
             replies.append(c.exists('a', 'b'))
-            events = []
-            while True:
-                m = sub.get_message(timeout=0.5)
-                if m is None:
-                    break
-                events.append((m['channel'], m['data']))
+            events = drain(sub)
             after = c.info('stats')
             seen[name] = (replies, events, {f: after[f] - before[f] for f in (
                 'keyspace_hits', 'keyspace_misses', 'expired_keys')})

@@ -12,7 +12,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hmlib import ServerTestCase  # noqa: E402
+from hmlib import ServerTestCase, drain  # noqa: E402
 
 VAL = b'v' * 100
 
@@ -259,12 +259,7 @@ class VisitTest(ServerTestCase):
             sub.psubscribe('__key*__:*')
             self.assertEqual(sub.get_message(timeout=2)['type'], 'psubscribe')
             replies = [c.get('a'), c.get('zz'), c.mget('b', 'q'), c.strlen('c')]
-            events = []
-            while True:
-                m = sub.get_message(timeout=0.5)
-                if m is None:
-                    break
-                events.append((m['channel'], m['data']))
+            events = drain(sub)
             after = c.info('stats')
             seen[name] = (replies, events, {f: after[f] - before[f] for f in (
                 'keyspace_hits', 'keyspace_misses')})
