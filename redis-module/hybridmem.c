@@ -541,10 +541,12 @@ static int demoteKey(RedisModuleString *key) {
 #define HM_VISIT_IDLE_MS        (1LL << 32)     /* ~50 days */
 #define HM_LFU_INIT             5               /* Redis's LFU_INIT_VAL */
 
-static uint64_t keyHash64(const char *p, size_t l) {
-    uint64_t h = 1469598103934665603ULL;   /* FNV-1a */
-    while (l--) h = (h ^ (unsigned char)*p++) * 1099511628211ULL;
-    return h ^ (h >> 29);
+/* FNV-1a of a key, folded: the seen set's bit and keyShare(). */
+static uint32_t keyFnv(const char *key, size_t l) {
+    const unsigned char *p = (const unsigned char *)key;
+    uint32_t h = 2166136261u;
+    while (l--) h = (h ^ *p++) * 16777619u;
+    return h ^ (h >> 16);
 }
 
 static int demotionAllowed(void);
@@ -558,13 +560,12 @@ static int readBackWanted(const char *k, size_t klen) {
     if (hm.promote_window_ms == 0 || !hm.bites_on || hm.replica ||
         hm.back.n >= HM_READ_BACK_MAX || !visitsAllowed())
         return 0;
+    uint64_t now = nowUs(), window = (uint64_t)hm.promote_window_ms * 1000;
     if (!hm.seen[0]) {
         hm.seen[0] = RedisModule_Calloc(HM_SEEN_BITS / 64, sizeof(uint64_t));
         hm.seen[1] = RedisModule_Calloc(HM_SEEN_BITS / 64, sizeof(uint64_t));
-        hm.seen_since_us = nowUs();
+        hm.seen_since_us = now;
     }
-    uint64_t now = nowUs(), window = (uint64_t)hm.promote_window_ms * 1000;
-    if (hm.paused_until_us && now >= hm.paused_until_us) hm.paused_until_us = 0;
     if (now - hm.seen_since_us >= window) {
         uint64_t *old = hm.seen[1];
         hm.seen[1] = hm.seen[0];
@@ -573,7 +574,8 @@ static int readBackWanted(const char *k, size_t klen) {
         if (now - hm.seen_since_us >= 2 * window) memset(hm.seen[1], 0, HM_SEEN_BITS / 8);
         hm.seen_since_us = now;
     }
-    uint64_t bit = keyHash64(k, klen) & (HM_SEEN_BITS - 1), mask = 1ULL << (bit & 63);
+    uint32_t bit = keyFnv(k, klen) & (HM_SEEN_BITS - 1);
+    uint64_t mask = 1ULL << (bit & 63);
     size_t w = bit >> 6;
     int seen = ((hm.seen[0][w] | hm.seen[1][w]) & mask) != 0;
     hm.seen[0][w] |= mask;
@@ -682,10 +684,8 @@ static int coldBucket(RedisModuleKey *kh, int *idle_ok) {
  * keys of the threshold bucket stay hot pass after pass. */
 static uint32_t keyShare(RedisModuleString *key) {
     size_t l;
-    const unsigned char *p = (const unsigned char *)RedisModule_StringPtrLen(key, &l);
-    uint32_t h = 2166136261u;
-    while (l--) h = (h ^ *p++) * 16777619u;
-    return (h ^ (h >> 16)) & 0xffff;
+    const char *p = RedisModule_StringPtrLen(key, &l);
+    return keyFnv(p, l) & 0xffff;
 }
 
 static void scanCb(RedisModuleCtx *ctx, RedisModuleString *keyname,
