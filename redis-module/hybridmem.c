@@ -1309,6 +1309,13 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
             return;
         }
         if (cmdIs(c, cl, "exec")) { if (hm.multi_open > 0) hm.multi_open--; return; }
+        if (cmdIs(c, cl, "mget")) {
+            /* every argument is a key */
+            if (arenaCount(hm.arena))
+                for (int i = 1; i < argc; i++)
+                    promoteKey(RedisModule_CommandFilterArgGet(f, i), 1);
+            return;
+        }
         break;
     case 5:
         if (cmdIs(c, cl, "multi")) { hm.multi_open++; hm.multi_seen_us = nowUs(); return; }
@@ -1335,10 +1342,6 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
     const CmdName *one = firstArgIsOnlyKey(c, cl, argc);
     if (one) {
         promoteKey(RedisModule_CommandFilterArgGet(f, 1), one->visit);
-        return;
-    }
-    if (cmdIs(c, cl, "mget")) {
-        for (int i = 1; i < argc; i++) promoteKey(RedisModule_CommandFilterArgGet(f, i), 1);
         return;
     }
 
