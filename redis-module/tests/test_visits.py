@@ -51,22 +51,25 @@ class VisitTest(ServerTestCase):
     def cold(self, c, key):
         return c.execute_command('APPASSIST.ISCOLD', key) == 1
 
+    def assertRead(self, c, i, cold, counts):
+        """GET k<i> returns its value; afterwards the key is cold or not,
+        and (visits, promotions) are `counts`."""
+        self.assertEqual(c.get('k%d' % i), VAL + b'%d' % i)
+        self.assertEqual(self.cold(c, 'k%d' % i), cold)
+        self.assertEqual(self.counts(c), counts)
+
     def test_first_read_visits_second_promotes(self):
         srv, c = self.cold_server()
         self.assertEqual(self.counts(c), (0, 0))
-        self.assertEqual(c.get('k1'), VAL + b'1')
-        # The command that asks ran in a later round: the item is back.
-        self.assertTrue(self.cold(c, 'k1'))
-        self.assertEqual(self.counts(c), (1, 0))
+        # ISCOLD runs in a later round: the item is back.
+        self.assertRead(c, 1, True, (1, 0))
         self.assertEqual(c.mget('k2', 'k3', 'nope'), [VAL + b'2', VAL + b'3', None])
         self.assertEqual(c.strlen('k4'), 101)
         self.assertEqual(c.getrange('k5', 0, 1), b'vv')
         self.assertTrue(all(self.cold(c, k) for k in ('k2', 'k3', 'k4', 'k5')))
         self.assertEqual(self.counts(c), (5, 0))
         # Read again within the window: promoted, it stays hot.
-        self.assertEqual(c.get('k1'), VAL + b'1')
-        self.assertFalse(self.cold(c, 'k1'))
-        self.assertEqual(self.counts(c), (5, 1))
+        self.assertRead(c, 1, False, (5, 1))
         # Not a read: promoted at once.
         self.assertEqual(c.ttl('k6'), -1)
         self.assertFalse(self.cold(c, 'k6'))
@@ -106,9 +109,7 @@ class VisitTest(ServerTestCase):
     def test_no_visit_without_demotion(self):
         srv, c = self.cold_server()
         c.config_set('appassist.demote', 'no')
-        self.assertEqual(c.get('k1'), VAL + b'1')
-        self.assertFalse(self.cold(c, 'k1'))
-        self.assertEqual(self.counts(c), (0, 1))
+        self.assertRead(c, 1, False, (0, 1))
 
     def test_write_in_the_same_round(self):
         """A read then a write in one pipeline: the key goes back with the
@@ -224,9 +225,7 @@ class VisitTest(ServerTestCase):
     def test_lfu_policy(self):
         srv, c = self.cold_server()
         c.config_set('maxmemory-policy', 'allkeys-lfu')
-        self.assertEqual(c.get('k1'), VAL + b'1')
-        self.assertTrue(self.cold(c, 'k1'))
-        self.assertEqual(self.counts(c), (1, 0))
+        self.assertRead(c, 1, True, (1, 0))
         self.assertEqual(c.get('k1'), VAL + b'1')
         self.assertFalse(self.cold(c, 'k1'))
         # A fresh key's counter (LFU_INIT_VAL, 5) after the read that promoted it.
