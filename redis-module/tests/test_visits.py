@@ -34,6 +34,15 @@ def demoted(test, c, n):
     c.config_set('appassist.hot-percent', 100)
 
 
+def in_thread(fn):
+    """Run fn() in a thread (it blocks, e.g. on a paused server): the thread
+    and the list its result goes to."""
+    got = []
+    th = threading.Thread(target=lambda: got.append(fn()))
+    th.start()
+    return th, got
+
+
 class VisitTest(ServerTestCase):
 
     def cold_server(self, n=8, **kw):
@@ -170,10 +179,8 @@ class VisitTest(ServerTestCase):
         stays until the command has read it."""
         srv, c = self.cold_server()
         c.execute_command('CLIENT', 'PAUSE', 400, 'ALL')
-        got = []
         r = srv.client()
-        th = threading.Thread(target=lambda: got.append(r.get('k1')))
-        th.start()
+        th, got = in_thread(lambda: r.get('k1'))
         th.join(5)
         self.assertEqual(got, [VAL + b'1'])
         self.assertEqual(c.get('k3'), VAL + b'3')
@@ -205,10 +212,8 @@ class VisitTest(ServerTestCase):
         c.set('n', 41)
         demoted(self, c, 1)
         c.execute_command('CLIENT', 'PAUSE', 500, 'WRITE')
-        got = []
         w = srv.client()
-        th = threading.Thread(target=lambda: got.append(w.incr('n')))
-        th.start()
+        th, got = in_thread(lambda: w.incr('n'))
         time.sleep(0.1)
         self.assertEqual(c.get('n'), b'41')
         self.assertEqual(c.get('n'), b'41')
