@@ -135,6 +135,8 @@ static struct {
     uint64_t pass_hot_bytes, pass_hot_items;
     int threshold;              /* demote items in buckets >= threshold */
     uint32_t keep_at_threshold; /* ...but keep this share (of 65536) of bucket threshold */
+    long long threshold_at_ms;  /* when the pass that set them ended (see coldBucket) */
+    long long threshold_age_ms; /* its age when the current slice began, in whole seconds */
     uint64_t next_pass_us;
     uint64_t passes;
     uint64_t skipped_passes;    /* everything fitted the budget */
@@ -663,21 +665,40 @@ static void readBackSettle(void) {
 
 static void compactCheck(RedisModuleCtx *ctx);
 
+static int log2Bucket(mstime_t idle) {
+    int b = 0;
+    while (idle > 0 && b < HM_BUCKETS - 1) { idle >>= 1; b++; }
+    return b;
+}
+
 /* Coldness bucket of a key: log2 of the LRU idle time in ms, or, with an LFU
- * maxmemory-policy, 63 minus Redis's (decayed) logarithmic LFU counter. */
-static int coldBucket(RedisModuleKey *kh, int *idle_ok) {
+ * maxmemory-policy, 63 minus Redis's (decayed) logarithmic LFU counter.
+ * *decide is the bucket to hold against the threshold: the threshold
+ * ranks the keys as they were when the pass that set it ended, and an
+ * idle time keeps growing while nobody touches the key. So the LRU idle
+ * time is taken back to that moment, and a key touched since then is in
+ * bucket 0. Redis's LRU clock counts whole seconds and lags the wall clock
+ * by up to 100 ms (server.hz), so the two clocks can disagree by a second:
+ * an idle time of a second or less back then counts as touched then.
+ * Without that, a threshold set under load (everything in the last
+ * second, over budget: bucket 1 and up goes) demoted the whole hot set
+ * once the load stopped and a second had passed (measured: 299475 of
+ * 300000 keys cold before the benchmark's next run). LFU counters are
+ * taken as they are: they decay by lfu-decay-time minutes, not by the
+ * second. */
+static int coldBucket(RedisModuleKey *kh, int *idle_ok, int *decide) {
     long long freq;
     mstime_t idle;
     *idle_ok = 1;
     if (RedisModule_GetLFU(kh, &freq) == REDISMODULE_OK && freq >= 0) {
-        *idle_ok = 1;
-        return HM_BUCKETS - 1 - (int)(freq > HM_BUCKETS - 1 ? HM_BUCKETS - 1 : freq);
+        *decide = HM_BUCKETS - 1 - (int)(freq > HM_BUCKETS - 1 ? HM_BUCKETS - 1 : freq);
+        return *decide;
     }
-    if (RedisModule_GetLRU(kh, &idle) != REDISMODULE_OK || idle < 0) return 0;
+    if (RedisModule_GetLRU(kh, &idle) != REDISMODULE_OK || idle < 0) return *decide = 0;
     *idle_ok = idle >= hm.min_idle_ms;
-    int b = 0;
-    while (idle > 0 && b < HM_BUCKETS - 1) { idle >>= 1; b++; }
-    return b;
+    mstime_t then = idle - hm.threshold_age_ms;
+    *decide = hm.threshold_age_ms == 0 ? log2Bucket(idle) : then <= 1000 ? 0 : log2Bucket(then);
+    return log2Bucket(idle);
 }
 
 /* A stable pseudo-random share of a key in [0, 65536) (FNV-1a): the same
@@ -697,10 +718,10 @@ static void scanCb(RedisModuleCtx *ctx, RedisModuleString *keyname,
         size_t klen;
         RedisModule_StringPtrLen(keyname, &klen);
         uint64_t bytes = klen + RedisModule_ValueLength(kh) + HM_ITEM_OVERHEAD;
-        int idle_ok;
-        int b = coldBucket(kh, &idle_ok);
-        if (b >= hm.threshold && idle_ok &&
-            (b > hm.threshold || keyShare(keyname) >= hm.keep_at_threshold)) {
+        int idle_ok, d;
+        int b = coldBucket(kh, &idle_ok, &d);
+        if (d >= hm.threshold && idle_ok &&
+            (d > hm.threshold || keyShare(keyname) >= hm.keep_at_threshold)) {
             if (hm.npending == hm.cap_pending) {
                 hm.cap_pending = hm.cap_pending ? hm.cap_pending * 2 : 64;
                 hm.pending = RedisModule_Realloc(hm.pending, hm.cap_pending * sizeof(*hm.pending));
@@ -742,6 +763,7 @@ static void passEnd(RedisModuleCtx *ctx) {
     if (budget <= 0) { thr = 0; keep = 0; }
     hm.threshold = thr;
     hm.keep_at_threshold = keep;
+    hm.threshold_at_ms = nowMs();
     hm.fits_below = 0;
     if (thr == HM_BUCKETS && budget > 0) {
         hm.fits_below = (long long)infoMemoryField(ctx, "used_memory") + budget - (long long)sum;
@@ -816,6 +838,8 @@ static void demoteSlice(uint64_t deadline) {
         hm.cursor = RedisModule_ScanCursorCreate();
         hm.pass_cpu_us = 0;
     }
+    long long now_ms = nowMs();
+    hm.threshold_age_ms = hm.threshold_at_ms ? (now_ms / 1000 - hm.threshold_at_ms / 1000) * 1000 : 0;
     uint64_t c0 = threadCpuUs();
     int more = scanApply(hm.cursor, scanCb, demoteKey, deadline);
     hm.pass_cpu_us += threadCpuUs() - c0;

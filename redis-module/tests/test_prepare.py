@@ -185,6 +185,31 @@ class PrepareTest(ServerTestCase):
         self.assertEqual(c.dbsize(), n)
         self.assertHealthy(s)
 
+    def test_threshold_set_under_load_spares_the_hot_set(self):
+        """A pass that saw every item touched in the last second, over
+        budget, demotes what is not touched after it; once the load stops,
+        the next pass must not take the time that has passed since for
+        idleness and demote everything."""
+        n = 3000
+        s = self.server(configs={'planned-memory': n * (100 + 5 + 48) // 3 * 100 // 30,
+                                 'hot-percent': 30, 'min-idle-ms': 0, 'demote': 'no'})
+        c = s.client()
+        p = c.pipeline(transaction=False)
+        for i in range(n):
+            p.set('k%04d' % i, b'x' * 100)
+        p.execute()
+        c.execute_command('APPASSIST.DEMOTE', 5000)     # classifies: all just touched
+        time.sleep(2.2)                                  # the load stops
+        c.execute_command('APPASSIST.DEMOTE', 5000)
+        self.assertLess(c.info('appassist')['appassist_cold_items'], n // 10)
+        # The pass re-ranked them, all idle alike now: a third of them fit.
+        c.execute_command('APPASSIST.DEMOTE', 5000)
+        cold = c.info('appassist')['appassist_cold_items']
+        self.assertGreater(cold, n * 0.5)
+        self.assertLess(cold, n * 0.8)
+        self.assertEqual(c.dbsize(), n)
+        self.assertHealthy(s)
+
     def test_cold_item_expires_with_notification(self):
         """A cold item whose TTL passes is gone for every command, and the
         stock 'expired' keyspace event fires (from the background sweep)."""
