@@ -135,8 +135,9 @@ static struct {
     uint64_t pass_hot_bytes, pass_hot_items;
     int threshold;              /* demote items in buckets >= threshold */
     uint32_t keep_at_threshold; /* ...but keep this share (of 65536) of bucket threshold */
-    long long threshold_at_ms;  /* when the pass that set them ended (see coldBucket) */
-    long long threshold_age_ms; /* its age when the current slice began, in whole seconds */
+    long long pass_start_ms;    /* when the current pass began (see coldBucket) */
+    long long threshold_at_ms;  /* when the pass that set the threshold began */
+    long long pass_age_ms, threshold_age_ms; /* their ages at this slice, in whole seconds */
     uint64_t next_pass_us;
     uint64_t passes;
     uint64_t skipped_passes;    /* everything fitted the budget */
@@ -671,16 +672,26 @@ static int log2Bucket(mstime_t idle) {
     return b;
 }
 
-/* Coldness bucket of a key: log2 of the LRU idle time in ms, or, with an LFU
- * maxmemory-policy, 63 minus Redis's (decayed) logarithmic LFU counter.
- * *decide is the bucket to hold against the threshold: the threshold
- * ranks the keys as they were when the pass that set it ended, and an
- * idle time keeps growing while nobody touches the key. So the LRU idle
- * time is taken back to that moment, and a key touched since then is in
- * bucket 0. Redis's LRU clock counts whole seconds and lags the wall clock
- * by up to 100 ms (server.hz), so the two clocks can disagree by a second:
- * an idle time of a second or less back then counts as touched then.
- * Without that, a threshold set under load (everything in the last
+/* The bucket of an LRU idle time taken back 'age_ms' (whole seconds) to
+ * an earlier moment; a key touched since then is in bucket 0. Redis's LRU
+ * clock counts whole seconds and lags the wall clock by up to 100 ms
+ * (server.hz), so the two clocks can disagree by a second: an idle time
+ * of a second or less back then counts as touched then. */
+static int bucketThen(mstime_t idle, long long age_ms) {
+    if (age_ms == 0) return log2Bucket(idle);
+    idle -= age_ms;
+    return idle <= 1000 ? 0 : log2Bucket(idle);
+}
+
+/* Coldness bucket of a key for the pass's histogram: log2 of the LRU idle
+ * time in ms, or, with an LFU maxmemory-policy, 63 minus Redis's (decayed)
+ * logarithmic LFU counter; *decide is the bucket to hold against the
+ * threshold. Idle times keep growing while nobody touches a key, so both
+ * are taken back to a fixed moment: the histogram's to the start of the
+ * pass (a pass spread over seconds of bites would otherwise rank the keys
+ * it met before a load stopped as hotter than those it met after), the
+ * decision's to the start of the pass that set the threshold. Without
+ * that, a threshold set under load (everything touched in the last
  * second, over budget: bucket 1 and up goes) demoted the whole hot set
  * once the load stopped and a second had passed (measured: 299475 of
  * 300000 keys cold before the benchmark's next run). LFU counters are
@@ -696,9 +707,8 @@ static int coldBucket(RedisModuleKey *kh, int *idle_ok, int *decide) {
     }
     if (RedisModule_GetLRU(kh, &idle) != REDISMODULE_OK || idle < 0) return *decide = 0;
     *idle_ok = idle >= hm.min_idle_ms;
-    mstime_t then = idle - hm.threshold_age_ms;
-    *decide = hm.threshold_age_ms == 0 ? log2Bucket(idle) : then <= 1000 ? 0 : log2Bucket(then);
-    return log2Bucket(idle);
+    *decide = bucketThen(idle, hm.threshold_age_ms);
+    return bucketThen(idle, hm.pass_age_ms);
 }
 
 /* A stable pseudo-random share of a key in [0, 65536) (FNV-1a): the same
@@ -763,7 +773,7 @@ static void passEnd(RedisModuleCtx *ctx) {
     if (budget <= 0) { thr = 0; keep = 0; }
     hm.threshold = thr;
     hm.keep_at_threshold = keep;
-    hm.threshold_at_ms = nowMs();
+    hm.threshold_at_ms = hm.pass_start_ms;
     hm.fits_below = 0;
     if (thr == HM_BUCKETS && budget > 0) {
         hm.fits_below = (long long)infoMemoryField(ctx, "used_memory") + budget - (long long)sum;
@@ -837,9 +847,11 @@ static void demoteSlice(uint64_t deadline) {
         }
         hm.cursor = RedisModule_ScanCursorCreate();
         hm.pass_cpu_us = 0;
+        hm.pass_start_ms = nowMs();
     }
-    long long now_ms = nowMs();
-    hm.threshold_age_ms = hm.threshold_at_ms ? (now_ms / 1000 - hm.threshold_at_ms / 1000) * 1000 : 0;
+    long long now_s = nowMs() / 1000;
+    hm.pass_age_ms = (now_s - hm.pass_start_ms / 1000) * 1000;
+    hm.threshold_age_ms = hm.threshold_at_ms ? (now_s - hm.threshold_at_ms / 1000) * 1000 : 0;
     uint64_t c0 = threadCpuUs();
     int more = scanApply(hm.cursor, scanCb, demoteKey, deadline);
     hm.pass_cpu_us += threadCpuUs() - c0;
