@@ -71,6 +71,7 @@
 #define HM_PORT_INBUF           (2 * RESP_MAX_REQ)
 #define HM_PORT_OUTBUF          (64 * 1024)
 #define HM_BUCKETS              64
+#define HM_LRU_LAG_MS           200     /* see lruAgeMs */
 #define HM_SWEEP_ITEMS          1024    /* arena items checked per slice */
 #define HM_REHASH_STEP          512     /* arena slots moved per rehash step */
 #define HM_BITE_MIN_US          20      /* shortest bite (see bgBite) */
@@ -672,15 +673,22 @@ static int log2Bucket(mstime_t idle) {
     return b;
 }
 
-/* The bucket of an LRU idle time taken back 'age_ms' (whole seconds) to
- * an earlier moment; a key touched since then is in bucket 0. Redis's LRU
- * clock counts whole seconds and lags the wall clock by up to 100 ms
- * (server.hz), so the two clocks can disagree by a second: an idle time
- * of a second or less back then counts as touched then. */
+/* The bucket of an LRU idle time taken back 'age_ms' to an earlier moment;
+ * a key touched since then is in bucket 0. */
 static int bucketThen(mstime_t idle, long long age_ms) {
-    if (age_ms == 0) return log2Bucket(idle);
-    idle -= age_ms;
-    return idle <= 1000 ? 0 : log2Bucket(idle);
+    return log2Bucket(idle - age_ms);
+}
+
+/* Redis's LRU clock, in ms, between 'then_ms' and 'now_ms' (wall clock),
+ * never less than it really moved. The clock (server.lruclock) counts
+ * whole seconds and serverCron updates it every 100 ms at hz 10, so early
+ * in a second it may still show the last one; it stands still while a
+ * command blocks (APPASSIST.DEMOTE passes the time it began). Erring
+ * towards more makes keys look touched up to a second earlier than they
+ * were, and keeps them hot for a pass; erring towards less could make the
+ * whole hot set, used just before 'then_ms', look idle. */
+static long long lruAgeMs(long long then_ms, long long now_ms) {
+    return (now_ms / 1000 - (then_ms - HM_LRU_LAG_MS) / 1000) * 1000;
 }
 
 /* Coldness bucket of a key for the pass's histogram: log2 of the LRU idle
@@ -824,8 +832,8 @@ static int scanApply(RedisModuleScanCursor *cursor, RedisModuleScanCB cb,
     return more;
 }
 
-/* Run the demotion pass until 'deadline'. */
-static void demoteSlice(uint64_t deadline) {
+/* Run the demotion pass until 'deadline'; 'now_ms': see lruAgeMs. */
+static void demoteSlice(uint64_t deadline, long long now_ms) {
     RedisModuleCtx *ctx = hm.dctx;
     if (!hm.cursor) {
         if (nowUs() < hm.next_pass_us) return;
@@ -847,11 +855,10 @@ static void demoteSlice(uint64_t deadline) {
         }
         hm.cursor = RedisModule_ScanCursorCreate();
         hm.pass_cpu_us = 0;
-        hm.pass_start_ms = nowMs();
+        hm.pass_start_ms = now_ms;
     }
-    long long now_s = nowMs() / 1000;
-    hm.pass_age_ms = (now_s - hm.pass_start_ms / 1000) * 1000;
-    hm.threshold_age_ms = hm.threshold_at_ms ? (now_s - hm.threshold_at_ms / 1000) * 1000 : 0;
+    hm.pass_age_ms = lruAgeMs(hm.pass_start_ms, now_ms);
+    hm.threshold_age_ms = hm.threshold_at_ms ? lruAgeMs(hm.threshold_at_ms, now_ms) : 0;
     uint64_t c0 = threadCpuUs();
     int more = scanApply(hm.cursor, scanCb, demoteKey, deadline);
     hm.pass_cpu_us += threadCpuUs() - c0;
@@ -1176,7 +1183,7 @@ static int backgroundWork(uint64_t deadline) {
     if (hm.compact_wanted && hm.mallctl && !hm.cursor && backgroundAllowed())
         compactSlice(deadline);
     else if (demotionAllowed())
-        demoteSlice(deadline);
+        demoteSlice(deadline, nowMs());
     sweepSlice(deadline);
     uint64_t us = nowUs() - t0;
     if (us > hm.step_max_us) hm.step_max_us = us;
@@ -1697,8 +1704,9 @@ static int DemoteCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc
     uint64_t passes = hm.passes + hm.skipped_passes;
     hm.next_pass_us = 0;
     hm.fits_below = 0;
+    long long now_ms = nowMs();
     while (hm.passes + hm.skipped_passes == passes && nowUs() < deadline)
-        demoteSlice(deadline);
+        demoteSlice(deadline, now_ms);
     return RedisModule_ReplyWithLongLong(ctx, hm.demotions - before);
 }
 
