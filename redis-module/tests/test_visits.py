@@ -115,6 +115,27 @@ class VisitTest(ServerTestCase):
         self.assertFalse(self.cold(c, 'k2'))
         self.assertEqual(self.counts(c), (2, 1))
 
+    def test_full_hot_set_refuses_promotion(self):
+        """Over its budget, the hot set takes in nothing: a second access
+        within the window visits too, until a pass finds room."""
+        srv, c = self.cold_server()
+        for i in range(50):
+            c.set('h%d' % i, VAL)
+        # A budget the 50 hot keys overrun; none of them idle long enough
+        # to be demoted. The pass records both.
+        c.config_set('appassist.min-idle-ms', 3600000)
+        c.config_set('appassist.planned-memory', 1000)
+        c.execute_command('APPASSIST.DEMOTE', 5000)
+        self.assertRead(c, 1, True, (1, 0))
+        self.assertRead(c, 1, True, (2, 0))
+        self.assertEqual(self.info(c)['appassist_promotions_refused'], 1)
+        c.config_set('appassist.planned-memory', 1 << 30)
+        c.execute_command('APPASSIST.DEMOTE', 5000)
+        self.assertRead(c, 2, True, (3, 0))
+        self.assertRead(c, 2, False, (3, 1))
+        self.assertEqual(self.info(c)['appassist_promotions_refused'], 1)
+        self.assertEqual(c.dbsize(), 58)
+
     def test_no_visit_without_demotion(self):
         srv, c = self.cold_server()
         c.config_set('appassist.demote', 'no')
