@@ -695,12 +695,6 @@ static int log2Bucket(mstime_t idle) {
     return b;
 }
 
-/* The bucket of an LRU idle time taken back 'age_ms' to an earlier moment;
- * a key touched since then is in bucket 0. */
-static int bucketThen(mstime_t idle, long long age_ms) {
-    return log2Bucket(idle - age_ms);
-}
-
 /* Redis's LRU clock, in ms, between 'then_ms' and 'now_ms' (wall clock),
  * never less than it really moved. The clock (server.lruclock) counts
  * whole seconds and serverCron updates it every 100 ms at hz 10, so early
@@ -737,8 +731,9 @@ static int coldBucket(RedisModuleKey *kh, int *idle_ok, int *decide) {
     }
     if (RedisModule_GetLRU(kh, &idle) != REDISMODULE_OK || idle < 0) return *decide = 0;
     *idle_ok = idle >= hm.min_idle_ms;
-    *decide = bucketThen(idle, hm.threshold_age_ms);
-    return bucketThen(idle, hm.pass_age_ms);
+    /* A key touched since the moment is in bucket 0. */
+    *decide = log2Bucket(idle - hm.threshold_age_ms);
+    return log2Bucket(idle - hm.pass_age_ms);
 }
 
 /* A stable pseudo-random share of a key in [0, 65536) (FNV-1a): the same
