@@ -436,8 +436,8 @@ def write(tp, setups, stats, n, keyspace, prep, cpu, loadavg, when):
         if 'quiet_wait_s' in stats:
             L.append('Before every run the benchmark waited until no server had used more than 2 %% '
                      'of a core for half a second (%.0f s in all): a module server keeps demoting '
-                     'after a run, and on two cores that work would slow the next run, '
-                     'which is stock\'s in every rep but the first.' % stats['quiet_wait_s'])
+                     'after a run, and on two cores that work would slow the next run. '
+                     'Who runs first alternates from rep to rep.' % stats['quiet_wait_s'])
             L.append('')
         c = stats['compaction']
         L.append('Compaction after the demotion: %d keys relocated in %.0f ms (%.0f ms of slices, '
