@@ -184,6 +184,7 @@ static struct {
     uint64_t last_bite_us;
     long long slices, bites;
     uint64_t step_max_us;       /* longest slice or bite (wall) */
+    uint64_t bg_cpu_us;         /* CPU time of all slices and bites */
 
     /* reads of cold items (see readBack) */
     long long promote_window_ms; /* promote on the 2nd read within this; 0: on the 1st */
@@ -1197,7 +1198,7 @@ static int backgroundPending(void) {
 /* The background work (unspill, arena rehash, a demotion or compaction
  * pass, expiry sweep) until 'deadline'. Returns backgroundPending(). */
 static int backgroundWork(uint64_t deadline) {
-    uint64_t t0 = nowUs();
+    uint64_t t0 = nowUs(), c0 = threadCpuUs();
     readBackSettle();
     if (hm.state == ST_RESUMING) {
         int r = 1;
@@ -1216,6 +1217,7 @@ static int backgroundWork(uint64_t deadline) {
     sweepSlice(deadline);
     uint64_t us = nowUs() - t0;
     if (us > hm.step_max_us) hm.step_max_us = us;
+    hm.bg_cpu_us += threadCpuUs() - c0;
     return backgroundPending();
 }
 
@@ -2468,6 +2470,7 @@ static void infoFunc(RedisModuleInfoCtx *ctx, int for_crash_report) {
     RedisModule_InfoAddFieldLongLong(ctx, "background_slices", hm.slices);
     RedisModule_InfoAddFieldLongLong(ctx, "background_bites", hm.bites);
     RedisModule_InfoAddFieldULongLong(ctx, "background_step_max_us", hm.step_max_us);
+    RedisModule_InfoAddFieldULongLong(ctx, "background_cpu_us", hm.bg_cpu_us);
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_freed_bytes", hm.last_freed);
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_items", hm.last_items);
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_time_us", hm.last_time_us);

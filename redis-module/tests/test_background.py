@@ -82,6 +82,8 @@ class BackgroundTest(ServerTestCase):
         slices = after['appassist_background_slices'] - before['appassist_background_slices']
         self.assertGreater(bites, 0)
         self.assertGreater(bites, slices)
+        self.assertGreater(after['appassist_background_cpu_us'],
+                           before['appassist_background_cpu_us'])
         self.assertGreater(after['appassist_demotions'], before['appassist_demotions'])
         self.assertHealthy(srv)
 
