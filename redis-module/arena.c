@@ -64,6 +64,10 @@ struct ColdArena {
     uint32_t *free_ids;
     uint32_t nfree;
 
+    uint32_t reclaim;           /* chunk being emptied (arenaReclaimStep), NO_CHUNK: none */
+    uint32_t reclaim_off;       /* next item in it */
+    uint64_t dead_bytes;        /* in-memory chunks: bytes of deleted items */
+
     uint64_t items;
     uint64_t lent;              /* of which lent (arenaBorrow) */
     uint64_t expiring;          /* live items with an expire */
@@ -199,7 +203,11 @@ static int writeFull(int fd, const void *buf, size_t len, off_t off) {
 /* Release chunk 'id' (no live item is left in it) and recycle its id. */
 static void chunkRelease(ColdArena *a, uint32_t id) {
     Chunk *c = &a->chunks[id];
-    if (c->mem) munmap(c->mem, c->cap);
+    if (c->mem) {
+        a->dead_bytes -= c->used - c->live_bytes;
+        munmap(c->mem, c->cap);
+    }
+    if (a->reclaim == id) a->reclaim = NO_CHUNK;
     if (c->spilled) a->nspilled--;
     if (a->iter_buf_chunk == id) a->iter_buf_chunk = NO_CHUNK;
     memset(c, 0, sizeof(*c));
@@ -479,6 +487,7 @@ int arenaDelete(ColdArena *a, const char *key, size_t klen) {
     t->tombs++;
     c->live_items--;
     c->live_bytes -= size;
+    if (c->mem) a->dead_bytes += size;
     a->items--;
     if (expire != ARENA_NO_EXPIRE) a->expiring--;
     a->item_bytes -= size;
@@ -515,6 +524,7 @@ ColdArena *arenaCreate(uint64_t seed) {
     if (!a) return NULL;
     a->seed = seed;
     a->cur = NO_CHUNK;
+    a->reclaim = NO_CHUNK;
     a->spill_fd = -1;
     a->iter_buf_chunk = NO_CHUNK;
     return a;
@@ -567,6 +577,7 @@ static uint64_t dropMappings(ColdArena *a, uint64_t *items,
     memset(a, 0, sizeof(*a));
     a->seed = seed;
     a->cur = NO_CHUNK;
+    a->reclaim = NO_CHUNK;
     a->spill_fd = -1;
     a->iter_buf_chunk = NO_CHUNK;
     if (maps) {
@@ -616,6 +627,7 @@ void arenaGetStats(const ColdArena *a, ArenaStats *st) {
     st->index_bytes = tableBytes(&a->ht[0]) + tableBytes(&a->ht[1]);
     st->mapped_bytes += st->index_bytes;
     st->spilled_bytes = (uint64_t)a->spill_size;
+    st->dead_bytes = a->dead_bytes;
     st->rehashing = a->rehashing;
 }
 
@@ -660,12 +672,14 @@ int64_t arenaSpill(ColdArena *a, const char *path, uint64_t deadline_us,
         if (c->file_off < start) continue;
         munmap(c->mem, c->cap);
         freed += c->cap;
+        a->dead_bytes -= c->used - c->live_bytes;
         c->mem = NULL;
         c->spilled = 1;
         a->nspilled++;
         if (a->iter_buf_chunk == i) a->iter_buf_chunk = NO_CHUNK;
     }
     a->cur = NO_CHUNK;
+    a->reclaim = NO_CHUNK;
     *done = 1;
     for (uint32_t i = 0; i < a->nchunks; i++)
         if (a->chunks[i].mem) { *done = 0; break; }
@@ -688,12 +702,78 @@ int arenaUnspillStep(ColdArena *a) {
         }
         c->mem = mem;
         c->spilled = 0;
+        a->dead_bytes += c->used - c->live_bytes;
         a->nspilled--;
         break;
     }
     if (a->nspilled) return 1;
     spillClose(a);
     return 0;
+}
+
+/* ----------------------------------------------------------- reclaim */
+
+uint64_t arenaDeadBytes(const ColdArena *a) { return a->dead_bytes; }
+uint64_t arenaLiveBytes(const ColdArena *a) { return a->item_bytes; }
+
+/* The in-memory chunk, other than the one being appended to, with the most
+ * dead bytes: the most memory freed per byte copied. NO_CHUNK if none has
+ * any. */
+static uint32_t reclaimPick(const ColdArena *a) {
+    uint32_t best = NO_CHUNK;
+    uint64_t most = 0;
+    for (uint32_t i = 0; i < a->nchunks; i++) {
+        const Chunk *c = &a->chunks[i];
+        if (!c->mem || i == a->cur || c->used - c->live_bytes <= most) continue;
+        most = c->used - c->live_bytes;
+        best = i;
+    }
+    return best;
+}
+
+int arenaReclaimStep(ColdArena *a, unsigned max, uint64_t *moved) {
+    if (a->nspilled) { errno = EROFS; return -1; }
+    if (a->reclaim == NO_CHUNK) {
+        a->reclaim = reclaimPick(a);
+        a->reclaim_off = 0;
+        if (a->reclaim == NO_CHUNK) return 0;
+    }
+    uint32_t id = a->reclaim;
+    while (max--) {
+        Chunk *src = &a->chunks[id];
+        if (a->reclaim_off >= src->used) {
+            /* Every item it held is elsewhere now: nothing refers to it. */
+            chunkRelease(a, id);
+            return 1;
+        }
+        uint32_t off = a->reclaim_off, kl, vl;
+        int64_t expire;
+        hdrDecode(src->mem + off, &kl, &vl, &expire);
+        uint32_t need = ARENA_ITEM_HDR + kl + vl;
+        a->reclaim_off += need;
+        Table *t;
+        uint64_t s;
+        if (findSlot(a, src->mem + off + ARENA_ITEM_HDR, kl, &t, &s) != 1 ||
+            slotChunk(&t->slots[s]) != id || t->slots[s].off != off)
+            continue;                           /* dead: a hole */
+        /* Never into the chunk being emptied: chunkFor appends to the
+         * current chunk or maps a new one, and 'id' is neither. */
+        uint32_t to = chunkFor(a, need);
+        if (to == NO_CHUNK) { a->reclaim_off = off; return -1; }
+        src = &a->chunks[id];                   /* chunkFor may move the table */
+        Chunk *dst = &a->chunks[to];
+        memcpy(dst->mem + dst->used, src->mem + off, need);
+        t->slots[s].chunk = to | (t->slots[s].chunk & SLOT_LENT);
+        t->slots[s].off = dst->used;
+        dst->used += need;
+        dst->live_items++;
+        dst->live_bytes += need;
+        src->live_items--;
+        src->live_bytes -= need;
+        a->dead_bytes += need;
+        if (moved) (*moved)++;
+    }
+    return 1;
 }
 
 /* ----------------------------------------------------------- iteration */

@@ -13,7 +13,8 @@
  * change after they are written: any access promotes the item out of the
  * arena. An item is live iff the index points at it; deleting only updates
  * the index and the chunk's live counters, and a chunk whose last live item
- * goes is unmapped at once.
+ * goes is unmapped at once. arenaReclaimStep moves the live items out of a
+ * chunk with holes so that it can go.
  *
  * The index is a linear-probing table of {hash32, chunk, offset} slots,
  * each with a byte of tag (free, tombstone, or 8 bits of the hash) in an
@@ -66,6 +67,7 @@ typedef struct ArenaStats {
     uint64_t mapped_bytes;      /* chunk + index mappings */
     uint64_t index_bytes;       /* index mappings */
     uint64_t spilled_bytes;     /* bytes in the spill file */
+    uint64_t dead_bytes;        /* see arenaDeadBytes */
     int rehashing;
 } ArenaStats;
 
@@ -145,13 +147,34 @@ int64_t arenaSpill(ColdArena *a, const char *path, uint64_t deadline_us,
 int arenaUnspillStep(ColdArena *a);
 int arenaHasSpilled(const ColdArena *a);
 
+/* Bytes of deleted items in the chunks in memory: a deleted item leaves a
+ * hole, and its chunk is unmapped only when its last live item goes. A
+ * write to a cold item (the module's write visits) deletes it and appends
+ * the new version, so under writes spread over the cold set the holes
+ * outgrow the live items. O(1). */
+uint64_t arenaDeadBytes(const ColdArena *a);
+/* Bytes of the live items, headers included (lent ones too). O(1). */
+uint64_t arenaLiveBytes(const ColdArena *a);
+
+/* Reclaim holes: move the live items of the in-memory chunk with the most
+ * dead bytes (not the one being appended to) to the end, as appends, and
+ * unmap it once it is empty. Each call looks at most 'max' items of that
+ * chunk and adds the items it moved to *moved. Returns 1 if it did
+ * something (call again while more is wanted), 0 if no chunk has a hole,
+ * -1 with errno: EROFS (spilled chunks: no appends), ENOMEM. Lent items
+ * move too and stay lent. Moving items changes the iteration order: an
+ * item present throughout an iteration that ran meanwhile can be missed
+ * or visited twice. */
+int arenaReclaimStep(ColdArena *a, unsigned max, uint64_t *moved);
+
 /* Iteration over live items in a stable order (chunk id, offset): pass
  * cursor 0 first; returns the next cursor (0 when done). 'fn' gets each
  * live item that is not lent and must not modify the arena (collect keys,
  * act afterwards);
  * 'max' bounds the number of items visited (live or dead).
  * Items inserted during an iteration may or may not be visited; items
- * present from start to end are visited exactly once. Returns the cursor,
+ * present from start to end are visited exactly once, unless
+ * arenaReclaimStep moved them meanwhile. Returns the cursor,
  * or UINT64_MAX on I/O error. */
 typedef void (*ArenaIterFn)(void *priv, const ColdItem *it);
 uint64_t arenaIterate(ColdArena *a, uint64_t cursor, unsigned max,

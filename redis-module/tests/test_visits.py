@@ -6,6 +6,7 @@ CLIENT PAUSE), and reads still count and notify exactly as stock Redis's
 do."""
 
 import os
+import random
 import sys
 import threading
 import time
@@ -295,6 +296,93 @@ class VisitTest(ServerTestCase):
                 self.assertEqual(self.counts(c), (3, 0))
             sub.close()
         self.assertEqual(seen['stock'], seen['mod'])
+
+    def churn(self, c, want, rounds, window_s, seed=1):
+        """Each round, write a new 500-byte value to a random half of the
+        cold keys in `want` (a write visit each: the old version becomes a
+        hole in the arena, and its chunk keeps its other items), with two
+        promote windows between rounds so that no write promotes. `want`
+        gets the values written."""
+        rng = random.Random(seed)
+        keys = sorted(want)
+        for r in range(rounds):
+            part = rng.sample(keys, len(keys) // 2)
+            for lo in range(0, len(part), 1000):
+                p = c.pipeline(transaction=False)
+                for k in part[lo:lo + 1000]:
+                    want[k] = (b'%d:%s:' % (r, k.encode())).ljust(500, b'x')
+                    p.set(k, want[k])
+                p.execute()
+            time.sleep(2 * window_s + 0.05)
+
+    def assertValues(self, c, want):
+        """Every key reads back as written, and (nearly) all are still cold:
+        the read filter's false positives promote a few early."""
+        n = len(want)
+        self.assertGreater(self.info(c)['appassist_cold_items'], n * 95 // 100)
+        self.assertEqual(c.dbsize(), n)
+        keys = sorted(want)
+        for lo in range(0, n, 1000):
+            part = keys[lo:lo + 1000]
+            self.assertEqual(c.mget(part), [want[k] for k in part])
+
+    def test_cold_writes_reclaim_arena_holes(self):
+        """Writes spread over the cold items leave holes in the arena; the
+        background moves the live items out of the chunks with holes and
+        unmaps them, so the arena stays within 1.5x its items (without
+        reclaim: 2.0x after four rounds of writes to half the keys).
+        Nothing read changes."""
+        n = 20000
+        srv = self.server(configs=configs(**{'promote-window-ms': 100}))
+        c = srv.client()
+        want = {'c%d' % i: b'x' * 500 for i in range(n)}
+        for lo in range(0, n, 1000):
+            c.mset({'c%d' % i: want['c%d' % i] for i in range(lo, min(lo + 1000, n))})
+        demoted(self, c, n)
+        self.churn(c, want, 4, 0.1)
+        self.assertGreater(self.counts(c)[0], 2 * n * 95 // 100)
+
+        def reclaimed():
+            i = self.info(c)
+            return i if i['appassist_arena_dead_bytes'] * 2 <= i['appassist_cold_bytes'] else None
+        i = self.wait_for(reclaimed, timeout=30, what='the holes to be reclaimed')
+        self.assertGreaterEqual(i['appassist_arena_reclaims'], 1)
+        self.assertGreater(i['appassist_arena_reclaim_moved'], 0)
+        self.assertLessEqual(i['appassist_arena_mapped_bytes'] - i['appassist_arena_index_bytes'],
+                             i['appassist_cold_bytes'] * 3 // 2 + (2 << 20))
+        self.assertValues(c, want)
+        self.assertHealthy(srv)
+
+    def test_no_reclaim_under_a_scan(self):
+        """A SCAN holds its arena cursor between calls, and reclaiming moves
+        items: while an iteration is in the arena phase, holes wait. Every
+        key that stayed cold is returned."""
+        n = 20000
+        srv = self.server(configs=configs(**{'promote-window-ms': 100}))
+        c = srv.client()
+        for lo in range(0, n, 1000):
+            c.mset({'c%d' % i: b'x' * 500 for i in range(lo, min(lo + 1000, n))})
+        demoted(self, c, n)
+        cursor, seen = 0, set()
+        while not int(cursor) & (1 << 63):
+            cursor, keys = c.scan(cursor, count=1000)
+            seen.update(keys)
+        self.assertEqual(seen, set())       # everything is cold
+        # Rewrite half of the keys twice (holes as big as the items), keep
+        # the other half to check.
+        for fill in (b'y', b'z'):
+            for lo in range(0, n // 2, 1000):
+                c.mset({'c%d' % i: fill * 500 for i in range(lo, lo + 1000)})
+            time.sleep(0.25)
+        time.sleep(1)
+        while cursor:
+            cursor, keys = c.scan(cursor, count=500)
+            seen.update(keys)
+            time.sleep(0.01)
+        i = self.info(c)
+        self.assertGreater(i['appassist_arena_dead_bytes'] * 2, i['appassist_cold_bytes'])
+        self.assertEqual(i['appassist_arena_reclaim_moved'], 0)
+        self.assertTrue({b'c%d' % k for k in range(n // 2, n)} <= seen)
 
 
 if __name__ == '__main__':
