@@ -71,6 +71,8 @@
 #define HM_PORT_INBUF           (2 * RESP_MAX_REQ)
 #define HM_PORT_OUTBUF          (64 * 1024)
 #define HM_BUCKETS              256     /* see idleBucket */
+#define HM_SHARE_BINS           16      /* per bucket, by keyShare (see passEnd) */
+#define HM_SHARE_BIN_SHIFT      12      /* 65536 / HM_SHARE_BINS */
 #define HM_LRU_LAG_MS           200     /* see lruAgeMs */
 #define HM_SWEEP_ITEMS          1024    /* arena items checked per slice */
 #define HM_REHASH_STEP          512     /* arena slots moved per rehash step */
@@ -134,7 +136,7 @@ static struct {
 
     /* demotion pass */
     RedisModuleScanCursor *cursor;
-    uint64_t pass_bytes[HM_BUCKETS];
+    uint64_t pass_bytes[HM_BUCKETS][HM_SHARE_BINS];
     uint64_t pass_items;
     uint64_t pass_hot_bytes, pass_hot_items;
     long long hot_est;          /* hot bytes: the last pass's, + promoted - demoted since */
@@ -771,8 +773,8 @@ static void scanCb(RedisModuleCtx *ctx, RedisModuleString *keyname,
         uint64_t bytes = klen + RedisModule_ValueLength(kh) + HM_ITEM_OVERHEAD;
         int idle_ok, d;
         int b = coldBucket(kh, &idle_ok, &d);
-        if (d >= hm.threshold && idle_ok &&
-            (d > hm.threshold || keyShare(keyname) >= hm.keep_at_threshold)) {
+        uint32_t share = keyShare(keyname);
+        if (d >= hm.threshold && idle_ok && (d > hm.threshold || share >= hm.keep_at_threshold)) {
             if (hm.npending == hm.cap_pending) {
                 hm.cap_pending = hm.cap_pending ? hm.cap_pending * 2 : 64;
                 hm.pending = RedisModule_Realloc(hm.pending, hm.cap_pending * sizeof(*hm.pending));
@@ -780,7 +782,7 @@ static void scanCb(RedisModuleCtx *ctx, RedisModuleString *keyname,
             RedisModule_RetainString(ctx, keyname);
             hm.pending[hm.npending++] = keyname;
         } else {
-            hm.pass_bytes[b] += bytes;
+            hm.pass_bytes[b][share >> HM_SHARE_BIN_SHIFT] += bytes;
             hm.pass_items++;
         }
     }
@@ -789,23 +791,36 @@ static void scanCb(RedisModuleCtx *ctx, RedisModuleString *keyname,
 
 /* End of a pass: the hot set is what fits in the budget, hottest first.
  * Of the bucket that crosses the budget only the share that does not fit
- * is demoted (by a stable hash of the key): demoting the whole bucket
- * overshot by up to half the hot set (measured: a hot range exactly the
- * size of the budget, touched at once, was demoted entirely and read back
- * by promotions). */
+ * is demoted, by a stable hash of the key (keyShare): demoting the whole
+ * bucket overshot by up to half the hot set (measured: a hot range exactly
+ * the size of the budget, touched at once, was demoted entirely and read
+ * back by promotions). The histogram bins each bucket by that hash too, and
+ * the cut is placed between the keys actually there: after a cut, the keys
+ * left in the bucket have hashes below it, and a cut computed as if hashes
+ * in the bucket were uniform over [0, 65536) fell above all of them, pass
+ * after pass (measured: 31221 idle keys, 5.1 MB over a 16.2 MB budget,
+ * stayed hot through 8 passes that demoted nothing, while the hot set,
+ * over its budget, refused promotions). Within the crossing bin the cut is
+ * interpolated: off by at most a bin, 1/16 of the bucket. */
 static void passEnd(RedisModuleCtx *ctx) {
     long long budget = hotBudget(ctx);
     uint64_t sum = 0;
     int thr = HM_BUCKETS;
     uint32_t keep = 0;
-    for (int b = 0; b < HM_BUCKETS; b++) {
-        if (sum + hm.pass_bytes[b] > (uint64_t)budget) {
-            thr = b;
-            if (budget > 0 && (uint64_t)budget > sum)
-                keep = (uint32_t)(((uint64_t)budget - sum) * 65536 / hm.pass_bytes[b]);
-            break;
+    for (int b = 0; b < HM_BUCKETS && thr == HM_BUCKETS; b++) {
+        for (int i = 0; i < HM_SHARE_BINS; i++) {
+            uint64_t bin = hm.pass_bytes[b][i];
+            if (sum + bin > (uint64_t)budget) {
+                thr = b;
+                if (budget > 0 && (uint64_t)budget > sum)
+                    keep = ((uint32_t)i << HM_SHARE_BIN_SHIFT) +
+                           (uint32_t)(((uint64_t)budget - sum) * (1u << HM_SHARE_BIN_SHIFT) / bin);
+                else
+                    keep = (uint32_t)i << HM_SHARE_BIN_SHIFT;
+                break;
+            }
+            sum += bin;
         }
-        sum += hm.pass_bytes[b];
     }
     /* Items used within the last LRU clock tick (bucket 0) stay hot unless
      * the budget is zero: demoting what is being read right now would only
@@ -822,7 +837,8 @@ static void passEnd(RedisModuleCtx *ctx) {
         hm.fits_until_us = nowUs() + HM_FITS_RECHECK_MS * 1000ULL;
     }
     hm.pass_hot_bytes = 0;
-    for (int b = 0; b < HM_BUCKETS; b++) hm.pass_hot_bytes += hm.pass_bytes[b];
+    for (int b = 0; b < HM_BUCKETS; b++)
+        for (int i = 0; i < HM_SHARE_BINS; i++) hm.pass_hot_bytes += hm.pass_bytes[b][i];
     hm.hot_est = (long long)hm.pass_hot_bytes;
     hm.admit_budget = budget;
     hm.pass_hot_items = hm.pass_items;

@@ -210,6 +210,37 @@ class PrepareTest(ServerTestCase):
         self.assertEqual(c.dbsize(), n)
         self.assertHealthy(s)
 
+    def test_split_bucket_is_cut_again(self):
+        """Of the bucket that crosses the budget, a pass keeps the keys with
+        the lowest hashes. When the budget then shrinks, the next cut must
+        fall among the hashes kept, not above them all (as if the hashes
+        in the bucket were still uniform): the hot set must come down to
+        the new budget, not stay at the old one."""
+        n = 4000
+        est = n * (5 + 100 + 48)
+        s = self.server(configs={'planned-memory': est // 2, 'hot-percent': 100,
+                                 'min-idle-ms': 0, 'demote': 'no'})
+        c = s.client()
+        p = c.pipeline(transaction=False)
+        for i in range(n):
+            p.set('k%04d' % i, b'x' * 100)
+        p.execute()
+        time.sleep(1.2)                 # all idle alike, in one bucket
+
+        def converge():
+            for _ in range(6):
+                c.execute_command('APPASSIST.DEMOTE', 5000)
+            return c.info('appassist')
+
+        i = converge()
+        self.assertLess(abs(i['appassist_hot_bytes'] - est // 2), est // 10)
+        c.config_set('appassist.planned-memory', est * 3 // 10)
+        i = converge()
+        self.assertLessEqual(i['appassist_hot_bytes'], est * 3 // 10 + est // 20)
+        self.assertGreater(i['appassist_hot_bytes'], est * 3 // 10 - est // 10)
+        self.assertEqual(c.dbsize(), n)
+        self.assertHealthy(s)
+
     def test_cold_item_expires_with_notification(self):
         """A cold item whose TTL passes is gone for every command, and the
         stock 'expired' keyspace event fires (from the background sweep)."""
