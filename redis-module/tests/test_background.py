@@ -87,6 +87,28 @@ class BackgroundTest(ServerTestCase):
         self.assertGreater(after['appassist_demotions'], before['appassist_demotions'])
         self.assertHealthy(srv)
 
+    def test_passes_that_cannot_demote_back_off(self):
+        """Over budget with everything in use (here: nothing idle for
+        min-idle-ms), a pass demotes nothing, and the next would find the
+        same: the pause between passes doubles from 5 s instead of a pass
+        every second."""
+        srv = self.server(configs={'planned-memory': 100000, 'hot-percent': 10,
+                                   'min-idle-ms': 3600000})
+        self.load(srv)
+        c = srv.client()
+        before = self.info(c)['appassist_passes']
+        time.sleep(7)
+        i = self.info(c)
+        self.assertEqual(i['appassist_demotions'], 0)
+        self.assertGreaterEqual(i['appassist_passes'] - before, 1)
+        self.assertLessEqual(i['appassist_passes'] - before, 3)
+        # Idle enough now: a pass (DEMOTE runs one at once) demotes.
+        c.config_set('appassist.min-idle-ms', 0)
+        c.execute_command('APPASSIST.DEMOTE', 5000)
+        c.execute_command('APPASSIST.DEMOTE', 5000)
+        self.assertGreater(self.info(c)['appassist_demotions'], 0)
+        self.assertHealthy(srv)
+
 
 if __name__ == '__main__':
     unittest.main()
