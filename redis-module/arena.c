@@ -772,6 +772,10 @@ int arenaReclaimStep(ColdArena *a, unsigned max, uint64_t *moved) {
         src->live_bytes -= need;
         a->dead_bytes += need;
         if (moved) (*moved)++;
+        if (src->live_items == 0) {
+            chunkRelease(a, id);            /* the rest of it is holes */
+            return 1;
+        }
     }
     return 1;
 }

@@ -933,19 +933,29 @@ static void demoteSlice(uint64_t deadline, long long now_ms) {
          * CPU time. Promotions meanwhile only overshoot the budget for
          * longer.
          *
-         * A pass that demoted nothing could not: what is over the budget
-         * is in use (touched within min-idle-ms, or the hot set sits at
-         * the budget's edge with Redis's overhead on top). The next one
-         * is likely to find the same, so the pause doubles from
+         * A pass over the budget that demoted nothing could not: what is
+         * over it is in use (touched within min-idle-ms, or the hot set
+         * sits at the budget's edge with Redis's overhead on top). The
+         * next one is likely to find the same, so the pause doubles from
          * HM_IDLE_PASS_PAUSE_MS up to HM_IDLE_PASS_PAUSE_MAX_MS until a
          * pass demotes again (measured: passes every 3 s that demoted
          * nothing were 3.4 s of CPU over the benchmark's runs on the hot
-         * range, 5 % of the server's CPU there). */
-        if (hm.pass_demoted) hm.idle_pause_ms = 0;
-        else hm.idle_pause_ms = hm.idle_pause_ms ? hm.idle_pause_ms * 2 : HM_IDLE_PASS_PAUSE_MS;
-        if (hm.idle_pause_ms > HM_IDLE_PASS_PAUSE_MAX_MS) hm.idle_pause_ms = HM_IDLE_PASS_PAUSE_MAX_MS;
-        uint64_t pause_us = (hm.threshold == 0 ? 10 : hm.pass_demoted ? HM_PASS_PAUSE_MS :
-                             hm.idle_pause_ms) * 1000ULL;
+         * range, 5 % of the server's CPU there). When everything fits,
+         * the pause stays short: fits_below skips the walks meanwhile,
+         * and growth is noticed within HM_IDLE_PASS_PAUSE_MS. */
+        uint64_t pause_ms;
+        if (hm.threshold == 0) {
+            pause_ms = 10;
+        } else if (hm.pass_demoted || hm.threshold == HM_BUCKETS) {
+            hm.idle_pause_ms = 0;
+            pause_ms = hm.pass_demoted ? HM_PASS_PAUSE_MS : HM_IDLE_PASS_PAUSE_MS;
+        } else {
+            hm.idle_pause_ms = hm.idle_pause_ms ? hm.idle_pause_ms * 2 : HM_IDLE_PASS_PAUSE_MS;
+            if (hm.idle_pause_ms > HM_IDLE_PASS_PAUSE_MAX_MS)
+                hm.idle_pause_ms = HM_IDLE_PASS_PAUSE_MAX_MS;
+            pause_ms = hm.idle_pause_ms;
+        }
+        uint64_t pause_us = pause_ms * 1000ULL;
         if (hm.threshold != 0 && pause_us < hm.pass_cpu_us * HM_PASS_DUTY)
             pause_us = hm.pass_cpu_us * HM_PASS_DUTY;
         hm.next_pass_us = nowUs() + pause_us;
