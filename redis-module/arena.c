@@ -428,6 +428,20 @@ int arenaLookup(ColdArena *a, const char *key, size_t klen, ColdRef *ref) {
     return t->slots[s].chunk & SLOT_LENT ? 2 : 1;
 }
 
+/* Room for an item of 'need' bytes at the end of the arena, counted live
+ * in its chunk: returns where to write it, NULL on failure (errno set);
+ * *id and *off get its chunk and offset for the index. */
+static char *appendItem(ColdArena *a, size_t need, uint32_t *id, uint32_t *off) {
+    *id = chunkFor(a, need);
+    if (*id == NO_CHUNK) return NULL;
+    Chunk *c = &a->chunks[*id];
+    *off = c->used;
+    c->used += (uint32_t)need;
+    c->live_items++;
+    c->live_bytes += need;
+    return c->mem + *off;
+}
+
 int arenaInsert(ColdArena *a, const char *key, size_t klen,
                 const char *val, size_t vlen, int64_t expire) {
     if (klen > ARENA_MAX_KEY || vlen > ARENA_MAX_VAL) { errno = E2BIG; return -1; }
@@ -435,10 +449,9 @@ int arenaInsert(ColdArena *a, const char *key, size_t klen,
     if (a->rehashing) arenaRehashStep(a, REHASH_STEP);
     if (maybeGrow(a) < 0) return -1;
     size_t need = ARENA_ITEM_HDR + klen + vlen;
-    uint32_t id = chunkFor(a, need);
-    if (id == NO_CHUNK) return -1;
-    Chunk *c = &a->chunks[id];
-    char *p = c->mem + c->used;
+    uint32_t id, off;
+    char *p = appendItem(a, need, &id, &off);
+    if (!p) return -1;
     uint32_t kl = (uint32_t)klen, vl = (uint32_t)vlen;
     memcpy(p, &kl, 4);
     memcpy(p + 4, &vl, 4);
@@ -446,10 +459,7 @@ int arenaInsert(ColdArena *a, const char *key, size_t klen,
     memcpy(p + ARENA_ITEM_HDR, key, klen);
     if (vlen) memcpy(p + ARENA_ITEM_HDR + klen, val, vlen);
     uint64_t h = hashKey(a->seed, key, klen);
-    tablePut(&a->ht[a->rehashing], h, id, c->used);
-    c->used += (uint32_t)need;
-    c->live_items++;
-    c->live_bytes += need;
+    tablePut(&a->ht[a->rehashing], h, id, off);
     a->items++;
     if (expire != ARENA_NO_EXPIRE) a->expiring++;
     a->item_bytes += need;
@@ -758,16 +768,13 @@ int arenaReclaimStep(ColdArena *a, unsigned max, uint64_t *moved) {
             continue;                           /* dead: a hole */
         /* Never into the chunk being emptied: chunkFor appends to the
          * current chunk or maps a new one, and 'id' is neither. */
-        uint32_t to = chunkFor(a, need);
-        if (to == NO_CHUNK) { a->reclaim_off = off; return -1; }
+        uint32_t to, to_off;
+        char *p = appendItem(a, need, &to, &to_off);
+        if (!p) { a->reclaim_off = off; return -1; }
         src = &a->chunks[id];                   /* chunkFor may move the table */
-        Chunk *dst = &a->chunks[to];
-        memcpy(dst->mem + dst->used, src->mem + off, need);
+        memcpy(p, src->mem + off, need);
         t->slots[s].chunk = to | (t->slots[s].chunk & SLOT_LENT);
-        t->slots[s].off = dst->used;
-        dst->used += need;
-        dst->live_items++;
-        dst->live_bytes += need;
+        t->slots[s].off = to_off;
         src->live_items--;
         src->live_bytes -= need;
         a->dead_bytes += need;
