@@ -297,6 +297,17 @@ class VisitTest(ServerTestCase):
             sub.close()
         self.assertEqual(seen['stock'], seen['mod'])
 
+    def cold_500(self, n):
+        """n cold keys c0..c<n-1> of 500 bytes, a 100 ms promote window:
+        the server, a client and the values."""
+        srv = self.server(configs=configs(**{'promote-window-ms': 100}))
+        c = srv.client()
+        want = {'c%d' % i: b'x' * 500 for i in range(n)}
+        for lo in range(0, n, 1000):
+            c.mset({'c%d' % i: want['c%d' % i] for i in range(lo, min(lo + 1000, n))})
+        demoted(self, c, n)
+        return srv, c, want
+
     def churn(self, c, want, rounds, window_s, seed=1):
         """Each round, write a new 500-byte value to a random half of the
         cold keys in `want` (a write visit each: the old version becomes a
@@ -333,12 +344,7 @@ class VisitTest(ServerTestCase):
         reclaim: 2.0x after four rounds of writes to half the keys).
         Nothing read changes."""
         n = 20000
-        srv = self.server(configs=configs(**{'promote-window-ms': 100}))
-        c = srv.client()
-        want = {'c%d' % i: b'x' * 500 for i in range(n)}
-        for lo in range(0, n, 1000):
-            c.mset({'c%d' % i: want['c%d' % i] for i in range(lo, min(lo + 1000, n))})
-        demoted(self, c, n)
+        srv, c, want = self.cold_500(n)
         self.churn(c, want, 4, 0.1)
         self.assertGreater(self.counts(c)[0], 2 * n * 95 // 100)
 
@@ -358,11 +364,7 @@ class VisitTest(ServerTestCase):
         items: while an iteration is in the arena phase, holes wait. Every
         key that stayed cold is returned."""
         n = 20000
-        srv = self.server(configs=configs(**{'promote-window-ms': 100}))
-        c = srv.client()
-        for lo in range(0, n, 1000):
-            c.mset({'c%d' % i: b'x' * 500 for i in range(lo, min(lo + 1000, n))})
-        demoted(self, c, n)
+        srv, c, _ = self.cold_500(n)
         cursor, seen = 0, set()
         while not int(cursor) & (1 << 63):
             cursor, keys = c.scan(cursor, count=1000)
