@@ -224,8 +224,9 @@ def throughput(workdir, quick):
         # A pass skipped (the background may have found used memory below
         # the budget while loading) and a pass that only classifies can
         # come first: both demote nothing. Demote until a pass after them
-        # demotes nothing (run I stopped after the first two and began
-        # with 0 cold items; the timer demoted them during the first runs).
+        # demotes nothing (run I stopped after the first two and reported
+        # 0 cold items; the timer demoted them while it waited for
+        # compaction).
         calls = 0
         while ((mc.execute_command('APPASSIST.DEMOTE', 10000) > 0 or calls < 2) and
                time.monotonic() - t0 < 300):
