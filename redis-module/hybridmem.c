@@ -174,9 +174,8 @@ static struct {
     uint64_t reclaim_after_us;  /* after a failed step (ENOMEM): not before */
     uint64_t compact_t0;
     long long compact_rss0;
-    long long compact_busy_us, compact_purge_us, compact_purge_max_us, compact_slice_max_us;
+    long long compact_busy_us, compact_slice_max_us;
     long long compact_relocated;
-    long long compact_unpurged_us; /* relocation time since the last purge */
     long long last_frag_bytes;  /* allocator_frag_bytes at the last check */
 
     int replica;                /* this server replicates a master */
@@ -218,7 +217,7 @@ static struct {
     long long dropped_items;
     long long compactions, relocations, compact_skipped;
     long long last_compact_relocated, last_compact_time_us, last_compact_busy_us;
-    long long last_compact_purge_us, last_compact_purge_max_us, last_compact_slice_max_us;
+    long long last_compact_slice_max_us;
     long long last_compact_rss_before, last_compact_rss_after;
 
     /* host port */
@@ -1012,14 +1011,18 @@ static void sweepSlice(uint64_t deadline) {
  * pass relocates every hot string key (delete + re-add of the same key,
  * value, expire and LFU/LRU) with the thread cache off: jemalloc then
  * serves each allocation from the lowest non-full slab, so survivors pack
- * into the oldest slabs, the newer slabs empty out, and a purge gives their
- * pages back. Stock Redis's active defrag does the same with a jemalloc
- * patch Debian's system jemalloc lacks.
+ * into the oldest slabs and the newer slabs empty out. Stock Redis's active
+ * defrag does the same with a jemalloc patch Debian's system jemalloc lacks.
  *
  * A pass is due when the bytes demoted since the last one reach
  * appassist.compact-percent of used_memory; it runs in the background
- * slices like a demotion pass (no demotion meanwhile) and purges after
- * every slice, so the madvise work is bounded too. */
+ * slices like a demotion pass (no demotion meanwhile). It does not purge:
+ * jemalloc gives the emptied pages back within its dirty decay time (10 s)
+ * from its background thread (Redis's jemalloc-bg-thread, on by default),
+ * as it does for every free, and as Redis's own active defrag relies on.
+ * A purge from a slice returned everything jemalloc held dirty at once:
+ * 1.7-7.3 ms of CPU for the first one of a pass, measured, however little
+ * the slice had relocated. PREPARE purges (MEMORY PURGE). */
 
 static int tcacheSet(bool on) {
     return hm.mallctl("thread.tcache.enabled", NULL, NULL, &on, sizeof(on));
@@ -1146,16 +1149,6 @@ static void compactScanCb(RedisModuleCtx *ctx, RedisModuleString *keyname,
     hm.pending[hm.npending++] = keyname;
 }
 
-static void compactPurge(void) {
-    uint64_t t = nowUs();
-    char name[32];
-    snprintf(name, sizeof(name), "arena.%d.purge", HM_MALLCTL_ARENAS_ALL);
-    hm.mallctl(name, NULL, NULL, NULL, 0);
-    long long us = (long long)(nowUs() - t);
-    hm.compact_purge_us += us;
-    if (us > hm.compact_purge_max_us) hm.compact_purge_max_us = us;
-}
-
 static void compactEnd(void) {
     RedisModule_ScanCursorDestroy(hm.ccursor);
     hm.ccursor = NULL;
@@ -1164,18 +1157,14 @@ static void compactEnd(void) {
     hm.last_compact_relocated = hm.compact_relocated;
     hm.last_compact_time_us = (long long)(nowUs() - hm.compact_t0);
     hm.last_compact_busy_us = hm.compact_busy_us;
-    hm.last_compact_purge_us = hm.compact_purge_us;
-    hm.last_compact_purge_max_us = hm.compact_purge_max_us;
     hm.last_compact_slice_max_us = hm.compact_slice_max_us;
     hm.last_compact_rss_before = hm.compact_rss0;
     hm.last_compact_rss_after = processRss();
     RedisModule_Log(hm.dctx, "verbose", "appassist: compaction: %lld keys relocated in %lld ms "
-                    "(%lld ms busy, longest slice %lld us; purge %lld us, longest %lld us), "
-                    "RSS %lld -> %lld KiB",
+                    "(%lld ms busy, longest slice %lld us), RSS %lld -> %lld KiB",
                     hm.last_compact_relocated, hm.last_compact_time_us / 1000,
                     hm.last_compact_busy_us / 1000, hm.last_compact_slice_max_us,
-                    hm.last_compact_purge_us,
-                    hm.last_compact_purge_max_us, hm.last_compact_rss_before / 1024,
+                    hm.last_compact_rss_before / 1024,
                     hm.last_compact_rss_after / 1024);
 }
 
@@ -1190,7 +1179,7 @@ static void compactSlice(uint64_t deadline) {
         hm.compact_pending = 0;
         hm.compact_t0 = t;
         hm.compact_rss0 = processRss();
-        hm.compact_busy_us = hm.compact_purge_us = hm.compact_purge_max_us = 0;
+        hm.compact_busy_us = 0;
         hm.compact_slice_max_us = 0;
         hm.compact_relocated = 0;
     }
@@ -1203,19 +1192,8 @@ static void compactSlice(uint64_t deadline) {
         hm.compact_wanted = 0;
         return;
     }
-    /* Half the slice relocates, the purge of what that emptied takes the
-     * rest (measured: a 1 ms relocation step emptied pages whose purge took
-     * up to 1.3 ms). A short step (a bite, see bgBite) leaves the purge to
-     * the step that brings the relocation time since the last purge to
-     * half a slice: a purge has a fixed cost of its own. */
-    uint64_t reloc_deadline = deadline > t ? t + (deadline - t) / 2 : t;
-    int more = scanApply(hm.ccursor, compactScanCb, relocateKey, reloc_deadline);
+    int more = scanApply(hm.ccursor, compactScanCb, relocateKey, deadline);
     tcacheSet(true);
-    hm.compact_unpurged_us += (long long)(nowUs() - t);
-    if (!more || hm.compact_unpurged_us * 2 >= hm.slice_us) {
-        compactPurge();
-        hm.compact_unpurged_us = 0;
-    }
     hm.compact_busy_us += (long long)(nowUs() - t);
     long long cpu_us = (long long)(threadCpuUs() - cpu);
     if (cpu_us > hm.compact_slice_max_us) hm.compact_slice_max_us = cpu_us;
@@ -2577,8 +2555,6 @@ static void infoFunc(RedisModuleInfoCtx *ctx, int for_crash_report) {
     RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_time_us", hm.last_compact_time_us);
     RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_busy_us", hm.last_compact_busy_us);
     RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_slice_max_us", hm.last_compact_slice_max_us);
-    RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_purge_us", hm.last_compact_purge_us);
-    RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_purge_max_us", hm.last_compact_purge_max_us);
     RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_rss_before", hm.last_compact_rss_before);
     RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_rss_after", hm.last_compact_rss_after);
     RedisModule_InfoAddFieldLongLong(ctx, "background_slices", hm.slices);

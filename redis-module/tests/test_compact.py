@@ -172,6 +172,36 @@ class CompactTest(ServerTestCase):
         self.assertEqual(want - seen, set())
         self.assertHealthy(s)
 
+    def test_slices_stay_short_when_much_is_free(self):
+        """A pass's slices do only relocation: the pages it empties, and
+        whatever else jemalloc holds dirty (here 60 MB just deleted), go
+        back through jemalloc's decay, from its background thread. A purge
+        in a slice returned all of it at once (measured with the purge:
+        a 10+ ms slice here)."""
+        slice_us = 1000
+        s = self.server(configs={'demote': 'no', 'slice-us': slice_us})
+        c = s.client()
+        p = c.pipeline(transaction=False)
+        for i in range(30000):
+            p.set('k%d' % i, b'v' * 100)
+            p.set('big%d' % i, b'b' * 2000)
+        p.execute()
+        rss_full = s.rss()
+        p = c.pipeline(transaction=False)
+        for i in range(30000):
+            p.delete('big%d' % i)
+        p.execute()
+        relocated = c.execute_command('APPASSIST.COMPACT', 60000)
+        self.assertEqual(relocated, 30000)
+        info = c.info('appassist')
+        self.assertLessEqual(info['appassist_last_compaction_slice_max_us'], 2 * slice_us, info)
+        # The memory still goes back, within jemalloc's dirty decay (10 s).
+        self.wait_for(lambda: s.rss() < rss_full - 45 * 2**20, timeout=30,
+                      what='RSS down by most of the 60 MB freed')
+        for i in range(0, 30000, 997):
+            self.assertEqual(c.get('k%d' % i), b'v' * 100)
+        self.assertHealthy(s)
+
     def test_paused_when_prepared(self):
         """No compaction while a MULTI is open or between PREPARE and
         RESUME; a pass that was due runs after RESUME."""
