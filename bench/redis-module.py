@@ -201,6 +201,9 @@ def throughput(workdir, quick):
     hot_keys = int(keyspace * 0.3)
     setups = {
         'stock': dict(module=False),
+        # The A/A control: a second stock server, run like the others. Its
+        # ratios to 'stock' are what this machine alone makes of a row.
+        'stock-b': dict(module=False),
         # The hot budget (30 % of planned memory) holds the hot 30 % of
         # the keys (key + value + the module's 48-byte overhead estimate)
         # with 10 % to spare, as an operator would size it.
@@ -248,11 +251,12 @@ def throughput(workdir, quick):
             for test in ('get', 'set'):
                 for p in (1, 16):
                     for rep in range(reps):
-                        # Alternate who goes first: what one server leaves
+                        # Rotate who goes first: what one server leaves
                         # behind (caches, the host's other guests) must not
-                        # always favour the same side.
+                        # always favour the same one.
                         order = list(servers.items())
-                        for name, s in (order if rep % 2 == 0 else order[::-1]):
+                        k = rep % len(order)
+                        for name, s in order[k:] + order[:k]:
                             waited += quiet(servers)
                             results.setdefault((workload, test, p, name), []).append(
                                 run_workload(s, workload, test, p, n * (4 if p == 16 else 1),
@@ -338,8 +342,7 @@ def prepare_vs_design(workdir, ncold, vlen=100):
                 raise RuntimeError('compaction did not finish')
             time.sleep(0.2)
         for k in ('last_compaction_relocated', 'last_compaction_time_us',
-                  'last_compaction_busy_us', 'last_compaction_slice_max_us',
-                  'last_compaction_purge_us'):
+                  'last_compaction_busy_us', 'last_compaction_slice_max_us'):
             res[k] = info['appassist_' + k]
         rss0 = settle(m)
         res['rss_compacted_mod'] = rss0
@@ -425,7 +428,7 @@ def write(tp, setups, stats, n, keyspace, prep, cpu, loadavg, when):
         hot = int(keyspace * 0.3)
         L.append('## Throughput and p99 latency (redis-benchmark, 50 clients, 100-byte values, '
                  '%d keys `key:%%012d`, 70 %% of them cold; %d requests at pipeline 1, %d at '
-                 'pipeline 16; median of %d interleaved runs, who goes first alternating)'
+                 'pipeline 16; median of %d interleaved runs, who goes first rotating)'
                  % (keyspace, n, 4 * n, stats.get('reps', 3)))
         L.append('')
         L.append('Both servers hold the same %d keys. Before the runs the hot range (keys 0 to '
@@ -442,8 +445,27 @@ def write(tp, setups, stats, n, keyspace, prep, cpu, loadavg, when):
                  '(other engineers\' QEMU guests; load average %s when the runs ended): '
                  'wall-clock rps and p99 are noisy; the server CPU time per request '
                  '(utime+stime of redis-server / requests) is the steadier figure. For '
-                 'mix90/10 the p99 is given per process: hot-range clients / all-range clients.'
+                 'mix90/10 the p99 is given per process: hot-range clients / all-range clients. '
+                 '**stock-b** is a second stock server run like the others (an A/A control): '
+                 'its ratios to stock are the spread this machine alone gives a row.'
                  % loadavg)
+        L.append('')
+        others = [name for name in setups if name != 'stock']
+        L.append('Summary, ratio to stock over the rows of each workload (rps / p99 of every '
+                 'benchmark process / server CPU per request), lowest-highest:')
+        L.append('')
+        L.append('| workload | ' + ' | '.join(others) + ' |')
+        L.append('|---' * (len(others) + 1) + '|')
+        for workload in WORKLOADS:
+            cells = []
+            for name in others:
+                rows = [(tp[(workload, t, p, name)], tp[(workload, t, p, 'stock')])
+                        for t in ('get', 'set') for p in (1, 16)]
+                rps = [r[0] / b[0] for r, b in rows]
+                p99 = [x / y for r, b in rows for x, y in zip(r[1], b[1]) if y]
+                cpu_r = [r[2] / b[2] for r, b in rows if b[2]]
+                cells.append(' / '.join('%.2f-%.2f' % (min(v), max(v)) for v in (rps, p99, cpu_r)))
+            L.append('| %s | %s |' % (workload, ' | '.join(cells)))
         L.append('')
         L.append('| workload | test | pipeline | setup | rps | x stock | p99 ms | x stock | '
                  'server CPU us/req | x stock |')
@@ -475,7 +497,7 @@ def write(tp, setups, stats, n, keyspace, prep, cpu, loadavg, when):
             L.append('')
         c = stats['compaction']
         L.append('Compaction after the demotion: %d keys relocated in %.0f ms (%.0f ms of slices, '
-                 'longest slice %d us CPU).' % (c['last_compaction_relocated'],
+                 'longest slice %d us of thread CPU).' % (c['last_compaction_relocated'],
                                                 c['last_compaction_time_us'] / 1000,
                                                 c['last_compaction_busy_us'] / 1000,
                                                 c['last_compaction_slice_max_us']))
@@ -531,10 +553,10 @@ def write(tp, setups, stats, n, keyspace, prep, cpu, loadavg, when):
         L.append('')
         L.append('Background work before PREPARE (not part of it): ' + '; '.join(
             '%d cold: demotion %.1f s, compaction of %d hot keys %.1f s (%.1f s of slices, '
-            'longest slice %d us CPU, purges %.0f ms in all)'
+            'longest slice %d us CPU)'
             % (r['cold'], r['demote_s'], r['last_compaction_relocated'],
                r['last_compaction_time_us'] / 1e6, r['last_compaction_busy_us'] / 1e6,
-               r['last_compaction_slice_max_us'], r['last_compaction_purge_us'] / 1000)
+               r['last_compaction_slice_max_us'])
             for r in prep) + '.')
         L.append('')
     L.append('![chart](redis-module.png)')
@@ -545,7 +567,7 @@ def write(tp, setups, stats, n, keyspace, prep, cpu, loadavg, when):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    ncols = (2 if tp else 0) + (1 if prep else 0)
+    ncols = (3 if tp else 0) + (1 if prep else 0)
     fig, axes = plt.subplots(1, ncols, figsize=(6.5 * ncols, 4.8))
     if ncols == 1:
         axes = [axes]
@@ -554,21 +576,29 @@ def write(tp, setups, stats, n, keyspace, prep, cpu, loadavg, when):
         combos = [(w, t, p) for w in WORKLOADS for t in ('get', 'set') for p in (1, 16)]
         labels = ['%s\n%s P%d' % (w.replace('uniform', 'uniform*'), t.upper(), p)
                   for w, t, p in combos]
+        def ratio(name, idx, w, t, p):
+            v, b = tp[(w, t, p, name)][idx], tp[(w, t, p, 'stock')][idx]
+            if idx == 1:        # p99: the worst benchmark process of the row
+                return max(x / y for x, y in zip(v, b) if y)
+            return v / b
         for idx, title, ylabel, target in (
                 (0, 'module throughput vs stock', 'rps / stock', 0.9),
+                (1, 'module p99 vs stock (worst process)', 'p99 / stock', 1.1),
                 (2, 'module server CPU per request vs stock', 'CPU us per request / stock', None)):
             ax = axes[ax_i]
             ax_i += 1
-            vals = [tp[(w, t, p, 'module')][idx] / tp[(w, t, p, 'stock')][idx]
-                    for w, t, p in combos]
+            vals = [ratio('module', idx, w, t, p) for w, t, p in combos]
             colors = ['tab:blue' if w == 'hot' else 'tab:orange' if w != 'uniform' else 'tab:gray'
                       for w, _, _ in combos]
             ax.bar(range(len(combos)), vals, color=colors)
             ax.axhline(1.0, color='black', linewidth=0.5)
+            if 'stock-b' in setups:
+                ax.plot(range(len(combos)), [ratio('stock-b', idx, w, t, p) for w, t, p in combos],
+                        'kx', label='stock-b / stock (A/A)')
             if target:
                 ax.axhline(target, color='red', linestyle='--', linewidth=1,
                            label='target %.1fx' % target)
-                ax.legend(fontsize=8)
+            ax.legend(fontsize=8)
             ax.set_xticks(range(len(combos)))
             ax.set_xticklabels(labels, fontsize=6)
             ax.set_ylabel(ylabel)
