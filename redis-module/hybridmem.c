@@ -1829,7 +1829,9 @@ static int DemoteCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc
 }
 
 /* APPASSIST.COMPACT [max-ms]: run a compaction pass synchronously until it
- * completes or max-ms (default 10000) passes, due or not; for tests and
+ * completes or max-ms (default 10000) passes, due or not, then purge what
+ * it emptied (as MEMORY PURGE would) so that the caller sees the memory
+ * given back at once instead of over jemalloc's decay time; for tests and
  * benchmarks. Replies with the number of keys relocated (so far). */
 static int CompactCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (argc > 2) return RedisModule_WrongArity(ctx);
@@ -1848,6 +1850,8 @@ static int CompactCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int arg
         compactSlice(nowUs() + (uint64_t)hm.slice_us < deadline ? nowUs() + (uint64_t)hm.slice_us
                                                                  : deadline);
     } while (hm.compactions == passes && hm.mallctl && nowUs() < deadline);
+    RedisModuleCallReply *r = RedisModule_Call(ctx, "MEMORY", "c", "PURGE");
+    if (r) RedisModule_FreeCallReply(r);
     return RedisModule_ReplyWithLongLong(ctx, hm.compact_relocated);
 }
 
