@@ -50,7 +50,16 @@ typedef struct Chunk {
     uint32_t spilled;   /* 1: contents at file_off in the spill file */
     uint64_t live_bytes;
     off_t file_off;
+    uint32_t seq;       /* creation order, see 'order' (0: free id) */
 } Chunk;
+
+/* Iteration follows the order in which chunks were created, not their ids:
+ * ids are recycled, so a chunk created during an iteration could take an id
+ * the cursor had passed, and the items appended to it (moved by reclaim,
+ * rewritten, demoted) would be missed. Sequence numbers only grow, and
+ * everything is appended to the newest chunk, so an item that moves during
+ * an iteration lands ahead of any cursor. */
+#define MAX_SEQ         ((1u << 31) - 1)    /* cursor: seq << 32 | offset, bit 63 free */
 
 struct ColdArena {
     uint64_t seed;
@@ -63,6 +72,12 @@ struct ColdArena {
     uint32_t cur;               /* chunk being appended to, NO_CHUNK: none */
     uint32_t *free_ids;
     uint32_t nfree;
+
+    /* Chunk ids by creation (NO_CHUNK: released), with their seqs,
+     * ascending; compacted when half of it is released. */
+    uint32_t *order, *order_seq;
+    uint32_t norder, order_cap, order_dead;
+    uint32_t next_seq;          /* last seq given; kept across drops */
 
     uint32_t reclaim;           /* chunk being emptied (arenaReclaimStep), NO_CHUNK: none */
     uint32_t reclaim_off;       /* next item in it */
@@ -200,6 +215,57 @@ static int writeFull(int fd, const void *buf, size_t len, off_t off) {
     return 0;
 }
 
+/* The first position in 'order' whose seq is >= 'seq'. */
+static uint32_t orderFind(const ColdArena *a, uint32_t seq) {
+    uint32_t lo = 0, hi = a->norder;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (a->order_seq[mid] < seq) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* Drop the released entries of 'order'; when the seqs run out, number the
+ * chunks afresh (a cursor held across that, once per 2^31 chunks
+ * created, may then miss or repeat items). */
+static void orderCompact(ColdArena *a) {
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < a->norder; i++) {
+        if (a->order[i] == NO_CHUNK) continue;
+        a->order[n] = a->order[i];
+        a->order_seq[n] = a->order_seq[i];
+        n++;
+    }
+    a->norder = n;
+    a->order_dead = 0;
+    if (a->next_seq >= MAX_SEQ - 1) {
+        for (uint32_t i = 0; i < n; i++)
+            a->chunks[a->order[i]].seq = a->order_seq[i] = i + 1;
+        a->next_seq = n;
+    }
+}
+
+/* Append chunk 'id' to 'order' with the next seq. 0, or -1 (ENOMEM). */
+static int orderAppend(ColdArena *a, uint32_t id) {
+    if (a->order_dead > a->norder / 2 || a->next_seq >= MAX_SEQ - 1) orderCompact(a);
+    if (a->norder == a->order_cap) {
+        uint32_t ncap = a->order_cap ? a->order_cap * 2 : 16;
+        uint32_t *no = realloc(a->order, (size_t)ncap * sizeof(uint32_t));
+        if (!no) return -1;
+        a->order = no;
+        uint32_t *ns = realloc(a->order_seq, (size_t)ncap * sizeof(uint32_t));
+        if (!ns) return -1;
+        a->order_seq = ns;
+        a->order_cap = ncap;
+    }
+    a->chunks[id].seq = ++a->next_seq;
+    a->order[a->norder] = id;
+    a->order_seq[a->norder] = a->next_seq;
+    a->norder++;
+    return 0;
+}
+
 /* Release chunk 'id' (no live item is left in it) and recycle its id. */
 static void chunkRelease(ColdArena *a, uint32_t id) {
     Chunk *c = &a->chunks[id];
@@ -210,6 +276,11 @@ static void chunkRelease(ColdArena *a, uint32_t id) {
     if (a->reclaim == id) a->reclaim = NO_CHUNK;
     if (c->spilled) a->nspilled--;
     if (a->iter_buf_chunk == id) a->iter_buf_chunk = NO_CHUNK;
+    uint32_t pos = orderFind(a, c->seq);
+    if (pos < a->norder && a->order_seq[pos] == c->seq) {
+        a->order[pos] = NO_CHUNK;
+        a->order_dead++;
+    }
     memset(c, 0, sizeof(*c));
     if (a->cur == id) a->cur = NO_CHUNK;
     a->free_ids[a->nfree++] = id;
@@ -244,7 +315,9 @@ static uint32_t chunkFor(ColdArena *a, size_t need) {
     Chunk *c = &a->chunks[id];
     memset(c, 0, sizeof(*c));
     c->mem = mapBytes(cap);
-    if (!c->mem) {
+    if (!c->mem || orderAppend(a, id) < 0) {
+        if (c->mem) munmap(c->mem, cap);
+        memset(c, 0, sizeof(*c));
         a->free_ids[a->nfree++] = id;
         errno = ENOMEM;
         return NO_CHUNK;
@@ -581,11 +654,15 @@ static uint64_t dropMappings(ColdArena *a, uint64_t *items,
     }
     free(a->chunks);
     free(a->free_ids);
+    free(a->order);
+    free(a->order_seq);
     free(a->iter_buf);
     spillClose(a);
     uint64_t seed = a->seed;
+    uint32_t next_seq = a->next_seq;
     memset(a, 0, sizeof(*a));
     a->seed = seed;
+    a->next_seq = next_seq;
     a->cur = NO_CHUNK;
     a->reclaim = NO_CHUNK;
     a->spill_fd = -1;
@@ -789,15 +866,18 @@ int arenaReclaimStep(ColdArena *a, unsigned max, uint64_t *moved) {
 
 /* ----------------------------------------------------------- iteration */
 
-/* Cursor: (chunk id + 1) << 32 | offset; 0 = start/done. */
+/* Cursor: seq << 32 | offset of the next item; 0 = start/done. A chunk
+ * released since (its seq is gone) continues with the next one. */
 uint64_t arenaIterate(ColdArena *a, uint64_t cursor, unsigned max,
                       ArenaIterFn fn, void *priv) {
-    uint32_t id = cursor ? (uint32_t)(cursor >> 32) - 1 : 0;
-    uint32_t off = (uint32_t)cursor;
-    while (id < a->nchunks && max) {
-        Chunk *c = &a->chunks[id];
-        const char *base = c->mem;
-        if (!base && c->spilled) {
+    uint32_t seq = (uint32_t)(cursor >> 32);
+    uint32_t pos = orderFind(a, seq);
+    uint32_t off = pos < a->norder && a->order_seq[pos] == seq ? (uint32_t)cursor : 0;
+    while (pos < a->norder && max) {
+        uint32_t id = a->order[pos];
+        Chunk *c = id == NO_CHUNK ? NULL : &a->chunks[id];
+        const char *base = c ? c->mem : NULL;
+        if (c && !base && c->spilled) {
             if (a->iter_buf_chunk != id) {
                 char *b = realloc(a->iter_buf, c->cap);
                 if (!b) return UINT64_MAX;
@@ -811,7 +891,7 @@ uint64_t arenaIterate(ColdArena *a, uint64_t cursor, unsigned max,
             base = a->iter_buf;
         }
         if (!base || off >= c->used) {
-            id++;
+            pos++;
             off = 0;
             continue;
         }
@@ -830,6 +910,6 @@ uint64_t arenaIterate(ColdArena *a, uint64_t cursor, unsigned max,
                 fn(priv, &it);
         }
     }
-    if (id >= a->nchunks) return 0;
-    return ((uint64_t)id + 1) << 32 | off;
+    if (pos >= a->norder) return 0;
+    return (uint64_t)a->order_seq[pos] << 32 | off;
 }

@@ -167,15 +167,16 @@ uint64_t arenaLiveBytes(const ColdArena *a);
  * or visited twice. */
 int arenaReclaimStep(ColdArena *a, unsigned max, uint64_t *moved);
 
-/* Iteration over live items in a stable order (chunk id, offset): pass
- * cursor 0 first; returns the next cursor (0 when done). 'fn' gets each
- * live item that is not lent and must not modify the arena (collect keys,
- * act afterwards);
- * 'max' bounds the number of items visited (live or dead).
+/* Iteration over live items in a stable order (the order in which their
+ * chunks were created, then offset): pass cursor 0 first; returns the next
+ * cursor (0 when done), which has bit 63 clear. 'fn' gets each live item
+ * that is not lent and must not modify the arena (collect keys, act
+ * afterwards); 'max' bounds the number of items visited (live or dead).
  * Items inserted during an iteration may or may not be visited; items
- * present from start to end are visited exactly once, unless
- * arenaReclaimStep moved them meanwhile. Returns the cursor,
- * or UINT64_MAX on I/O error. */
+ * present from start to end are visited at least once: exactly once
+ * unless they were moved meanwhile (arenaReclaimStep, or deleted and
+ * inserted again), which only ever puts them ahead of the cursor.
+ * Returns the cursor, or UINT64_MAX on I/O error. */
 typedef void (*ArenaIterFn)(void *priv, const ColdItem *it);
 uint64_t arenaIterate(ColdArena *a, uint64_t cursor, unsigned max,
                       ArenaIterFn fn, void *priv);

@@ -85,7 +85,6 @@
 #define HM_MALLCTL_ARENAS_ALL   4096    /* jemalloc's MALLCTL_ARENAS_ALL */
 #define HM_RECLAIM_ITEMS        256     /* arena items looked at per reclaim step */
 #define HM_RECLAIM_MIN_BYTES    (4ULL << 20) /* holes worth a reclaim at least */
-#define HM_SCAN_GRACE_US        (60 * 1000000ULL) /* see reclaimWanted */
 
 #define DEFAULT_PORT_PATH       "/dev/virtio-ports/org.qemu.app-assist.0"
 #define DEFAULT_SPILL_PATH      "appassist.spill"
@@ -170,7 +169,6 @@ static struct {
     uint64_t compact_pending;   /* bytes demoted since the last pass */
     int reclaiming;             /* arena holes being reclaimed (reclaimWanted) */
     long long reclaims, reclaim_moved;
-    uint64_t scan_arena_us;     /* last SCAN call of or into the arena phase */
     uint64_t reclaim_after_us;  /* after a failed step (ENOMEM): not before */
     uint64_t compact_t0;
     long long compact_rss0;
@@ -1236,19 +1234,15 @@ static int backgroundPending(void) {
  * four rounds of writes to a random half of 20000 cold items left the
  * arena at 2.0x its items.
  *
- * Moving items changes the arena's iteration order, and a client's SCAN
- * iterates the arena with a cursor it holds between calls: no reclaim
- * within HM_SCAN_GRACE_US of a SCAN call in (or into) the arena phase, so
- * that an iteration does not miss a key that stayed cold throughout. Not
- * while the arena has spilled chunks (it takes no appends) or outside the
- * normal state. */
+ * A client's SCAN holding an arena cursor between calls is not affected:
+ * moved items go ahead of every cursor (see arenaIterate). Not while the
+ * arena has spilled chunks (it takes no appends) or outside the normal
+ * state. */
 static int reclaimAllowed(void) {
     if (hm.state != ST_NORMAL || arenaHasSpilled(hm.arena) ||
         (RedisModule_GetContextFlags(hm.dctx) & REDISMODULE_CTX_FLAGS_LOADING))
         return 0;
-    uint64_t now = nowUs();
-    return now >= hm.reclaim_after_us &&
-           (hm.scan_arena_us == 0 || now - hm.scan_arena_us >= HM_SCAN_GRACE_US);
+    return nowUs() >= hm.reclaim_after_us;
 }
 
 static int reclaimWanted(void) {
@@ -1969,7 +1963,6 @@ static int ScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
         const char *next = RedisModule_CallReplyStringPtr(c, &nl);
         RedisModule_ReplyWithArray(ctx, 2);
         if (nl == 1 && next[0] == '0' && arenaCount(hm.arena)) {
-            hm.scan_arena_us = nowUs();
             char buf[32];
             int bl = snprintf(buf, sizeof(buf), "%llu", (unsigned long long)HM_SCAN_PHASE_BIT);
             RedisModule_ReplyWithStringBuffer(ctx, buf, (size_t)bl);
@@ -2003,7 +1996,6 @@ static int ScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
             return RedisModule_ReplyWithError(ctx, "ERR syntax error");
         }
     }
-    hm.scan_arena_us = nowUs();
     MatchCtx m = {ctx, pat, patlen, pat == NULL || (patlen == 1 && pat[0] == '*'), nowMs(), 0};
     int type_ok = type == NULL || cmdIs(type, typelen, "string");
     uint64_t acur = cursor & ~HM_SCAN_PHASE_BIT;

@@ -240,8 +240,40 @@ int main(void) {
     }
     arenaGetStats(a, &st);
     CHECK(st.items == 0 && st.item_bytes == 0 && st.chunks <= 1);
-
     arenaFree(a);
+
+    /* An iteration held across mutations returns every item present
+     * throughout, however it moved. Here the first chunk is released (its
+     * id is recycled for the next chunk), survivors are rewritten (deleted
+     * and inserted again) and reclaim moves the rest, all while the cursor
+     * stands in the middle of the arena. */
+    {
+        enum { N = 6000, GONE = 2100 };     /* 520-byte items, ~2016 a chunk */
+        ColdArena *b = arenaCreate(7);
+        char k[32], v[500];
+        memset(v, 'x', sizeof(v));
+        for (int i = 0; i < N; i++) CHECK(arenaInsert(b, k, keyName(k, i), v, 500, -1) == 0);
+        IterCtx c = {0, 0, calloc(NKEYS, 1)};
+        uint64_t cur = arenaIterate(b, 0, N / 2, iterCb, &c);
+        CHECK(cur != 0 && cur != UINT64_MAX);
+        for (int i = 0; i < N; i++)
+            if (i < GONE || i % 2 == 0) CHECK(arenaDelete(b, k, keyName(k, i)) == 1);
+        for (int i = GONE + 1; i < N; i += 6) {
+            CHECK(arenaDelete(b, k, keyName(k, i)) == 1);
+            CHECK(arenaInsert(b, k, keyName(k, i), v, 500, -1) == 0);
+        }
+        uint64_t moved = 0;
+        while (arenaReclaimStep(b, 64, &moved) == 1) {}
+        CHECK(moved > 0);
+        while (cur && cur != UINT64_MAX) cur = arenaIterate(b, cur, 100, iterCb, &c);
+        CHECK(cur == 0);
+        int missed = 0;
+        for (int i = GONE + 1; i < N; i += 2) missed += !c.mark[i];
+        CHECK(missed == 0);
+        free(c.mark);
+        arenaFree(b);
+    }
+
     if (failures) {
         fprintf(stderr, "test_arena: %d failures\n", failures);
         return 1;

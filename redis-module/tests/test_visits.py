@@ -359,10 +359,11 @@ class VisitTest(ServerTestCase):
         self.assertValues(c, want)
         self.assertHealthy(srv)
 
-    def test_no_reclaim_under_a_scan(self):
-        """A SCAN holds its arena cursor between calls, and reclaiming moves
-        items: while an iteration is in the arena phase, holes wait. Every
-        key that stayed cold is returned."""
+    def test_scan_across_reclaim(self):
+        """A SCAN holds its arena cursor between calls while writes move
+        half of the cold items and reclaim moves the rest of their chunks:
+        every key is returned all the same (moved items go ahead of the
+        cursor)."""
         n = 20000
         srv, c, _ = self.cold_500(n)
         cursor, seen = 0, set()
@@ -370,22 +371,30 @@ class VisitTest(ServerTestCase):
             cursor, keys = c.scan(cursor, count=1000)
             seen.update(keys)
         self.assertEqual(seen, set())       # everything is cold
-        # Rewrite half of the keys twice (holes as big as the items), keep
-        # the other half to check.
+        for _ in range(10):                 # into the middle of the arena
+            cursor, keys = c.scan(cursor, count=1000)
+            seen.update(keys)
+        self.assertTrue(cursor)
+        # Rewrite half of the keys twice (holes as big as the items).
         for fill in (b'y', b'z'):
             for lo in range(0, n // 2, 1000):
                 c.mset({'c%d' % i: fill * 500 for i in range(lo, lo + 1000)})
             time.sleep(0.25)
-        time.sleep(1)
+        self.wait_for(lambda: self.info(c)['appassist_arena_reclaim_moved'] > 0,
+                      what='reclaim to move items')
         while cursor:
             cursor, keys = c.scan(cursor, count=500)
             seen.update(keys)
-            time.sleep(0.01)
-        i = self.info(c)
-        self.assertGreater(i['appassist_arena_dead_bytes'] * 2, i['appassist_cold_bytes'])
-        self.assertEqual(i['appassist_arena_reclaim_moved'], 0)
+        # The untouched half moved only by reclaim; the rewritten half by
+        # its write visits. A rewrite that a false positive of the promote
+        # window made a promotion is the documented corner case (a key
+        # promoted during the arena phase): leave those out.
         self.assertTrue({b'c%d' % k for k in range(n // 2, n)} <= seen)
-
+        still_cold = {b'c%d' % k for k in range(n // 2)
+                      if c.execute_command('APPASSIST.ISCOLD', 'c%d' % k)}
+        self.assertGreater(len(still_cold), n // 2 * 0.9)
+        self.assertTrue(still_cold <= seen)
+        self.assertHealthy(srv)
 
 if __name__ == '__main__':
     unittest.main()
