@@ -109,6 +109,35 @@ class BackgroundTest(ServerTestCase):
         self.assertGreater(self.info(c)['appassist_demotions'], 0)
         self.assertHealthy(srv)
 
+    def test_steps_stay_short(self):
+        """Every kind of background work -- demotion passes, compaction,
+        the expiry sweep, arena rehash and reclaim -- runs in steps that
+        hold the event loop for about a slice at most (thread CPU time,
+        so that the machine's other load does not count)."""
+        slice_us, n = 1000, 30000
+        # A hot budget of about half the items (key + value + 48 each).
+        srv = self.server(configs={'planned-memory': n * 554 // 2 * 100 // 30,
+                                   'hot-percent': 30, 'min-idle-ms': 0,
+                                   'slice-us': slice_us, 'promote-window-ms': 100})
+        c = srv.client()
+        pipe(srv, ((b'SET', b'k%d' % i, b'v' * 500) + ((b'PX', b'3600000') if i % 3 == 0 else ())
+                   for i in range(n)))
+        self.wait_for(lambda: (lambda i: i['appassist_cold_items'] > n // 3 and
+                               i['appassist_compactions'] >= 1)(self.info(c)),
+                      timeout=60, what='demotion and a compaction pass')
+        cold = [k for k in range(n) if c.execute_command('APPASSIST.ISCOLD', 'k%d' % k)]
+        # Rewrite two thirds of the cold items (write visits): the holes
+        # are then more than half of what is left live, enough for reclaim.
+        part = [k for j, k in enumerate(cold) if j % 3]
+        for lo in range(0, len(part), 1000):
+            c.mset({'k%d' % k: b'w' * 500 for k in part[lo:lo + 1000]})
+        self.wait_for(lambda: self.info(c)['appassist_arena_reclaim_moved'] > 0,
+                      timeout=30, what='reclaim')
+        i = self.info(c)
+        self.assertGreater(i['appassist_relocations'], 0)
+        self.assertLessEqual(i['appassist_background_step_max_cpu_us'], 2 * slice_us, i)
+        self.assertHealthy(srv)
+
 
 if __name__ == '__main__':
     unittest.main()
