@@ -82,7 +82,6 @@
 #define HM_SWEEP_PAUSE_MS       1000    /* between two full expiry sweeps */
 #define HM_READ_BACK_MAX        4096    /* visited keys awaiting their way back (readBackSettle) */
 #define HM_SEEN_BITS            (1u << 20) /* per generation of the read filter (128 KiB) */
-#define HM_MALLCTL_ARENAS_ALL   4096    /* jemalloc's MALLCTL_ARENAS_ALL */
 #define HM_RECLAIM_ITEMS        256     /* arena items looked at per reclaim step */
 #define HM_RECLAIM_MIN_BYTES    (4ULL << 20) /* holes worth a reclaim at least */
 
@@ -1023,6 +1022,12 @@ static void sweepSlice(uint64_t deadline) {
  * 1.7-7.3 ms of CPU for the first one of a pass, measured, however little
  * the slice had relocated. PREPARE purges (MEMORY PURGE). */
 
+/* Give jemalloc's dirty pages back now (Redis's MEMORY PURGE). */
+static void memoryPurge(RedisModuleCtx *ctx) {
+    RedisModuleCallReply *r = RedisModule_Call(ctx, "MEMORY", "c", "PURGE");
+    if (r) RedisModule_FreeCallReply(r);
+}
+
 static int tcacheSet(bool on) {
     return hm.mallctl("thread.tcache.enabled", NULL, NULL, &on, sizeof(on));
 }
@@ -1668,10 +1673,7 @@ static void prepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms
         break;
     }
     /* Give the allocator's free pages back too (demoted items left them). */
-    if (hm.policy != POLICY_NONE) {
-        RedisModuleCallReply *r = RedisModule_Call(ctx, "MEMORY", "c", "PURGE");
-        if (r) RedisModule_FreeCallReply(r);
-    }
+    if (hm.policy != POLICY_NONE) memoryPurge(ctx);
     hm.state = ST_PREPARED;
     long long rss1 = processRss();
     /* What the host may balloon away is everything this process gave back
@@ -1848,8 +1850,7 @@ static int CompactCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int arg
         compactSlice(nowUs() + (uint64_t)hm.slice_us < deadline ? nowUs() + (uint64_t)hm.slice_us
                                                                  : deadline);
     } while (hm.compactions == passes && hm.mallctl && nowUs() < deadline);
-    RedisModuleCallReply *r = RedisModule_Call(ctx, "MEMORY", "c", "PURGE");
-    if (r) RedisModule_FreeCallReply(r);
+    memoryPurge(ctx);
     return RedisModule_ReplyWithLongLong(ctx, hm.compact_relocated);
 }
 
