@@ -492,6 +492,17 @@ static int findSlot(ColdArena *a, const char *key, size_t klen,
     return 0;
 }
 
+/* The index slot of the item written at (chunk 'id', 'off') with key 'key',
+ * or NULL if that item is dead (deleted, or rewritten elsewhere). */
+static Slot *liveSlot(ColdArena *a, uint32_t id, uint32_t off, const char *key, size_t klen) {
+    Table *t;
+    uint64_t s;
+    if (findSlot(a, key, klen, &t, &s) != 1 || slotChunk(&t->slots[s]) != id ||
+        t->slots[s].off != off)
+        return NULL;
+    return &t->slots[s];
+}
+
 int arenaLookup(ColdArena *a, const char *key, size_t klen, ColdRef *ref) {
     Table *t;
     uint64_t s;
@@ -838,11 +849,8 @@ int arenaReclaimStep(ColdArena *a, unsigned max, uint64_t *moved) {
         hdrDecode(src->mem + off, &kl, &vl, &expire);
         uint32_t need = ARENA_ITEM_HDR + kl + vl;
         a->reclaim_off += need;
-        Table *t;
-        uint64_t s;
-        if (findSlot(a, src->mem + off + ARENA_ITEM_HDR, kl, &t, &s) != 1 ||
-            slotChunk(&t->slots[s]) != id || t->slots[s].off != off)
-            continue;                           /* dead: a hole */
+        Slot *sl = liveSlot(a, id, off, src->mem + off + ARENA_ITEM_HDR, kl);
+        if (!sl) continue;                      /* dead: a hole */
         /* Never into the chunk being emptied: chunkFor appends to the
          * current chunk or maps a new one, and 'id' is neither. */
         uint32_t to, to_off;
@@ -850,8 +858,8 @@ int arenaReclaimStep(ColdArena *a, unsigned max, uint64_t *moved) {
         if (!p) { a->reclaim_off = off; return -1; }
         src = &a->chunks[id];                   /* chunkFor may move the table */
         memcpy(p, src->mem + off, need);
-        t->slots[s].chunk = to | (t->slots[s].chunk & SLOT_LENT);
-        t->slots[s].off = to_off;
+        sl->chunk = to | (sl->chunk & SLOT_LENT);    /* appendItem leaves the index be */
+        sl->off = to_off;
         src->live_items--;
         src->live_bytes -= need;
         a->dead_bytes += need;
@@ -903,11 +911,9 @@ uint64_t arenaIterate(ColdArena *a, uint64_t cursor, unsigned max,
             uint32_t here = off;
             off += ARENA_ITEM_HDR + it.klen + it.vlen;
             max--;
-            /* Live iff the index points here. */
-            ColdRef ref;
-            if (arenaLookup(a, it.key, it.klen, &ref) == 1 &&
-                ref.chunk == id && ref.off == here)
-                fn(priv, &it);
+            /* Live iff the index points here; lent items are skipped. */
+            Slot *sl = liveSlot(a, id, here, it.key, it.klen);
+            if (sl && !(sl->chunk & SLOT_LENT)) fn(priv, &it);
         }
     }
     if (pos >= a->norder) return 0;

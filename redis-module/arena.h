@@ -162,9 +162,9 @@ uint64_t arenaLiveBytes(const ColdArena *a);
  * chunk and adds the items it moved to *moved. Returns 1 if it did
  * something (call again while more is wanted), 0 if no chunk has a hole,
  * -1 with errno: EROFS (spilled chunks: no appends), ENOMEM. Lent items
- * move too and stay lent. Moving items changes the iteration order: an
- * item present throughout an iteration that ran meanwhile can be missed
- * or visited twice. */
+ * move too and stay lent. A moved item lands ahead of every iteration
+ * cursor: an iteration running meanwhile may visit it twice, never miss
+ * it (see arenaIterate). */
 int arenaReclaimStep(ColdArena *a, unsigned max, uint64_t *moved);
 
 /* Iteration over live items in a stable order (the order in which their
