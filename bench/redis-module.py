@@ -494,10 +494,14 @@ def write(tp, raw, setups, stats, n, keyspace, prep, cpu, loadavg, when):
             L.append('Run by run: the ratio of each run to the stock run of the same rep, pooled '
                      'over the rows of the design\'s workloads (hot and mix90/10: 4 rows each, '
                      'the mix with two benchmark processes) and of the worst case; geometric '
-                     'mean [95 %% confidence interval] (pairs). One row\'s median of %d runs '
-                     'moves by up to ~15 %% for p99 between identical servers (stock-b above): '
-                     'the pooled figure is the one precise enough to hold against a 1.1x target.'
-                     % stats.get('reps', 0))
+                     'mean [95 % confidence interval] (pairs).')
+            if 'stock-b' in setups:
+                aa = [x / y for (w, t, p, name), v in tp.items() if name == 'stock-b'
+                      for x, y in zip(v[1], tp[(w, t, p, 'stock')][1]) if y]
+                L[-1] += (' In this run one row\'s median p99 of %d runs differed between the '
+                          'two identical stock servers by %.2f-%.2fx: the pooled figure is the '
+                          'one precise enough to hold against a 1.1x target.'
+                          % (stats.get('reps', 0), min(aa), max(aa)))
             L.append('')
             L.append('| setup | workloads | rps | p99 | server CPU per request |')
             L.append('|---|---|---|---|---|')
