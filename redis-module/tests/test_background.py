@@ -125,7 +125,10 @@ class BackgroundTest(ServerTestCase):
         self.wait_for(lambda: (lambda i: i['appassist_cold_items'] > n // 3 and
                                i['appassist_compactions'] >= 1)(self.info(c)),
                       timeout=60, what='demotion and a compaction pass')
-        cold = [k for k in range(n) if c.execute_command('APPASSIST.ISCOLD', 'k%d' % k)]
+        p = c.pipeline(transaction=False)
+        for k in range(n):
+            p.execute_command('APPASSIST.ISCOLD', 'k%d' % k)
+        cold = [k for k, r in enumerate(p.execute()) if r]
         # Rewrite two thirds of the cold items (write visits): the holes
         # are then more than half of what is left live, enough for reclaim.
         part = [k for j, k in enumerate(cold) if j % 3]

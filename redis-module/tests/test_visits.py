@@ -396,5 +396,6 @@ class VisitTest(ServerTestCase):
         self.assertTrue(still_cold <= seen)
         self.assertHealthy(srv)
 
+
 if __name__ == '__main__':
     unittest.main()
