@@ -96,6 +96,11 @@ int arenaLookup(ColdArena *a, const char *key, size_t klen, ColdRef *ref);
 int arenaBorrow(ColdArena *a, const char *key, size_t klen);
 int arenaReturn(ColdArena *a, const char *key, size_t klen);
 
+/* The arenaIterate cursor at which the item at 'ref' is visited: an item
+ * is visited by the call whose [cursor, returned cursor) holds this (0
+ * returned: to the end). */
+uint64_t arenaCursorOf(const ColdArena *a, ColdRef ref);
+
 /* Read the item at 'ref' into *it. 0 or -1 (errno) on I/O error. */
 int arenaRead(ColdArena *a, ColdRef ref, ColdItem *it);
 void arenaItemRelease(ColdItem *it);

@@ -69,6 +69,8 @@
 #define HM_IDLE_INTERVAL_MS     100     /* slice period with nothing in progress */
 #define HM_MULTI_GRACE_US       (5 * 1000000ULL)
 #define HM_SCAN_PHASE_BIT       (1ULL << 63)
+#define HM_SCAN_GRACE_US        (60 * 1000000ULL) /* see scanLogNote */
+#define HM_SCAN_LOG_MAX         65536   /* promotions logged for SCANs */
 #define HM_PORT_INBUF           (2 * RESP_MAX_REQ)
 #define HM_PORT_OUTBUF          (64 * 1024)
 #define HM_BUCKETS              256     /* see idleBucket */
@@ -201,6 +203,12 @@ static struct {
     uint64_t *seen[2];          /* reads of cold keys, this and the previous window */
     uint64_t seen_since_us;     /* start of the current window */
     uint64_t paused_until_us;   /* clients may be paused (see notePause) */
+
+    /* keys promoted while SCANs run (see scanLogNote) */
+    struct ScanLogEntry *scan_log;
+    size_t scan_log_n, scan_log_cap;
+    uint64_t scan_seen_us;      /* last SCAN call on db 0; 0: none within the grace */
+    long long scan_log_dropped;
 
     /* statistics */
     long long demotions, promotions, expired_promotions, demote_errors;
@@ -381,6 +389,7 @@ static RedisModuleKey *openIfAbsent(RedisModuleString *key) {
 static int readBackWanted(const char *k, size_t klen);
 static void visitMark(RedisModuleKey *kh);
 static void readBackSettle(void);
+static void scanLogNote(const char *k, size_t klen, uint64_t pos);
 
 static void keyListPush(KeyList *l, RedisModuleString *s) {
     if (l->n == l->cap) {
@@ -445,6 +454,7 @@ static int promoteKey(RedisModuleString *key, int visit) {
         keyListPush(&hm.back, RedisModule_CreateStringFromString(NULL, key));
         hm.visits++;
     } else {
+        if (!expired) scanLogNote(k, klen, arenaCursorOf(hm.arena, ref));
         arenaDelete(hm.arena, k, klen);
         if (expired) hm.expired_promotions++;
         hm.promotions++;
@@ -682,13 +692,19 @@ static void readBackSettle(void) {
                 RedisModule_CloseKey(kh);
                 arenaReturn(hm.arena, k, klen);
             } else {
+                /* The new version goes to the arena's end, ahead of
+                 * every SCAN cursor; if it cannot, it stays hot. */
+                uint64_t pos = arenaCursorOf(hm.arena, ref);
                 arenaDelete(hm.arena, k, klen);
-                moveToArena(key, kh, expire);
+                if (!moveToArena(key, kh, expire)) scanLogNote(k, klen, pos);
             }
         } else {
             /* PREPARE dropped the arena, or the command is still to run. */
             visitReset(kh);
-            if (lent) arenaDelete(hm.arena, k, klen);
+            if (lent) {
+                scanLogNote(k, klen, arenaCursorOf(hm.arena, ref));
+                arenaDelete(hm.arena, k, klen);
+            }
             RedisModule_CloseKey(kh);
             hm.visits--;
             hm.promotions++;
@@ -1939,6 +1955,78 @@ static int DbsizeCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc
     return RedisModule_ReplyWithLongLong(ctx, n);
 }
 
+/* A SCAN goes through the keyspace, then the arena (ScanCommand). A cold
+ * key promoted meanwhile leaves the arena for the keyspace, maybe for a
+ * bucket the keyspace cursor has passed: neither phase would return it,
+ * although it was there all along. So while SCANs are served (a call on db
+ * 0 within HM_SCAN_GRACE_US), every promotion is logged with the arena
+ * cursor of the item it was, and the arena phase also returns the logged
+ * keys whose place lies in the range a call covers. Cursors are the
+ * client's, so nothing says when an iteration ends: the log goes when no
+ * SCAN came for the grace. An iteration that waits longer than that
+ * between two calls, or meets more than HM_SCAN_LOG_MAX promotions, can
+ * miss such keys (scan_log_dropped counts the latter). */
+typedef struct ScanLogEntry {
+    RedisModuleString *key;
+    uint64_t pos;               /* arenaCursorOf() of the item it was */
+} ScanLogEntry;
+
+static void scanLogClear(void) {
+    for (size_t i = 0; i < hm.scan_log_n; i++) RedisModule_FreeString(NULL, hm.scan_log[i].key);
+    RedisModule_Free(hm.scan_log);
+    hm.scan_log = NULL;
+    hm.scan_log_n = hm.scan_log_cap = 0;
+}
+
+/* 1 if a SCAN may be going on: one was served within the grace. */
+static int scanRecent(void) {
+    if (hm.scan_seen_us && nowUs() - hm.scan_seen_us > HM_SCAN_GRACE_US) {
+        hm.scan_seen_us = 0;
+        scanLogClear();
+    }
+    return hm.scan_seen_us != 0;
+}
+
+/* Key 'k', a cold item at arena cursor 'pos', is leaving the arena for the
+ * keyspace. */
+static void scanLogNote(const char *k, size_t klen, uint64_t pos) {
+    if (!scanRecent()) return;
+    if (hm.scan_log_n == HM_SCAN_LOG_MAX) {
+        hm.scan_log_dropped++;
+        return;
+    }
+    if (hm.scan_log_n == hm.scan_log_cap) {
+        hm.scan_log_cap = hm.scan_log_cap ? hm.scan_log_cap * 2 : 64;
+        hm.scan_log = RedisModule_Realloc(hm.scan_log, hm.scan_log_cap * sizeof(*hm.scan_log));
+    }
+    hm.scan_log[hm.scan_log_n++] = (ScanLogEntry){RedisModule_CreateString(NULL, k, klen), pos};
+}
+
+/* Reply with the logged keys of arena cursors [from, to) (to 0: to the
+ * end) that match and are still in the keyspace. Returns how many. */
+static long scanLogReply(RedisModuleCtx *ctx, uint64_t from, uint64_t to, const MatchCtx *m,
+                         int strings_only) {
+    long n = 0;
+    for (size_t i = 0; i < hm.scan_log_n; i++) {
+        const ScanLogEntry *e = &hm.scan_log[i];
+        if (e->pos < from || (to && e->pos >= to)) continue;
+        size_t kl;
+        const char *k = RedisModule_StringPtrLen(e->key, &kl);
+        if (!m->all && !stringmatchlen(m->pat, (int)m->patlen, k, (int)kl, 0)) continue;
+        /* write mode: no keyspace hit or miss counted, as in openIfAbsent */
+        RedisModuleKey *kh = RedisModule_OpenKey(hm.dctx, e->key, REDISMODULE_WRITE |
+                                                                   REDISMODULE_OPEN_KEY_NOTOUCH);
+        int type = RedisModule_KeyType(kh);
+        RedisModule_CloseKey(kh);
+        if (type == REDISMODULE_KEYTYPE_EMPTY ||
+            (strings_only && type != REDISMODULE_KEYTYPE_STRING))
+            continue;
+        RedisModule_ReplyWithString(ctx, e->key);
+        n++;
+    }
+    return n;
+}
+
 /* SCAN cursor [MATCH p] [COUNT n] [TYPE t]. Two phases: the stock SCAN over
  * the keyspace (cursors passed through unchanged), then the arena in its
  * stable (chunk, offset) order, with bit 63 of the cursor set. Demoted keys
@@ -1954,6 +2042,12 @@ static int ScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
     unsigned long long cursor = strtoull(cs, &end, 10);
     int phase1 = cl > 0 && *end == '\0' && errno == 0 && (cursor & HM_SCAN_PHASE_BIT) &&
                  cs[0] != '-' && cs[0] != '+';
+    if (RedisModule_GetSelectedDb(ctx) == 0) {
+        /* Visited keys go back first: a lent item is not iterated. */
+        readBackSettle();
+        scanRecent();
+        hm.scan_seen_us = nowUs();
+    }
     if (!phase1 || RedisModule_GetSelectedDb(ctx) != 0) {
         RedisModuleCallReply *r = RedisModule_Call(ctx, "SCAN", "v", argv + 1, (size_t)(argc - 1));
         if (!r) return RedisModule_ReplyWithError(ctx, "ERR SCAN failed");
@@ -1967,7 +2061,7 @@ static int ScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
         size_t nl;
         const char *next = RedisModule_CallReplyStringPtr(c, &nl);
         RedisModule_ReplyWithArray(ctx, 2);
-        if (nl == 1 && next[0] == '0' && arenaCount(hm.arena)) {
+        if (nl == 1 && next[0] == '0' && (arenaCount(hm.arena) || hm.scan_log_n)) {
             char buf[32];
             int bl = snprintf(buf, sizeof(buf), "%llu", (unsigned long long)HM_SCAN_PHASE_BIT);
             RedisModule_ReplyWithStringBuffer(ctx, buf, (size_t)bl);
@@ -2041,6 +2135,7 @@ static int ScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
         RedisModule_FreeString(hm.dctx, l.v[i]);
     }
     RedisModule_Free(l.v);
+    n += scanLogReply(ctx, acur, next, &m, type != NULL);
     RedisModule_ReplySetArrayLength(ctx, n);
     return REDISMODULE_OK;
 }
@@ -2476,8 +2571,10 @@ static void onFlush(RedisModuleCtx *ctx, RedisModuleEvent e, uint64_t sub, void 
     (void)ctx;
     (void)e;
     RedisModuleFlushInfo *fi = data;
-    if (sub == REDISMODULE_SUBEVENT_FLUSHDB_START && (fi->dbnum == -1 || fi->dbnum == 0))
+    if (sub == REDISMODULE_SUBEVENT_FLUSHDB_START && (fi->dbnum == -1 || fi->dbnum == 0)) {
         arenaDrop(hm.arena, NULL);
+        scanLogClear();
+    }
 }
 
 /* A pure AOF rewrite (aof-use-rdb-preamble no) writes the keyspace only:
@@ -2541,6 +2638,8 @@ static void infoFunc(RedisModuleInfoCtx *ctx, int for_crash_report) {
     RedisModule_InfoAddFieldLongLong(ctx, "visits", hm.visits);
     RedisModule_InfoAddFieldLongLong(ctx, "promotions_refused", hm.promotions_refused);
     RedisModule_InfoAddFieldLongLong(ctx, "expired_promotions", hm.expired_promotions);
+    RedisModule_InfoAddFieldULongLong(ctx, "scan_log_items", hm.scan_log_n);
+    RedisModule_InfoAddFieldLongLong(ctx, "scan_log_dropped", hm.scan_log_dropped);
     RedisModule_InfoAddFieldLongLong(ctx, "prepares", hm.prepares);
     RedisModule_InfoAddFieldLongLong(ctx, "resumes", hm.resumes);
     RedisModule_InfoAddFieldLongLong(ctx, "aborts", hm.aborts);
