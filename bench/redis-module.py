@@ -65,6 +65,46 @@ SERVER_CPUS, CLIENT_CPUS = _cpu_split()
 def pinned(cpus):
     """A preexec_fn that binds the child to 'cpus' (None: no binding)."""
     return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+
+
+CPU_GAPS = os.path.join(TOP, 'build', 'bench', 'cpu-gaps')
+
+
+class PlatformGaps:
+    """The platform's share of a slice's thread CPU time, measured in the
+    same period: bench/cpu-gaps (a loop that does nothing but read its
+    thread CPU clock) at nice 19 on every CPU. The longest jump between two
+    of its reads is time charged to a thread that ran no code of its own.
+    Use as a context manager; .result is a dict (max_us, over_1ms,
+    over_2ms summed over the CPUs), or None if cpu-gaps is not built."""
+
+    def __init__(self):
+        self.procs, self.result = [], None
+
+    def __enter__(self):
+        if os.access(CPU_GAPS, os.X_OK):
+            for cpu in sorted(os.sched_getaffinity(0)):
+                def pre(cpu=cpu):
+                    os.sched_setaffinity(0, {cpu})
+                    os.nice(19)
+                self.procs.append(subprocess.Popen([CPU_GAPS], stdout=subprocess.PIPE,
+                                                   text=True, preexec_fn=pre))
+        return self
+
+    def __exit__(self, *exc):
+        outs = []
+        for p in self.procs:
+            p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            out = p.communicate(timeout=30)[0]
+            if p.returncode == 0 and out.strip():
+                outs.append(json.loads(out))
+        if outs:
+            self.result = {'max_us': max(o['max_us'] for o in outs),
+                           'over_1ms': sum(o['over_1ms'] for o in outs),
+                           'over_2ms': sum(o['over_2ms'] for o in outs),
+                           'cpus': len(outs)}
+        return False
 ALPHA = b'0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ'
 
 
@@ -232,15 +272,17 @@ def throughput(workdir, quick):
         # 0 cold items; the timer demoted them while it waited for
         # compaction).
         calls = 0
-        while ((mc.execute_command('APPASSIST.DEMOTE', 10000) > 0 or calls < 2) and
-               time.monotonic() - t0 < 300):
-            calls += 1
-        info = appassist(m)
-        stats['cold_after_demotion'] = info['appassist_cold_items']
-        # Let the background compaction the demotions triggered finish.
-        while (appassist(m)['appassist_compaction_running'] or
-               appassist(m)['appassist_compactions'] == 0) and time.monotonic() - t0 < 600:
-            time.sleep(0.2)
+        with PlatformGaps() as gaps:
+            while ((mc.execute_command('APPASSIST.DEMOTE', 10000) > 0 or calls < 2) and
+                   time.monotonic() - t0 < 300):
+                calls += 1
+            info = appassist(m)
+            stats['cold_after_demotion'] = info['appassist_cold_items']
+            # Let the background compaction the demotions triggered finish.
+            while (appassist(m)['appassist_compaction_running'] or
+                   appassist(m)['appassist_compactions'] == 0) and time.monotonic() - t0 < 600:
+                time.sleep(0.2)
+        stats['platform_gaps'] = gaps.result
         info = appassist(m)
         stats['compaction'] = {k: info['appassist_' + k] for k in (
             'compactions', 'last_compaction_relocated', 'last_compaction_time_us',
@@ -325,23 +367,26 @@ def prepare_vs_design(workdir, ncold, vlen=100):
         pipe_touch(m, hot)
         mc.config_set('appassist.demote', 'yes')
         t0 = time.monotonic()
-        while mc.info('appassist')['appassist_cold_items'] < ncold:
-            mc.execute_command('APPASSIST.DEMOTE', 5000)
-            if time.monotonic() - t0 > 900:
-                raise RuntimeError('demotion too slow')
-        res['demote_s'] = time.monotonic() - t0
-        mc.config_set('appassist.demote', 'no')
-        if mc.info('appassist')['appassist_cold_items'] != ncold:
-            raise RuntimeError('classification demoted %d items, expected %d'
-                               % (mc.info('appassist')['appassist_cold_items'], ncold))
-        res['rss_demoted_mod'] = m.rss()
-        while True:
-            info = mc.info('appassist')
-            if info['appassist_compactions'] >= 1 and not info['appassist_compaction_running']:
-                break
-            if time.monotonic() - t0 > 1800:
-                raise RuntimeError('compaction did not finish')
-            time.sleep(0.2)
+        with PlatformGaps() as gaps:
+            while mc.info('appassist')['appassist_cold_items'] < ncold:
+                mc.execute_command('APPASSIST.DEMOTE', 5000)
+                if time.monotonic() - t0 > 900:
+                    raise RuntimeError('demotion too slow')
+            res['demote_s'] = time.monotonic() - t0
+            mc.config_set('appassist.demote', 'no')
+            if mc.info('appassist')['appassist_cold_items'] != ncold:
+                raise RuntimeError('classification demoted %d items, expected %d'
+                                   % (mc.info('appassist')['appassist_cold_items'], ncold))
+            res['rss_demoted_mod'] = m.rss()
+            while True:
+                info = mc.info('appassist')
+                if (info['appassist_compactions'] >= 1 and
+                        not info['appassist_compaction_running']):
+                    break
+                if time.monotonic() - t0 > 1800:
+                    raise RuntimeError('compaction did not finish')
+                time.sleep(0.2)
+        res['platform_gaps'] = gaps.result
         for k in ('last_compaction_relocated', 'last_compaction_time_us',
                   'last_compaction_busy_us', 'last_compaction_slice_max_us'):
             res[k] = info['appassist_' + k]
@@ -409,6 +454,15 @@ def prepare_vs_design(workdir, ncold, vlen=100):
 
 
 # ------------------------------------------------------------- output
+
+def platform_note(g):
+    """What bench/cpu-gaps measured in the same period (PlatformGaps)."""
+    if not g:
+        return ''
+    return (' Meanwhile a loop that does nothing (bench/cpu-gaps, nice 19, one per CPU) was '
+            'charged up to %d us of thread CPU at once between two clock reads; %d jumps over '
+            '1 ms, %d over 2 ms.' % (g['max_us'], g['over_1ms'], g['over_2ms']))
+
 
 def mib(b):
     return '%.1f' % (b / 2**20)
@@ -541,10 +595,11 @@ def write(tp, raw, setups, stats, n, keyspace, prep, cpu, loadavg, when):
             L.append('')
         c = stats['compaction']
         L.append('Compaction after the demotion: %d keys relocated in %.0f ms (%.0f ms of slices, '
-                 'longest slice %d us of thread CPU).' % (c['last_compaction_relocated'],
+                 'longest slice %d us of thread CPU).%s' % (c['last_compaction_relocated'],
                                                 c['last_compaction_time_us'] / 1000,
                                                 c['last_compaction_busy_us'] / 1000,
-                                                c['last_compaction_slice_max_us']))
+                                                c['last_compaction_slice_max_us'],
+                                                platform_note(stats.get('platform_gaps'))))
         L.append('')
         L.append('Background work during the runs: in slices of the timer when the server was idle '
                  '(between runs), in bites before the event loop sleeps while it served clients. '
@@ -601,7 +656,9 @@ def write(tp, raw, setups, stats, n, keyspace, prep, cpu, loadavg, when):
             % (r['cold'], r['demote_s'], r['last_compaction_relocated'],
                r['last_compaction_time_us'] / 1e6, r['last_compaction_busy_us'] / 1e6,
                r['last_compaction_slice_max_us'])
-            for r in prep) + '.')
+            for r in prep) + '.' + ''.join(
+            ' %d cold:%s' % (r['cold'], platform_note(r.get('platform_gaps')))
+            for r in prep if r.get('platform_gaps')))
         L.append('')
     L.append('![chart](redis-module.png)')
     L.append('')
