@@ -105,6 +105,8 @@ class PlatformGaps:
                            'over_2ms': sum(o['over_2ms'] for o in outs),
                            'cpus': len(outs)}
         return False
+
+
 ALPHA = b'0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ'
 
 
