@@ -72,9 +72,10 @@ CPU_GAPS = os.path.join(TOP, 'build', 'bench', 'cpu-gaps')
 
 class PlatformGaps:
     """The platform's share of a slice's thread CPU time, measured in the
-    same period: bench/cpu-gaps (a loop that does nothing but read its
-    thread CPU clock) at nice 19 on every CPU. The longest jump between two
-    of its reads is time charged to a thread that ran no code of its own.
+    same period: bench/cpu-gaps (a loop that does nothing but increment a
+    random byte of a 256 MiB buffer and read its thread CPU clock) at nice
+    19 on every CPU. The longest jump between two of its reads is time
+    charged to a thread that ran next to no code of its own.
     Use as a context manager; .result is a dict (max_us, over_1ms,
     over_2ms summed over the CPUs), or None if cpu-gaps is not built."""
 
@@ -87,7 +88,7 @@ class PlatformGaps:
                 def pre(cpu=cpu):
                     os.sched_setaffinity(0, {cpu})
                     os.nice(19)
-                self.procs.append(subprocess.Popen([CPU_GAPS], stdout=subprocess.PIPE,
+                self.procs.append(subprocess.Popen([CPU_GAPS, '256'], stdout=subprocess.PIPE,
                                                    text=True, preexec_fn=pre))
         return self
 
@@ -103,6 +104,7 @@ class PlatformGaps:
             self.result = {'max_us': max(o['max_us'] for o in outs),
                            'over_1ms': sum(o['over_1ms'] for o in outs),
                            'over_2ms': sum(o['over_2ms'] for o in outs),
+                           'faults': sum(o['faults'] for o in outs),
                            'cpus': len(outs)}
         return False
 
@@ -461,9 +463,11 @@ def platform_note(g):
     """What bench/cpu-gaps measured in the same period (PlatformGaps)."""
     if not g:
         return ''
-    return (' Meanwhile a loop that does nothing (bench/cpu-gaps, nice 19, one per CPU) was '
-            'charged up to %d us of thread CPU at once between two clock reads; %d jumps over '
-            '1 ms, %d over 2 ms.' % (g['max_us'], g['over_1ms'], g['over_2ms']))
+    return (' Meanwhile a loop that does next to nothing (bench/cpu-gaps: a random byte of '
+            '256 MiB and its clock, nice 19, one per CPU) was charged up to %d us of thread CPU '
+            'at once between two clock reads; %d jumps over 1 ms, %d over 2 ms%s.'
+            % (g['max_us'], g['over_1ms'], g['over_2ms'],
+               ', %d page faults' % g['faults'] if 'faults' in g else ''))
 
 
 def mib(b):
