@@ -874,12 +874,12 @@ int arenaReclaimStep(ColdArena *a, unsigned max, uint64_t *moved) {
 
 /* ----------------------------------------------------------- iteration */
 
-/* Cursor: seq << 32 | offset of the next item; 0 = start/done. A chunk
- * released since (its seq is gone) continues with the next one. */
 uint64_t arenaCursorOf(const ColdArena *a, ColdRef ref) {
     return (uint64_t)a->chunks[ref.chunk].seq << 32 | ref.off;
 }
 
+/* Cursor: seq << 32 | offset of the next item; 0 = start/done. A chunk
+ * released since (its seq is gone) continues with the next one. */
 uint64_t arenaIterate(ColdArena *a, uint64_t cursor, unsigned max,
                       ArenaIterFn fn, void *priv) {
     uint32_t seq = (uint32_t)(cursor >> 32);

@@ -2029,10 +2029,9 @@ static long scanLogReply(RedisModuleCtx *ctx, uint64_t from, uint64_t to, const 
 
 /* SCAN cursor [MATCH p] [COUNT n] [TYPE t]. Two phases: the stock SCAN over
  * the keyspace (cursors passed through unchanged), then the arena in its
- * stable (chunk, offset) order, with bit 63 of the cursor set. Demoted keys
- * move from the keyspace to the arena, i.e. forward in the iteration, so
- * they are still returned; see docs/redis-module.md for the one exception
- * (a key promoted during the arena phase). */
+ * creation order, with bit 63 of the cursor set. Demoted keys move from the
+ * keyspace to the arena, i.e. forward in the iteration, so they are still
+ * returned; promoted keys come from the SCAN log (above). */
 static int ScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (argc < 2) return wrongArity(ctx, "scan");
     size_t cl;
