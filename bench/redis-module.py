@@ -76,8 +76,9 @@ class PlatformGaps:
     random byte of a 256 MiB buffer and read its thread CPU clock) at nice
     19 on every CPU. The longest jump between two of its reads is time
     charged to a thread that ran next to no code of its own.
-    Use as a context manager; .result is a dict (max_us, over_1ms,
-    over_2ms summed over the CPUs), or None if cpu-gaps is not built."""
+    Use as a context manager; .result is a dict (max_us: the longest
+    jump on any CPU; over_1ms, over_2ms, faults: summed over the CPUs), or
+    None if cpu-gaps is not built."""
 
     def __init__(self):
         self.procs, self.result = [], None
