@@ -436,6 +436,36 @@ class VisitTest(ServerTestCase):
         seen = self.scan_promoting(n, 6)
         self.assertEqual(seen, {b'c%d' % i for i in range(n)})
 
+    def test_scan_log_is_bounded(self):
+        """More promotions during a SCAN than the log holds (65536): the log
+        stops at its bound and counts the rest, the iteration still ends,
+        and it misses none but keys the log dropped; FLUSHALL empties the
+        log."""
+        n = 70000
+        srv = self.server(configs=configs(**{'promote-window-ms': 0}))
+        c = srv.client()
+        for lo in range(0, n, 5000):
+            c.mset({'s%d' % i: 'v' for i in range(lo, lo + 5000)})
+        demoted(self, c, n)
+        cursor, seen = c.scan(0, count=10)
+        for lo in range(0, n, 5000):
+            c.mget(['s%d' % i for i in range(lo, lo + 5000)])
+        info = self.info(c)
+        self.assertEqual(info['appassist_cold_items'], 0)
+        self.assertEqual(info['appassist_scan_log_items'], 65536)
+        self.assertEqual(info['appassist_scan_log_dropped'], n - 65536)
+        seen = set(seen)
+        while int(cursor):
+            cursor, keys = c.scan(cursor, count=5000)
+            seen.update(keys)
+        # Only keys whose promotion the log dropped may be missing.
+        want = {b's%d' % i for i in range(n)}
+        self.assertTrue(seen <= want)
+        self.assertLessEqual(len(want - seen), n - 65536)
+        c.flushall()
+        self.assertEqual(self.info(c)['appassist_scan_log_items'], 0)
+        self.assertHealthy(srv)
+
     def test_scan_in_the_round_of_a_visit(self):
         """A SCAN call pipelined after a read of a cold key (a visit: the key
         is in the keyspace until the round ends) returns that key."""
