@@ -390,6 +390,7 @@ static int readBackWanted(const char *k, size_t klen);
 static void visitMark(RedisModuleKey *kh);
 static void readBackSettle(void);
 static void scanLogNote(const char *k, size_t klen, uint64_t pos);
+static int scanRecent(void);
 
 static void keyListPush(KeyList *l, RedisModuleString *s) {
     if (l->n == l->cap) {
@@ -1319,6 +1320,7 @@ static int backgroundWork(uint64_t deadline) {
         demoteSlice(deadline, nowMs());
     sweepSlice(deadline);
     if (nowUs() < deadline && reclaimWanted()) reclaimSlice(deadline);
+    scanRecent();               /* frees the SCAN log once its grace is over */
     uint64_t us = nowUs() - t0;
     if (us > hm.step_max_us) hm.step_max_us = us;
     uint64_t c2 = threadCpuUs();

@@ -466,6 +466,23 @@ class VisitTest(ServerTestCase):
         self.assertEqual(self.info(c)['appassist_scan_log_items'], 0)
         self.assertHealthy(srv)
 
+    @unittest.skipUnless(os.environ.get('HYBRIDVM_LONG') == '1',
+                         'long variant (waits out the 60 s grace): set HYBRIDVM_LONG=1')
+    def test_scan_log_freed_after_the_grace(self):
+        """The SCAN log goes once no SCAN came for 60 s, and promotions are
+        not logged after that."""
+        srv, c, _ = self.cold_500(200)
+        c.config_set('appassist.promote-window-ms', 0)
+        c.scan(0, count=10)
+        c.mget(['c%d' % i for i in range(100)])
+        self.assertEqual(self.info(c)['appassist_scan_log_items'], 100)
+        time.sleep(61)
+        self.wait_for(lambda: self.info(c)['appassist_scan_log_items'] == 0,
+                      what='the background to free the log')
+        c.mget(['c%d' % i for i in range(100, 200)])
+        self.assertEqual(self.info(c)['appassist_scan_log_items'], 0)
+        self.assertHealthy(srv)
+
     def test_scan_in_the_round_of_a_visit(self):
         """A SCAN call pipelined after a read of a cold key (a visit: the key
         is in the keyspace until the round ends) returns that key."""
