@@ -207,6 +207,7 @@ static struct {
     /* keys promoted while SCANs run (see scanLogNote) */
     struct ScanLogEntry *scan_log;
     size_t scan_log_n, scan_log_cap;
+    int scan_log_sorted;        /* by pos, since the last append */
     uint64_t scan_seen_us;      /* last SCAN call on db 0; 0: none within the grace */
     long long scan_log_dropped;
 
@@ -2002,16 +2003,34 @@ static void scanLogNote(const char *k, size_t klen, uint64_t pos) {
         hm.scan_log = RedisModule_Realloc(hm.scan_log, hm.scan_log_cap * sizeof(*hm.scan_log));
     }
     hm.scan_log[hm.scan_log_n++] = (ScanLogEntry){RedisModule_CreateString(NULL, k, klen), pos};
+    hm.scan_log_sorted = 0;
+}
+
+static int scanLogCmp(const void *a, const void *b) {
+    uint64_t x = ((const ScanLogEntry *)a)->pos, y = ((const ScanLogEntry *)b)->pos;
+    return x < y ? -1 : x > y;
 }
 
 /* Reply with the logged keys of arena cursors [from, to) (to 0: to the
- * end) that match and are still in the keyspace. Returns how many. */
+ * end) that match and are still in the keyspace. Returns how many. The log
+ * is sorted by position when a call needs it after appends, so that a call
+ * costs its own range, not the whole log (SCAN's COUNT is 10 by default). */
 static long scanLogReply(RedisModuleCtx *ctx, uint64_t from, uint64_t to, const MatchCtx *m,
                          int strings_only) {
+    if (!hm.scan_log_sorted) {
+        qsort(hm.scan_log, hm.scan_log_n, sizeof(*hm.scan_log), scanLogCmp);
+        hm.scan_log_sorted = 1;
+    }
+    size_t lo = 0, hi = hm.scan_log_n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (hm.scan_log[mid].pos < from) lo = mid + 1;
+        else hi = mid;
+    }
     long n = 0;
-    for (size_t i = 0; i < hm.scan_log_n; i++) {
+    for (size_t i = lo; i < hm.scan_log_n; i++) {
         const ScanLogEntry *e = &hm.scan_log[i];
-        if (e->pos < from || (to && e->pos >= to)) continue;
+        if (to && e->pos >= to) break;
         size_t kl;
         const char *k = RedisModule_StringPtrLen(e->key, &kl);
         if (!m->all && !stringmatchlen(m->pat, (int)m->patlen, k, (int)kl, 0)) continue;
