@@ -2062,17 +2062,17 @@ static int ScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
     unsigned long long cursor = strtoull(cs, &end, 10);
     int phase1 = cl > 0 && *end == '\0' && errno == 0 && (cursor & HM_SCAN_PHASE_BIT) &&
                  cs[0] != '-' && cs[0] != '+';
-    if (RedisModule_GetSelectedDb(ctx) == 0) {
+    int db0 = RedisModule_GetSelectedDb(ctx) == 0;
+    if (db0) {
         /* Visited keys go back first: a lent item is not iterated. */
         readBackSettle();
         scanRecent();
         hm.scan_seen_us = nowUs();
     }
-    if (!phase1 || RedisModule_GetSelectedDb(ctx) != 0) {
+    if (!phase1 || !db0) {
         RedisModuleCallReply *r = RedisModule_Call(ctx, "SCAN", "v", argv + 1, (size_t)(argc - 1));
         if (!r) return RedisModule_ReplyWithError(ctx, "ERR SCAN failed");
-        if (RedisModule_CallReplyType(r) != REDISMODULE_REPLY_ARRAY ||
-            RedisModule_GetSelectedDb(ctx) != 0) {
+        if (RedisModule_CallReplyType(r) != REDISMODULE_REPLY_ARRAY || !db0) {
             RedisModule_ReplyWithCallReply(ctx, r);
             RedisModule_FreeCallReply(r);
             return REDISMODULE_OK;

@@ -152,9 +152,10 @@ class BackgroundTest(ServerTestCase):
         so that the machine's other load does not count).
 
         This virtual machine now and then charges a few milliseconds to a
-        single call that normally takes microseconds (system time, no page
-        fault, no context switch: see docs/redis-module.md); one round in
-        about fifteen had such a step (6.3 ms). So up to three rounds, on
+        single call that normally takes microseconds, with no page fault,
+        as it does to a loop that does nothing (bench/cpu-gaps; see
+        docs/redis-module.md); one round in about fifteen had such a step
+        (6.3 ms). So up to three rounds, on
         fresh servers: one of them must stay within two slices. Work that
         really took longer, like the compaction purge before (16 ms in
         test_compact), fails every round."""

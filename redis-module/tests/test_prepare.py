@@ -305,6 +305,7 @@ class PrepareTest(ServerTestCase):
         self.assertEqual(c1.get('a'), b'1')
         self.assertEqual(c1.dbsize(), 1)
         self.assertEqual(c1.keys('*'), [b'a'])
+        self.assertEqual(c1.scan(0), (0, [b'a']))     # stock SCAN, no arena phase
         self.assertEqual(c0.get('a'), b'0')
 
     def test_swapdb_and_flush(self):
