@@ -6,8 +6,10 @@
  * This work is licensed under the terms of the GNU GPL, version 2 or later.
  * See the COPYING file in the top-level directory.
  *
- * Internal interface shared by hybrid.c (driver), hybrid-ram.c (RAM tier)
- * and hybrid-qmp.c (management).  The on-disk layout is specified in
+ * Internal interface shared by hybrid.c (driver: header, I/O, open/close),
+ * hybrid-writeback.c (async write-back), hybrid-restore.c (restore while
+ * serving), hybrid-promote.c (hot blocks beyond the boundary), hybrid-ram.c
+ * (RAM tier) and hybrid-qmp.c (management).  The on-disk layout is specified in
  * docs/hybrid-format.rst of the hybridvm repository.
  */
 
@@ -187,9 +189,50 @@ uint64_t hybrid_ram_used_bytes(BDRVHybridState *s);
 uint64_t hybrid_ram_metadata_bytes(BDRVHybridState *s);
 uint64_t hybrid_fingerprint(const uint8_t *buf, size_t len);
 
+/* ---- helpers shared by the driver's files ---- */
+
+static inline HybridSlot *hybrid_slot(BDRVHybridState *s, uint64_t idx)
+{
+    return idx < s->ram_blocks ? &s->slots[idx] : NULL;
+}
+
+/* Bytes of block @idx that exist (the last block may be partial). */
+static inline uint32_t hybrid_block_len(BDRVHybridState *s, uint64_t idx)
+{
+    uint64_t start = idx << s->block_shift;
+
+    return MIN((uint64_t)s->block_size, s->size - start);
+}
+
+static inline uint64_t hybrid_host_offset(BDRVHybridState *s, uint64_t off)
+{
+    return s->data_offset + off;
+}
+
 /* hybrid.c */
 extern BlockDriver bdrv_hybrid;
+void coroutine_fn hybrid_slot_lock(BDRVHybridState *s, HybridSlot *slot);
+void coroutine_fn hybrid_slot_unlock(BDRVHybridState *s, HybridSlot *slot);
 void hybrid_set_mode(BlockDriverState *bs, HybridMode mode);
 HybridInfo *hybrid_get_info(BlockDriverState *bs);
+
+/* hybrid-writeback.c */
+void hybrid_slot_set_dirty(BDRVHybridState *s, HybridSlot *slot,
+                           uint32_t lo, uint32_t hi);
+void hybrid_flusher_kick(BDRVHybridState *s);
+int coroutine_fn hybrid_wait_dirty_limit(BDRVHybridState *s);
+int coroutine_fn GRAPH_RDLOCK hybrid_co_flush_to_os(BlockDriverState *bs);
+
+/* hybrid-restore.c */
+void hybrid_restore_kick(BDRVHybridState *s);
+
+/* hybrid-promote.c */
+bool hybrid_heat(BDRVHybridState *s, uint64_t idx);
+void coroutine_fn GRAPH_RDLOCK hybrid_promote(BDRVHybridState *s, uint64_t idx);
+HybridHot *hybrid_hot_get(BDRVHybridState *s, uint64_t idx);
+void hybrid_hot_write(BDRVHybridState *s, int64_t offset, int64_t bytes,
+                      QEMUIOVector *qiov, size_t qoff);
+void hybrid_hot_invalidate(BDRVHybridState *s, int64_t offset, int64_t bytes);
+void hybrid_hot_drop_all(BDRVHybridState *s);
 
 #endif /* BLOCK_HYBRID_H */

@@ -1,0 +1,154 @@
+/*
+ * Hybrid block format: restore while serving
+ *
+ * Copyright (c) 2026 The hybridvm authors
+ *
+ * This work is licensed under the terms of the GNU GPL, version 2 or later.
+ * See the COPYING file in the top-level directory.
+ *
+ * Fills the RAM tier from the persistent tier in the background after open
+ * or activation; see "Restore while serving" in docs/hybrid-format.rst.
+ */
+
+#include "qemu/osdep.h"
+#include "qapi/qapi-events-block-core.h"
+#include "qemu/memalign.h"
+#include "qemu/timer.h"
+#include "qemu/units.h"
+#include "block/block-io.h"
+#include "block/block_int.h"
+#include "hybrid.h"
+#include "trace.h"
+
+/* Restore reads this much per request; also the dedup bounce buffer size */
+#define HYBRID_RESTORE_CHUNK        (4 * MiB)
+/* Concurrent restore reads (each HYBRID_RESTORE_CHUNK) */
+#define HYBRID_RESTORE_WORKERS      2
+
+static void coroutine_fn GRAPH_RDLOCK hybrid_restore_run(BDRVHybridState *s)
+{
+    uint64_t per_req = HYBRID_RESTORE_CHUNK >> s->block_shift;
+    uint8_t *bounce = NULL;
+
+    if (s->dedup) {
+        bounce = qemu_try_blockalign(s->bs->file->bs, HYBRID_RESTORE_CHUNK);
+        if (!bounce) {
+            s->restore_error = -ENOMEM;
+            return;
+        }
+    }
+    while (s->restore_cursor < s->ram_blocks && !s->quiesced &&
+           !s->inactive) {
+        uint64_t first = s->restore_cursor, n = 0, i, off;
+        uint64_t len;
+        uint8_t *buf;
+        int ret;
+
+        if (s->slots[first].flags & HYBRID_SLOT_LOADED) {
+            s->restore_cursor++;
+            continue;
+        }
+        /* A run of unloaded blocks; wait for a busy first block */
+        hybrid_slot_lock(s, &s->slots[first]);
+        if (s->slots[first].flags & HYBRID_SLOT_LOADED) {
+            hybrid_slot_unlock(s, &s->slots[first]);
+            continue;
+        }
+        n = 1;
+        while (n < per_req && first + n < s->ram_blocks &&
+               !(s->slots[first + n].flags &
+                 (HYBRID_SLOT_LOADED | HYBRID_SLOT_BUSY))) {
+            s->slots[first + n].flags |= HYBRID_SLOT_BUSY;
+            n++;
+        }
+        /* The other worker continues after this run */
+        s->restore_cursor = first + n;
+        off = first << s->block_shift;
+        len = MIN(n << s->block_shift, s->size - off);
+        buf = s->dedup ? bounce : hybrid_ram_plain_ptr(s, first);
+        ret = bdrv_co_pread(s->bs->file, hybrid_host_offset(s, off), len,
+                            buf, 0);
+        trace_hybrid_restore_read(s, first, n, ret);
+        for (i = 0; i < n; i++) {
+            HybridSlot *slot = &s->slots[first + i];
+
+            if (ret == 0) {
+                if (s->dedup) {
+                    if (len < (n << s->block_shift)) {
+                        memset(bounce + len, 0, (n << s->block_shift) - len);
+                    }
+                    ret = hybrid_ram_fill(s, first + i,
+                                          bounce + (i << s->block_shift));
+                } else {
+                    hybrid_ram_loaded_plain(s, first + i);
+                }
+            }
+            hybrid_slot_unlock(s, slot);
+        }
+        if (ret < 0) {
+            s->restore_error = ret;
+            break;
+        }
+        s->restore_bytes += len;
+    }
+    qemu_vfree(bounce);
+}
+
+/* The last restore worker has stopped: finished, failed or paused. */
+static void hybrid_restore_stopped(BDRVHybridState *s)
+{
+    if (s->restore_done) {
+        return;
+    }
+    if (s->restore_cursor >= s->ram_blocks || s->restore_error) {
+        s->restore_done = true;
+        s->restore_end_ns = qemu_clock_get_ns(QEMU_CLOCK_REALTIME);
+        trace_hybrid_restore_done(s, s->restore_bytes, s->restore_error);
+        qapi_event_send_hybrid_restore_completed(
+            bdrv_get_node_name(s->bs), s->restore_bytes,
+            (s->restore_end_ns - s->restore_start_ns) / SCALE_MS,
+            s->restore_error ? strerror(-s->restore_error) : NULL);
+    }
+}
+
+static void coroutine_fn hybrid_restore_entry(void *opaque)
+{
+    BDRVHybridState *s = opaque;
+    BlockDriverState *bs = s->bs;
+
+    GRAPH_RDLOCK_GUARD();
+    hybrid_restore_run(s);
+    if (--s->restore_workers == 0) {
+        hybrid_restore_stopped(s);
+    }
+    qemu_co_queue_restart_all(&s->restore_queue);
+    bdrv_dec_in_flight(bs);
+}
+
+/*
+ * Two workers keep two large reads in flight, so that the page faults of
+ * filling fresh RAM overlap with the next read (one worker reached ~0.7x
+ * of dd's throughput here, see docs/bench/hybrid.md).
+ */
+void hybrid_restore_kick(BDRVHybridState *s)
+{
+    Coroutine *co[HYBRID_RESTORE_WORKERS];
+    int i;
+
+    if (!s->restore_enabled || s->restore_done || s->restore_workers ||
+        s->quiesced || s->inactive) {
+        return;
+    }
+    if (!s->restore_start_ns) {
+        s->restore_start_ns = qemu_clock_get_ns(QEMU_CLOCK_REALTIME);
+    }
+    /* Count them all first: a worker may finish inside aio_co_enter() */
+    for (i = 0; i < HYBRID_RESTORE_WORKERS; i++) {
+        co[i] = qemu_coroutine_create(hybrid_restore_entry, s);
+        s->restore_workers++;
+        bdrv_inc_in_flight(s->bs);
+    }
+    for (i = 0; i < HYBRID_RESTORE_WORKERS; i++) {
+        aio_co_enter(bdrv_get_aio_context(s->bs), co[i]);
+    }
+}
