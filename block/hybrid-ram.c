@@ -18,8 +18,9 @@
  *   the block's content, or NULL for an all-zero block.  Chunks are found by
  *   a 64-bit fingerprint and confirmed with memcmp() over the whole block,
  *   so a fingerprint collision can never merge different data; that is why
- *   a fast non-cryptographic hash is enough (a 256-bit SHA would cost ~10x
- *   the CPU per block on this machine and still need trusting the hash).
+ *   a fast non-cryptographic hash is enough (a cryptographic one costs far
+ *   more CPU per block, docs/hybrid.md "Design measurements", and would
+ *   still need trusting the hash).
  *   A chunk is modified in place when its refcount is 1 (the common case
  *   for guest writes), otherwise the writer gets a private copy first.
  *   In async mode a written chunk stays private (out of the table, not

@@ -127,8 +127,8 @@ static void coroutine_fn hybrid_restore_entry(void *opaque)
 
 /*
  * Two workers keep two large reads in flight, so that the page faults of
- * filling fresh RAM overlap with the next read (one worker reached ~0.7x
- * of dd's throughput here, see docs/bench/hybrid.md).
+ * filling fresh RAM overlap with the next read (docs/hybrid.md, "Design
+ * measurements").
  */
 void hybrid_restore_kick(BDRVHybridState *s)
 {

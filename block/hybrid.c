@@ -90,6 +90,37 @@ static void hybrid_header_to_le(const HybridHeader *cpu, HybridHeader *le)
                                         HYBRID_HEADER_SIZE));
 }
 
+static bool hybrid_block_size_valid(uint64_t bsz)
+{
+    return bsz >= HYBRID_MIN_BLOCK_SIZE && bsz <= HYBRID_MAX_BLOCK_SIZE &&
+           is_power_of_2(bsz);
+}
+
+/* The block-size option of raw=on and of image creation. */
+static int hybrid_check_block_size_opt(uint64_t bsz, Error **errp)
+{
+    if (!hybrid_block_size_valid(bsz)) {
+        error_setg(errp, "block-size %" PRIu64 " is not a power of two "
+                   "in [%d, %d]", bsz, HYBRID_MIN_BLOCK_SIZE,
+                   HYBRID_MAX_BLOCK_SIZE);
+        return -EINVAL;
+    }
+    return 0;
+}
+
+/* Slot indices are 32 bits: @blocks RAM blocks of @bsz bytes must fit. */
+static int hybrid_check_ram_blocks(uint64_t blocks, uint64_t ram_size,
+                                   uint64_t bsz, Error **errp)
+{
+    if (blocks > UINT32_MAX) {
+        error_setg(errp, "ram-size %" PRIu64 " is too large (at most %"
+                   PRIu64 " blocks of %" PRIu64 " bytes)", ram_size,
+                   (uint64_t)UINT32_MAX, bsz);
+        return -EINVAL;
+    }
+    return 0;
+}
+
 /*
  * Validate a header as read from disk (@le, disk byte order) and convert it
  * into @h.  Every field is checked: the image is untrusted input.
@@ -134,9 +165,7 @@ static int hybrid_header_check(const HybridHeader *le, HybridHeader *h,
                    ")", (uint64_t)(h->flags & ~HYBRID_FLAGS_KNOWN));
         return -ENOTSUP;
     }
-    if (h->block_size < HYBRID_MIN_BLOCK_SIZE ||
-        h->block_size > HYBRID_MAX_BLOCK_SIZE ||
-        !is_power_of_2(h->block_size)) {
+    if (!hybrid_block_size_valid(h->block_size)) {
         error_setg(errp, "Unsupported hybrid image (block size %" PRIu32
                    " is not a power of two in [%d, %d])", h->block_size,
                    HYBRID_MIN_BLOCK_SIZE, HYBRID_MAX_BLOCK_SIZE);
@@ -606,12 +635,9 @@ hybrid_read_geometry(BlockDriverState *bs, BlockdevOptionsHybrid *o,
         uint64_t bsz = o->has_block_size ? o->block_size
                                          : HYBRID_DEFAULT_BLOCK_SIZE;
 
-        if (bsz < HYBRID_MIN_BLOCK_SIZE || bsz > HYBRID_MAX_BLOCK_SIZE ||
-            !is_power_of_2(bsz)) {
-            error_setg(errp, "block-size %" PRIu64 " is not a power of two "
-                       "in [%d, %d]", bsz, HYBRID_MIN_BLOCK_SIZE,
-                       HYBRID_MAX_BLOCK_SIZE);
-            return -EINVAL;
+        ret = hybrid_check_block_size_opt(bsz, errp);
+        if (ret < 0) {
+            return ret;
         }
         memset(&s->header, 0, sizeof(s->header));
         s->header.version = HYBRID_VERSION;
@@ -696,11 +722,10 @@ static int hybrid_open(BlockDriverState *bs, QDict *options, int flags,
         return -EINVAL;
     }
     s->ram_blocks = MIN(s->ram_size >> s->block_shift, s->nb_blocks);
-    if (s->ram_blocks > UINT32_MAX) {
-        error_setg(errp, "ram-size %" PRIu64 " is too large (at most %"
-                   PRIu64 " blocks of %" PRIu32 " bytes)", s->ram_size,
-                   (uint64_t)UINT32_MAX, s->block_size);
-        return -EINVAL;
+    ret = hybrid_check_ram_blocks(s->ram_blocks, s->ram_size, s->block_size,
+                                  errp);
+    if (ret < 0) {
+        return ret;
     }
 
     ret = hybrid_ram_init(s, errp);
@@ -872,12 +897,9 @@ hybrid_co_create(BlockdevCreateOptions *create_options, Error **errp)
     o = &create_options->u.hybrid;
 
     bsz = o->has_block_size ? o->block_size : HYBRID_DEFAULT_BLOCK_SIZE;
-    if (bsz < HYBRID_MIN_BLOCK_SIZE || bsz > HYBRID_MAX_BLOCK_SIZE ||
-        !is_power_of_2(bsz)) {
-        error_setg(errp, "block-size %" PRIu64 " is not a power of two in "
-                   "[%d, %d]", bsz, HYBRID_MIN_BLOCK_SIZE,
-                   HYBRID_MAX_BLOCK_SIZE);
-        return -EINVAL;
+    ret = hybrid_check_block_size_opt(bsz, errp);
+    if (ret < 0) {
+        return ret;
     }
     size = o->size;
     if (size > HYBRID_MAX_VIRTUAL_SIZE || size % BDRV_SECTOR_SIZE) {
@@ -885,11 +907,12 @@ hybrid_co_create(BlockdevCreateOptions *create_options, Error **errp)
                    size, BDRV_SECTOR_SIZE, HYBRID_MAX_VIRTUAL_SIZE);
         return -EINVAL;
     }
-    if (o->has_ram_size && (o->ram_size / bsz) > UINT32_MAX) {
-        error_setg(errp, "ram-size %" PRIu64 " is too large (at most %"
-                   PRIu64 " blocks of %" PRIu64 " bytes)", o->ram_size,
-                   (uint64_t)UINT32_MAX, bsz);
-        return -EINVAL;
+    if (o->has_ram_size) {
+        ret = hybrid_check_ram_blocks(o->ram_size / bsz, o->ram_size, bsz,
+                                      errp);
+        if (ret < 0) {
+            return ret;
+        }
     }
 
     memset(&h, 0, sizeof(h));
