@@ -1,12 +1,14 @@
 /* arena.c -- the cold arena; see arena.h for the layout and the contract. */
 
 #include "arena.h"
+#include "siphash.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -40,6 +42,7 @@ typedef struct Table {
     uint64_t cap;       /* power of two, 0 when unused */
     uint64_t used;      /* live slots */
     uint64_t tombs;
+    uint64_t maxdisp;   /* longest displacement of a slot ever put here */
 } Table;
 
 typedef struct Chunk {
@@ -62,7 +65,7 @@ typedef struct Chunk {
 #define MAX_SEQ         ((1u << 31) - 1)    /* cursor: seq << 32 | offset, bit 63 free */
 
 struct ColdArena {
-    uint64_t seed;
+    SipKey key;                 /* the index hash's secret key */
     Table ht[2];                /* ht[1] used only while rehashing */
     uint64_t rehashidx;         /* next ht[0] slot to move */
     int rehashing;
@@ -106,32 +109,10 @@ uint64_t arenaNowUs(void) {
 
 /* ---------------------------------------------------------------- hashing */
 
-/* MurmurHash64A with a secret seed: cheap, good spread, and keyed so that
- * clients cannot precompute colliding keys for a given process. */
-static uint64_t hashKey(uint64_t seed, const char *key, size_t len) {
-    const uint64_t m = 0xc6a4a7935bd1e995ULL;
-    const int r = 47;
-    uint64_t h = seed ^ (len * m);
-    const unsigned char *p = (const unsigned char *)key;
-    size_t n = len / 8;
-    for (size_t i = 0; i < n; i++) {
-        uint64_t k;
-        memcpy(&k, p + i * 8, 8);
-        k *= m; k ^= k >> r; k *= m;
-        h ^= k; h *= m;
-    }
-    p += n * 8;
-    switch (len & 7) {
-    case 7: h ^= (uint64_t)p[6] << 48; /* fall through */
-    case 6: h ^= (uint64_t)p[5] << 40; /* fall through */
-    case 5: h ^= (uint64_t)p[4] << 32; /* fall through */
-    case 4: h ^= (uint64_t)p[3] << 24; /* fall through */
-    case 3: h ^= (uint64_t)p[2] << 16; /* fall through */
-    case 2: h ^= (uint64_t)p[1] << 8;  /* fall through */
-    case 1: h ^= (uint64_t)p[0]; h *= m;
-    }
-    h ^= h >> r; h *= m; h ^= h >> r;
-    return h;
+/* The index hash: SipHash-1-2 under the arena's secret 128-bit key (see
+ * siphash.h for why not a seeded MurmurHash). */
+static inline uint64_t hashKey(const ColdArena *a, const char *key, size_t len) {
+    return sipHash12(&a->key, key, len);
 }
 
 /* ----------------------------------------------------------- mappings */
@@ -166,7 +147,7 @@ static int tableInit(Table *t, uint64_t cap) {
     t->tags = m;
     t->slots = (Slot *)(m + tagBytes(cap));
     t->cap = cap;
-    t->used = t->tombs = 0;
+    t->used = t->tombs = t->maxdisp = 0;
     return 0;
 }
 
@@ -393,6 +374,18 @@ static int keyAt(ColdArena *a, uint32_t chunk, uint32_t off,
     return eq;
 }
 
+/* The work of one lookup. A key is at most t->maxdisp slots past its home
+ * slot (hash & mask), so tableFind reads at most maxdisp + 1 tags of each
+ * table (two while rehashing), fewer when it meets a free tag; it reads a
+ * slot only on a tag match (1 in 254 of the others), and compares keys only
+ * when 32 bits of hash match too. What keeps maxdisp small is that nobody
+ * can choose keys with one home: the hash is keyed with a secret (hashKey),
+ * and a table is rebuilt before live slots and tombstones fill 70 % of it
+ * (maybeGrow). Then the homes are uniform and linear probing's longest
+ * displacement grows with the log of the table size: with 1M keys, at most
+ * 191 slots just before a table grows, 31-44 after (docs/redis-module.md;
+ * test_arena checks that 1M keys stay under 256). */
+
 /* Find 'key' in table t; returns the slot index or UINT64_MAX. *err set on
  * an I/O error. */
 static uint64_t tableFind(ColdArena *a, Table *t, uint64_t h,
@@ -400,7 +393,7 @@ static uint64_t tableFind(ColdArena *a, Table *t, uint64_t h,
     if (!t->cap) return UINT64_MAX;
     uint64_t mask = t->cap - 1;
     uint8_t tag = hashTag(h);
-    for (uint64_t i = h & mask, n = 0; n < t->cap; i = (i + 1) & mask, n++) {
+    for (uint64_t i = h & mask, n = 0; n <= t->maxdisp; i = (i + 1) & mask, n++) {
         uint8_t ti = t->tags[i];
         if (ti == TAG_FREE) return UINT64_MAX;
         if (ti != tag) continue;
@@ -416,9 +409,12 @@ static uint64_t tableFind(ColdArena *a, Table *t, uint64_t h,
 /* Place a slot into t (which has room: fill < cap). */
 static void tablePut(Table *t, uint64_t h, uint32_t chunk, uint32_t off) {
     uint64_t mask = t->cap - 1;
-    uint64_t i = h & mask;
-    while (t->tags[i] != TAG_FREE && t->tags[i] != TAG_DEAD)
+    uint64_t i = h & mask, disp = 0;
+    while (t->tags[i] != TAG_FREE && t->tags[i] != TAG_DEAD) {
         i = (i + 1) & mask;
+        disp++;
+    }
+    if (disp > t->maxdisp) t->maxdisp = disp;
     if (t->tags[i] == TAG_DEAD) t->tombs--;
     t->slots[i] = (Slot){(uint32_t)h, chunk, off};
     t->tags[i] = hashTag(h);
@@ -482,7 +478,7 @@ static int maybeGrow(ColdArena *a) {
 /* Locate key: returns 1 with *t and *slot set, 0 if absent, -1 on error. */
 static int findSlot(ColdArena *a, const char *key, size_t klen,
                     Table **t, uint64_t *slot) {
-    uint64_t h = hashKey(a->seed, key, klen);
+    uint64_t h = hashKey(a, key, klen);
     int err = 0;
     for (int i = 0; i <= a->rehashing; i++) {
         uint64_t s = tableFind(a, &a->ht[i], h, key, klen, &err);
@@ -542,7 +538,7 @@ int arenaInsert(ColdArena *a, const char *key, size_t klen,
     memcpy(p + 8, &expire, 8);
     memcpy(p + ARENA_ITEM_HDR, key, klen);
     if (vlen) memcpy(p + ARENA_ITEM_HDR + klen, val, vlen);
-    uint64_t h = hashKey(a->seed, key, klen);
+    uint64_t h = hashKey(a, key, klen);
     tablePut(&a->ht[a->rehashing], h, id, off);
     a->items++;
     if (expire != ARENA_NO_EXPIRE) a->expiring++;
@@ -613,15 +609,38 @@ int arenaReturn(ColdArena *a, const char *key, size_t klen) {
 
 /* ----------------------------------------------------------- lifecycle */
 
-ColdArena *arenaCreate(uint64_t seed) {
+ColdArena *arenaCreateKeyed(const uint8_t key[ARENA_KEY_BYTES]) {
     ColdArena *a = calloc(1, sizeof(*a));
     if (!a) return NULL;
-    a->seed = seed;
+    a->key = sipKeyFromBytes(key);
     a->cur = NO_CHUNK;
     a->reclaim = NO_CHUNK;
     a->spill_fd = -1;
     a->iter_buf_chunk = NO_CHUNK;
     return a;
+}
+
+/* A key from the kernel's random pool (getrandom waits for the pool to be
+ * ready, a moment at a guest's boot). Should getrandom fail (ENOSYS), the
+ * clock, pid and an address are hashed instead: weaker, but distinct per
+ * process and per arena. */
+ColdArena *arenaCreate(uint64_t unused) {
+    uint8_t key[ARENA_KEY_BYTES];
+    (void)unused;
+    ssize_t n;
+    do {
+        n = getrandom(key, sizeof(key), 0);
+    } while (n < 0 && errno == EINTR);
+    if (n != (ssize_t)sizeof(key)) {
+        uint64_t mix[3] = {arenaNowUs(), (uint64_t)getpid(), (uint64_t)(uintptr_t)key};
+        SipKey fixed = {0x736565646b657930ULL, (uint64_t)time(NULL)};
+        uint64_t k0 = sipHash24(&fixed, mix, sizeof(mix));
+        mix[0] ^= k0;
+        uint64_t k1 = sipHash24(&fixed, mix, sizeof(mix));
+        memcpy(key, &k0, 8);
+        memcpy(key + 8, &k1, 8);
+    }
+    return arenaCreateKeyed(key);
 }
 
 static void spillClose(ColdArena *a) {
@@ -669,10 +688,10 @@ static uint64_t dropMappings(ColdArena *a, uint64_t *items,
     free(a->order_seq);
     free(a->iter_buf);
     spillClose(a);
-    uint64_t seed = a->seed;
+    SipKey key = a->key;
     uint32_t next_seq = a->next_seq;
     memset(a, 0, sizeof(*a));
-    a->seed = seed;
+    a->key = key;
     a->next_seq = next_seq;
     a->cur = NO_CHUNK;
     a->reclaim = NO_CHUNK;
@@ -727,6 +746,9 @@ void arenaGetStats(const ColdArena *a, ArenaStats *st) {
     st->spilled_bytes = (uint64_t)a->spill_size;
     st->dead_bytes = a->dead_bytes;
     st->rehashing = a->rehashing;
+    for (int t = 0; t <= a->rehashing; t++)
+        if (a->ht[t].cap && a->ht[t].maxdisp + 1 > st->longest_probe)
+            st->longest_probe = a->ht[t].maxdisp + 1;
 }
 
 /* ----------------------------------------------------------- spill */

@@ -16,7 +16,8 @@
  * goes is unmapped at once. arenaReclaimStep moves the live items out of a
  * chunk with holes so that it can go.
  *
- * The index is a linear-probing table of {hash32, chunk, offset} slots,
+ * The index is a linear-probing table, keyed by SipHash-1-2 under a secret
+ * per-arena key, of {hash32, chunk, offset} slots,
  * each with a byte of tag (free, tombstone, or 8 bits of the hash) in an
  * array in front that probing reads first, kept in its own mappings,
  * rehashed incrementally (two tables while rehashing,
@@ -39,6 +40,7 @@
 #define ARENA_MAX_KEY           (1u << 20)      /* refuse bigger keys */
 #define ARENA_MAX_VAL           (64u << 20)     /* refuse bigger values */
 #define ARENA_NO_EXPIRE         ((int64_t)-1)
+#define ARENA_KEY_BYTES         16u             /* the index hash's key */
 
 typedef struct ColdArena ColdArena;
 
@@ -68,12 +70,18 @@ typedef struct ArenaStats {
     uint64_t index_bytes;       /* index mappings */
     uint64_t spilled_bytes;     /* bytes in the spill file */
     uint64_t dead_bytes;        /* see arenaDeadBytes */
+    uint64_t longest_probe;     /* most index slots one lookup reads in a
+                                 * table (bound: see tableFind in arena.c) */
     int rehashing;
 } ArenaStats;
 
-/* Create an empty arena; 'seed' keys the index hash (use a random value so
- * that clients cannot force collisions). NULL on allocation failure. */
-ColdArena *arenaCreate(uint64_t seed);
+/* Create an empty arena. The index hash is SipHash-1-2 keyed with 128 bits
+ * drawn from the kernel's random pool here, so that clients cannot choose
+ * keys that collide (hash flooding). The argument is ignored: it goes once
+ * the module's callers stop passing one. NULL on allocation failure. */
+ColdArena *arenaCreate(uint64_t unused);
+/* The same with a given key: for tests, which need a reproducible index. */
+ColdArena *arenaCreateKeyed(const uint8_t key[ARENA_KEY_BYTES]);
 /* Free everything, closes and unlinks the spill file if there is one. */
 void arenaFree(ColdArena *a);
 
