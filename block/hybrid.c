@@ -786,13 +786,24 @@ static int GRAPH_RDLOCK hybrid_make_clean(BlockDriverState *bs)
     return ret;
 }
 
+/*
+ * The node stays active (and its restore running) unless everything was
+ * written back: the block layer keeps it active when this fails, and the
+ * two must agree, or restore would never be started again.
+ */
 static int GRAPH_RDLOCK hybrid_inactivate(BlockDriverState *bs)
 {
     BDRVHybridState *s = bs->opaque;
+    int ret;
 
+    ret = hybrid_make_clean(bs);
+    trace_hybrid_inactivate(s, ret);
+    if (ret < 0) {
+        return ret;
+    }
     /* Restore stops at its next request; activation starts it over */
     s->inactive = true;
-    return hybrid_make_clean(bs);
+    return 0;
 }
 
 /*
@@ -808,10 +819,13 @@ hybrid_co_invalidate_cache(BlockDriverState *bs, Error **errp)
     int ret;
 
     assert(QTAILQ_EMPTY(&s->dirty_list));
-    s->inactive = false;
     while (s->restore_workers) {
         qemu_co_queue_wait(&s->restore_queue, NULL);
     }
+    /*
+     * Everything that can fail comes first: on failure the block layer
+     * keeps the node inactive, and so must we.
+     */
     if (!s->raw) {
         ret = bdrv_co_pread(bs->file, 0, sizeof(le), &le, 0);
         if (ret < 0) {
@@ -829,6 +843,7 @@ hybrid_co_invalidate_cache(BlockDriverState *bs, Error **errp)
         s->header = h;
         s->header_dirty_on_disk = false;
     }
+    s->inactive = false;
     hybrid_hot_drop_all(s);
     hybrid_ram_unload_all(s);
     s->restore_cursor = 0;
