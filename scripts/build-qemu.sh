@@ -6,6 +6,11 @@
 # pristine source, so a changed series resets only the files it touched (their mtimes
 # move forward and ninja rebuilds exactly those); configure runs again only when the
 # configure line changes (meson regenerates itself when a meson.build changes).
+#
+# Progress: each slow step says that it started and how long it took; ninja's
+# "[N/M]" steps are shown as one line rewritten in place on a terminal, and as a
+# line at each further 10 % (or after 30 s without one) otherwise, so that CI logs
+# stay short.  The full outputs are in build/qemu-{configure,ninja}.log.
 set -euo pipefail
 
 top=$(cd "$(dirname "$0")/.." && pwd)
@@ -19,13 +24,28 @@ venv=$build/venv
 stamp=
 if [ "${1:-}" = --stamp ]; then stamp=$2; fi
 
-die() { echo "build-qemu: $*" >&2; exit 1; }
+# begin/end bracket a slow step on one line: "build-qemu: configuring ... 31 s".
+open_line=
+die() {
+    [ -z "$open_line" ] || echo
+    echo "build-qemu: $*" >&2
+    exit 1
+}
 
 # One build at a time per build directory (make, meson and a second shell may race).
 mkdir -p "$build"
 exec 9>"$build/.qemu-build.lock"
 flock 9
 log() { echo "build-qemu: $*"; }
+now() { printf -v "$1" %s "${EPOCHREALTIME//[!0-9]/}"; }  # microseconds, into the variable named $1
+dur() {  # time since $1 (from now) as people read it: "41 s", "2 min 50 s"
+    local t s
+    now t
+    s=$(((t - $1 + 500000) / 1000000))
+    if [ "$s" -ge 60 ]; then echo "$((s / 60)) min $((s % 60)) s"; else echo "$s s"; fi
+}
+begin() { printf 'build-qemu: %s ... ' "$*"; now open_line; }
+end() { echo "$(dur "$open_line")"; open_line=; }
 
 # 1. Fetch (once).
 if [ ! -f "$pristine/VERSION" ]; then
@@ -36,15 +56,17 @@ if [ ! -f "$pristine/VERSION" ]; then
         die "Debian no longer offers source package qemu=$QEMU_DEB_VERSION (offered: $(echo $offered)); our patches are written against it"
     fi
     mkdir -p "$build/src"
+    begin "fetching QEMU: apt-get source qemu=$QEMU_DEB_VERSION (40 MB)"
     (cd "$build/src" && apt-get source -q "qemu=$QEMU_DEB_VERSION") >"$build/src/fetch.log" 2>&1 ||
-        { cat "$build/src/fetch.log" >&2; die "apt-get source qemu=$QEMU_DEB_VERSION failed"; }
+        { echo; open_line=; cat "$build/src/fetch.log" >&2; die "apt-get source qemu=$QEMU_DEB_VERSION failed"; }
+    end
 fi
 [ "$(cat "$pristine/VERSION")" = "10.0.13" ] || die "unexpected QEMU version $(cat "$pristine/VERSION") in $pristine"
 
 # 2. Working tree: a git repository whose first commit is the pristine source.
 git_q() { git -C "$tree" -c user.name=build -c user.email=build@localhost -c advice.detachedHead=false "$@"; }
 if [ ! -d "$tree/.git" ]; then
-    log "creating working tree $tree"
+    begin "creating the git working tree $tree"
     rm -rf "$tree"
     cp -a "$pristine" "$tree"
     git_q init -q -b work
@@ -52,24 +74,27 @@ if [ ! -d "$tree/.git" ]; then
     git_q commit -q -m "Debian qemu $QEMU_DEB_VERSION"
     git_q tag pristine
     printf '%s\n' /block/hybrid /migration/app-assist /.series-hash >>"$tree/.git/info/exclude"
+    end
 fi
 
 # 3. Patches: re-apply only when the series (or any patch in it) changed.
 mapfile -t patches < <(sed -e 's/#.*//' -e '/^[[:space:]]*$/d' "$top/qemu-patches/series")
 series_hash=$( (cat "$top/qemu-patches/series"; for p in "${patches[@]}"; do cat "$top/qemu-patches/$p"; done) | sha256sum | cut -c1-16)
 if [ "$(cat "$tree/.series-hash" 2>/dev/null)" != "$series_hash" ]; then
-    log "applying qemu-patches/series (${#patches[@]} patches)"
+    begin "applying qemu-patches/series (${#patches[@]} patches)"
     git_q am --abort >/dev/null 2>&1 || true
     git_q reset -q --hard pristine
     for p in "${patches[@]}"; do
         [ -f "$top/qemu-patches/$p" ] || die "qemu-patches/series names $p, which does not exist"
         if ! git_q am -q --keep-cr "$top/qemu-patches/$p" >"$build/qemu-am.log" 2>&1; then
             git_q am --abort >/dev/null 2>&1 || true
+            echo; open_line=
             cat "$build/qemu-am.log" >&2
             die "patch qemu-patches/$p does not apply to QEMU $QEMU_DEB_VERSION"
         fi
     done
     echo "$series_hash" >"$tree/.series-hash"
+    end
 fi
 
 # 4. Overlay: our sources stay the single source of truth; the QEMU tree links to them.
@@ -92,20 +117,60 @@ config=(--target-list=x86_64-softmmu --without-default-features --enable-tcg --e
         --python="$venv/bin/python3" --cc="ccache gcc" --host-cc="ccache gcc")
 config_hash=$(printf '%s\n' "${config[@]}" | sha256sum | cut -c1-16)
 if [ ! -f "$objdir/build.ninja" ] || [ "$(cat "$objdir/.config-hash" 2>/dev/null)" != "$config_hash" ]; then
-    log "configuring"
+    begin "configuring (log: $build/qemu-configure.log)"
     rm -rf "$objdir"
     mkdir -p "$objdir"
     (cd "$objdir" && "$tree/configure" "${config[@]}") >"$build/qemu-configure.log" 2>&1 ||
-        { tail -40 "$build/qemu-configure.log" >&2; die "configure failed (full log: $build/qemu-configure.log)"; }
+        { echo; open_line=; tail -40 "$build/qemu-configure.log" >&2
+          die "configure failed (full log: $build/qemu-configure.log)"; }
     echo "$config_hash" >"$objdir/.config-hash"
+    end
 fi
 
 # 6. Build.
+# progress: reads ninja's output (a copy is in the log already) and shows its
+# "[N/M] description" lines once there is work: on a terminal ($cols wide) as one
+# line rewritten in place, otherwise a line at each further 10 % of a large build
+# or after 30 s without one.  Ends with a summary line.
+progress() {
+    local line n=0 m=0 pct decile=0 start t last=$SECONDS text seen=
+    now start
+    local width=$((cols - 1))
+    while IFS= read -r line; do
+        [[ $line =~ ^\[([0-9]+)/([0-9]+)\]\ (.*)$ ]] || continue
+        n=${BASH_REMATCH[1]} m=${BASH_REMATCH[2]}
+        [ "$m" -gt 0 ] || continue
+        [ "$seen" ] || { log "building with ninja (log: $build/qemu-ninja.log)"; seen=1; }
+        pct=$((n * 100 / m))
+        if [ "$tty" = 1 ]; then
+            now t
+            printf -v text 'build-qemu: [%d/%d] %d %% %d:%02d %s' "$n" "$m" "$pct" \
+                $(((t - start) / 60000000)) $(((t - start) / 1000000 % 60)) "${BASH_REMATCH[3]}"
+            printf '\r%-*.*s' "$width" "$width" "$text"
+        elif [ "$n" -lt "$m" ] && { [ "$m" -ge 100 ] && [ $((pct / 10)) -gt "$decile" ] ||
+                                    [ $((SECONDS - last)) -ge 30 ]; }; then
+            decile=$((pct / 10)) last=$SECONDS
+            echo "build-qemu: [$n/$m] $pct % after $(dur "$start")"
+        fi
+    done
+    [ "$tty" = 0 ] || printf '\r%-*s\r' "$width" ''
+    if [ "$n" -gt 0 ]; then
+        echo "build-qemu: ninja ran $n of $m steps in $(dur "$start")"
+    fi
+}
+tty=0 cols=80
+if [ -t 1 ]; then
+    tty=1
+    # stty reads the terminal's size from its stdin: our stdout, not the substitution's pipe.
+    { size=$(stty size <&3 2>/dev/null) || size=; } 3>&1
+    [ "${size#* }" -ge 20 ] 2>/dev/null && cols=${size#* }
+fi
+
 targets=(qemu-system-x86_64 qemu-img qemu-io qemu-nbd storage-daemon/qemu-storage-daemon)
 # Paths relative to the build dir and no cwd in the hash: separate build dirs
 # (one per engineer or CI job) share one cache.
 export CCACHE_DIR=${CCACHE_DIR:-$build/ccache} CCACHE_BASEDIR=$build CCACHE_NOHASHDIR=1
-if ! ninja -C "$objdir" "${targets[@]}" >"$build/qemu-ninja.log" 2>&1; then
+if ! NINJA_STATUS='[%f/%t] ' ninja -C "$objdir" "${targets[@]}" 2>&1 | tee "$build/qemu-ninja.log" | progress; then
     grep -v '^\[[0-9]*/[0-9]*\]' "$build/qemu-ninja.log" | tail -60 >&2
     die "ninja failed (full log: $build/qemu-ninja.log)"
 fi
