@@ -1,0 +1,340 @@
+/* filter.c -- the command filter that makes cold items transparent, and
+ * visits: a read of a cold item brings it into the keyspace for the
+ * command and takes it back to the arena once the command has run. */
+
+#include <ctype.h>
+
+#include "hybridmem.h"
+
+/* ------------------------------------------------------------ visits */
+
+/* An access to a cold item is a visit: the item comes into the keyspace so
+ * that the stock command runs on it, and goes back to the arena, with what
+ * the command left in it, before the event loop sleeps (hmReadBackSettle).
+ * Only a second access within appassist.promote-window-ms promotes it.
+ * Why: under accesses spread over the cold set (the 10 % of a 90/10 mix),
+ * promoting at the first access made each one a promotion and, a pass
+ * later, a demotion plus its share of a compaction pass, and the cold set
+ * eroded while clients ran. Meanwhile the arena lends the item
+ * (arenaBorrow): if the command left the copy as it was, the way back is
+ * a keyspace delete; the allocations of the visit are freed at once, so
+ * they leave no holes for compaction. The filter cannot serve a read from the
+ * arena itself: that would mean rewriting GET into a module command, which
+ * changes ACL checks, keyspace hit counts, commandstats and MONITOR.
+ *
+ * The filter runs before the command, which may then wait (queued in a
+ * MULTI, postponed by CLIENT PAUSE): the item may only go back once the
+ * command has run. So the visit marks the key's access clock as long ago
+ * (LRU idle HM_VISIT_IDLE_MS, or LFU counter 0), the command's lookup
+ * touches it (commands that look up with NOTOUCH promote instead), and a
+ * key still marked when the round ends stays hot with a fresh clock, as a
+ * promotion. Another client's access to the same key in that round would
+ * touch the clock too: so there are no visits while a MULTI is open (as
+ * for demotion) or clients may be paused (notePause).
+ *
+ * Accesses are remembered in two generations of a bit set indexed by a
+ * hash of the key (a false positive only promotes early), each generation
+ * one window long: "seen" = set in either. */
+
+#define HM_VISIT_IDLE_MS        (1LL << 32)     /* ~50 days */
+#define HM_LFU_INIT             5               /* Redis's LFU_INIT_VAL */
+
+/* FNV-1a of a key, folded: the seen set's bit and keyShare(). */
+uint32_t hmKeyFnv(const char *key, size_t l) {
+    const unsigned char *p = (const unsigned char *)key;
+    uint32_t h = 2166136261u;
+    while (l--) h = (h ^ *p++) * 16777619u;
+    return h ^ (h >> 16);
+}
+
+/* 1 if the hot set is over its budget by more than an eighth: a second
+ * access then visits too, and the item stays cold. An item read twice in
+ * a window is not hotter than the hot set: under accesses spread over the
+ * cold items, promoting it pushed the hot set over its budget, and every
+ * promotion cost a demotion a pass later (docs/redis-module.md, "Design history"). The eighth leaves room
+ * for turnover: while the hot set is over its budget the passes demote
+ * what went idle, and new hot items take its place. */
+static int hotFull(void) {
+    return hm.pass.admit_budget > 0 && hm.pass.hot_est > hm.pass.admit_budget + hm.pass.admit_budget / 8;
+}
+
+static int visitsAllowed(void) {
+    return hmDemotionAllowed() && (hm.visit.paused_until_us == 0 || hmNowUs() >= hm.visit.paused_until_us);
+}
+
+/* 1 if the cold item accessed now is a visit (see above). */
+int hmReadBackWanted(const char *k, size_t klen) {
+    if (hm.cfg.promote_window_ms == 0 || !hm.bg.bites_on || hm.replica ||
+        hm.visit.back.n >= HM_READ_BACK_MAX || !visitsAllowed())
+        return 0;
+    uint64_t now = hmNowUs(), window = (uint64_t)hm.cfg.promote_window_ms * 1000;
+    if (!hm.visit.seen[0]) {
+        hm.visit.seen[0] = RedisModule_Calloc(HM_SEEN_BITS / 64, sizeof(uint64_t));
+        hm.visit.seen[1] = RedisModule_Calloc(HM_SEEN_BITS / 64, sizeof(uint64_t));
+        hm.visit.seen_since_us = now;
+    }
+    if (now - hm.visit.seen_since_us >= window) {
+        uint64_t *old = hm.visit.seen[1];
+        hm.visit.seen[1] = hm.visit.seen[0];
+        hm.visit.seen[0] = old;
+        memset(old, 0, HM_SEEN_BITS / 8);
+        if (now - hm.visit.seen_since_us >= 2 * window) memset(hm.visit.seen[1], 0, HM_SEEN_BITS / 8);
+        hm.visit.seen_since_us = now;
+    }
+    uint32_t bit = hmKeyFnv(k, klen) & (HM_SEEN_BITS - 1);
+    uint64_t mask = 1ULL << (bit & 63);
+    size_t w = bit >> 6;
+    int seen = ((hm.visit.seen[0][w] | hm.visit.seen[1][w]) & mask) != 0;
+    hm.visit.seen[0][w] |= mask;
+    if (seen && hotFull()) {
+        hm.stats.promotions_refused++;
+        return 1;
+    }
+    return !seen;
+}
+
+/* Mark a visited key's access clock (see above). */
+void hmVisitMark(RedisModuleKey *kh) {
+    if (RedisModule_SetLFU(kh, 0) != REDISMODULE_OK) RedisModule_SetLRU(kh, HM_VISIT_IDLE_MS);
+}
+
+/* Give a visited key the clock of a fresh key: it stays hot. */
+static void visitReset(RedisModuleKey *kh) {
+    if (RedisModule_SetLFU(kh, HM_LFU_INIT) != REDISMODULE_OK) RedisModule_SetLRU(kh, 0);
+}
+
+/* 1 if a command read the key since hmVisitMark; otherwise visitReset. */
+static int visitDone(RedisModuleKey *kh) {
+    long long freq;
+    mstime_t idle;
+    if (RedisModule_GetLFU(kh, &freq) == REDISMODULE_OK && freq >= 0) {
+        if (freq > 0) return 1;
+    } else if (RedisModule_GetLRU(kh, &idle) == REDISMODULE_OK && idle >= 0 &&
+               idle < HM_VISIT_IDLE_MS / 2) {
+        return 1;
+    }
+    visitReset(kh);
+    return 0;
+}
+
+/* 1 if the keyspace copy open as 'kh' still holds what the lent item at
+ * 'ref' holds: the same value and expire. */
+static int visitUnchanged(RedisModuleKey *kh, ColdRef ref, mstime_t expire) {
+    size_t vlen;
+    const char *v = RedisModule_StringDMA(kh, &vlen, REDISMODULE_READ);
+    ColdItem it;
+    if (!v || arenaRead(hm.arena, ref, &it) < 0) return 0;
+    int same = it.vlen == vlen && memcmp(it.val, v, vlen) == 0 &&
+               it.expire == (expire == REDISMODULE_NO_EXPIRE ? ARENA_NO_EXPIRE : expire);
+    arenaItemRelease(&it);
+    return same;
+}
+
+/* After the commands of this round of the event loop, the visited items go
+ * back: unchanged, by deleting the keyspace copy and taking the lent item
+ * back; changed, with the value and expire the commands left. A key the
+ * round deleted, expired or turned into another type stays as it is (the
+ * lent item goes). A key whose command has not run yet, or any key when
+ * visits are not allowed now (a migration or a pause began), stays hot: a
+ * promotion. Runs before anything walks the keyspace or the arena as a
+ * whole (bites, the timer, PREPARE, DEMOTE, COMPACT, SWAPDB). */
+void hmReadBackSettle(void) {
+    int allowed = visitsAllowed();
+    for (size_t i = 0; i < hm.visit.back.n; i++) {
+        RedisModuleString *key = hm.visit.back.v[i];
+        size_t klen;
+        const char *k = RedisModule_StringPtrLen(key, &klen);
+        mstime_t expire;
+        ColdRef ref;
+        RedisModuleKey *kh = hmOpenLiveString(key, &expire);
+        int lent = arenaLookup(hm.arena, k, klen, &ref) == 2;
+        if (!kh) {
+            if (lent) arenaDelete(hm.arena, k, klen);
+        } else if (lent && allowed && visitDone(kh)) {
+            if (visitUnchanged(kh, ref, expire)) {
+                RedisModule_DeleteKey(kh);
+                RedisModule_CloseKey(kh);
+                arenaReturn(hm.arena, k, klen);
+            } else {
+                /* The new version goes to the arena's end, ahead of
+                 * every SCAN cursor; if it cannot, it stays hot. */
+                uint64_t pos = arenaCursorOf(hm.arena, ref);
+                arenaDelete(hm.arena, k, klen);
+                if (!hmMoveToArena(key, kh, expire)) hmScanLogNote(k, klen, pos);
+            }
+        } else {
+            /* PREPARE dropped the arena, or the command is still to run. */
+            visitReset(kh);
+            if (lent) {
+                hmScanLogNote(k, klen, arenaCursorOf(hm.arena, ref));
+                arenaDelete(hm.arena, k, klen);
+            }
+            RedisModule_CloseKey(kh);
+            hm.stats.visits--;
+            hm.stats.promotions++;
+        }
+        RedisModule_FreeString(NULL, key);
+    }
+    hm.visit.back.n = 0;
+}
+
+/* ------------------------------------------------------------ command filter */
+
+static RedisModuleString *hm_name_keys, *hm_name_scan, *hm_name_dbsize;
+
+int hmCmdIs(const char *c, size_t l, const char *name) {
+    return strlen(name) == l && strncasecmp(c, name, l) == 0;
+}
+
+/* Commands whose only key is argv[1] (any argc), and those for which that
+ * holds with argc == 2: the filter takes the key without asking Redis
+ * (RedisModule_GetCommandKeys looks the command up and allocates: a tenth
+ * of a pipelined GET (docs/redis-module.md, "Design history")). Must stay exact: a
+ * command listed here with another key would run on that key cold. */
+#define NAMELEN(s) s, sizeof(s) - 1
+typedef struct { const char *name; size_t len; int visit; } CmdName;
+/* 'visit': a cold key the command names is visited, not promoted (see
+ * hmReadBackWanted); 0 for the commands that look the key up with NOTOUCH
+ * (the visit could not tell that they ran: it would end as a promotion). */
+static const CmdName one_key_cmds[] = {
+    {NAMELEN("get"), 1}, {NAMELEN("set"), 1}, {NAMELEN("setnx"), 1}, {NAMELEN("setex"), 1},
+    {NAMELEN("psetex"), 1}, {NAMELEN("getset"), 1}, {NAMELEN("getdel"), 1},
+    {NAMELEN("getex"), 1}, {NAMELEN("incr"), 1}, {NAMELEN("decr"), 1}, {NAMELEN("incrby"), 1},
+    {NAMELEN("decrby"), 1}, {NAMELEN("incrbyfloat"), 1}, {NAMELEN("append"), 1},
+    {NAMELEN("strlen"), 1}, {NAMELEN("getrange"), 1}, {NAMELEN("setrange"), 1},
+    {NAMELEN("substr"), 1}, {NAMELEN("ttl"), 0}, {NAMELEN("pttl"), 0}, {NAMELEN("expire"), 1},
+    {NAMELEN("pexpire"), 1}, {NAMELEN("expireat"), 1}, {NAMELEN("pexpireat"), 1},
+    {NAMELEN("persist"), 1}, {NAMELEN("type"), 0}, {NAMELEN("expiretime"), 0},
+    {NAMELEN("pexpiretime"), 0},
+};
+static const CmdName one_key_if_argc2[] = {
+    {NAMELEN("exists"), 0}, {NAMELEN("del"), 1}, {NAMELEN("unlink"), 1}, {NAMELEN("touch"), 1},
+};
+
+static const CmdName *inNames(const CmdName *t, size_t n, const char *c, size_t l) {
+    int c0 = tolower((unsigned char)c[0]);
+    for (size_t i = 0; i < n; i++)
+        if (t[i].len == l && t[i].name[0] == c0 && strncasecmp(c, t[i].name, l) == 0)
+            return &t[i];
+    return NULL;
+}
+
+/* The table entry if argv[1] is the command's only key, else NULL. */
+static const CmdName *firstArgIsOnlyKey(const char *c, size_t l, int argc) {
+    if (argc < 2) return NULL;
+    const CmdName *e = inNames(one_key_cmds, sizeof(one_key_cmds) / sizeof(one_key_cmds[0]), c, l);
+    if (e || argc != 2) return e;
+    return inNames(one_key_if_argc2, sizeof(one_key_if_argc2) / sizeof(one_key_if_argc2[0]), c, l);
+}
+
+/* CLIENT PAUSE and FAILOVER postpone commands after the filter ran; a
+ * visit must not go back while another client's read touched the key and
+ * the postponed command has yet to run (Redis 7.2+ does not rerun the
+ * filter). So no visits until the pause ends: CLIENT PAUSE's timeout,
+ * FAILOVER's (60 s when it gives none), or CLIENT UNPAUSE / FAILOVER ABORT. */
+static void notePause(RedisModuleCommandFilterCtx *f, int argc) {
+    size_t l;
+    const char *c = RedisModule_StringPtrLen(RedisModule_CommandFilterArgGet(f, 0), &l);
+    long long ms = -1;
+    if (hmCmdIs(c, l, "failover")) {
+        ms = 60000;
+        for (int i = 1; i < argc; i++) {
+            const char *a = RedisModule_StringPtrLen(RedisModule_CommandFilterArgGet(f, i), &l);
+            if (hmCmdIs(a, l, "abort")) ms = 0;
+            else if (hmCmdIs(a, l, "timeout") && i + 1 < argc)
+                RedisModule_StringToLongLong(RedisModule_CommandFilterArgGet(f, i + 1), &ms);
+        }
+    } else if (argc >= 2) {
+        const char *a = RedisModule_StringPtrLen(RedisModule_CommandFilterArgGet(f, 1), &l);
+        if (hmCmdIs(a, l, "unpause")) ms = 0;
+        else if (hmCmdIs(a, l, "pause") && argc >= 3)
+            RedisModule_StringToLongLong(RedisModule_CommandFilterArgGet(f, 2), &ms);
+    }
+    if (ms == 0) hm.visit.paused_until_us = 0;
+    else if (ms > 0 && hmNowUs() + (uint64_t)ms * 1000 > hm.visit.paused_until_us)
+        hm.visit.paused_until_us = hmNowUs() + (uint64_t)ms * 1000;
+}
+
+/* Runs before every command (client, script, MULTI queueing, RM_Call of
+ * other modules). Whole-keyspace commands are rewritten to module commands
+ * that also see the arena; every key argument that is cold is brought into
+ * the keyspace (promoted, or visited for a read) so the real command runs on
+ * an ordinary key. The filter does not know the
+ * client's selected DB (7.0 has no API for it): promotion always targets db
+ * 0, which is harmless for a command on another DB. */
+static void hmFilter(RedisModuleCommandFilterCtx *f) {
+    int argc = RedisModule_CommandFilterArgsCount(f);
+    hm.filter.served++;
+    if (argc < 1 || !hm.arena) return;
+    size_t cl;
+    const char *c = RedisModule_StringPtrLen(RedisModule_CommandFilterArgGet(f, 0), &cl);
+    switch (cl) {
+    case 4:
+        if (hmCmdIs(c, cl, "keys")) {
+            if (arenaCount(hm.arena)) {
+                RedisModule_RetainString(NULL, hm_name_keys);
+                RedisModule_CommandFilterArgReplace(f, 0, hm_name_keys);
+            }
+            return;
+        }
+        if (hmCmdIs(c, cl, "scan")) {
+            RedisModule_RetainString(NULL, hm_name_scan);
+            RedisModule_CommandFilterArgReplace(f, 0, hm_name_scan);
+            return;
+        }
+        if (hmCmdIs(c, cl, "exec")) { if (hm.filter.multi_open > 0) hm.filter.multi_open--; return; }
+        if (hmCmdIs(c, cl, "mget")) {
+            /* every argument is a key */
+            if (arenaCount(hm.arena))
+                for (int i = 1; i < argc; i++)
+                    hmPromoteKey(RedisModule_CommandFilterArgGet(f, i), 1);
+            return;
+        }
+        break;
+    case 5:
+        if (hmCmdIs(c, cl, "multi")) { hm.filter.multi_open++; hm.filter.multi_seen_us = hmNowUs(); return; }
+        break;
+    case 6:
+        if (hmCmdIs(c, cl, "dbsize")) {
+            if (arenaCount(hm.arena)) {
+                RedisModule_RetainString(NULL, hm_name_dbsize);
+                RedisModule_CommandFilterArgReplace(f, 0, hm_name_dbsize);
+            }
+            return;
+        }
+        if (hmCmdIs(c, cl, "swapdb")) { if (arenaCount(hm.arena)) hmPromoteAll(); return; }
+        if (hmCmdIs(c, cl, "client")) { notePause(f, argc); return; }
+        break;
+    case 8:
+        if (hmCmdIs(c, cl, "failover")) { notePause(f, argc); return; }
+        break;
+    case 7:
+        if (hmCmdIs(c, cl, "discard")) { if (hm.filter.multi_open > 0) hm.filter.multi_open--; return; }
+        break;
+    }
+    if (arenaCount(hm.arena) == 0) return;
+    const CmdName *one = firstArgIsOnlyKey(c, cl, argc);
+    if (one) {
+        hmPromoteKey(RedisModule_CommandFilterArgGet(f, 1), one->visit);
+        return;
+    }
+
+    RedisModuleString *stackv[16], **argv = stackv;
+    if (argc > 16) argv = RedisModule_Alloc(sizeof(*argv) * (size_t)argc);
+    for (int i = 0; i < argc; i++) argv[i] = RedisModule_CommandFilterArgGet(f, i);
+    int nkeys = 0;
+    int *pos = RedisModule_GetCommandKeys(hm.dctx, argv, argc, &nkeys);
+    for (int i = 0; pos && i < nkeys; i++) hmPromoteKey(argv[pos[i]], 1);
+    if (pos) RedisModule_Free(pos);
+    if (argv != stackv) RedisModule_Free(argv);
+}
+
+/* Register the filter (it sees every command but those of this module). */
+int hmFilterInit(RedisModuleCtx *ctx) {
+    hm_name_keys = RedisModule_CreateString(NULL, "appassist.keys", 14);
+    hm_name_scan = RedisModule_CreateString(NULL, "appassist.scan", 14);
+    hm_name_dbsize = RedisModule_CreateString(NULL, "appassist.dbsize", 16);
+    if (!RedisModule_RegisterCommandFilter(ctx, hmFilter, REDISMODULE_CMDFILTER_NOSELF))
+        return REDISMODULE_ERR;
+    return REDISMODULE_OK;
+}

@@ -1,0 +1,292 @@
+/* keyspace.c -- the whole-keyspace commands the filter rewrites (KEYS, SCAN,
+ * DBSIZE) so that they see the arena too, the SCAN log, APPASSIST.ISCOLD. */
+
+#include "hybridmem.h"
+#include "glob.h"
+
+/* APPASSIST.ISCOLD key: 1 if the key is in the arena (declares no key, so
+ * the filter does not promote it). */
+int hmIsColdCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    if (argc != 2) return RedisModule_WrongArity(ctx);
+    size_t l;
+    const char *k = RedisModule_StringPtrLen(argv[1], &l);
+    ColdRef ref;
+    return RedisModule_ReplyWithLongLong(ctx, arenaLookup(hm.arena, k, l, &ref) == 1);
+}
+
+/* ------------------------------------------------------------ whole keyspace */
+
+static int wrongArity(RedisModuleCtx *ctx, const char *cmd) {
+    char msg[96];
+    snprintf(msg, sizeof(msg), "ERR wrong number of arguments for '%s' command", cmd);
+    return RedisModule_ReplyWithError(ctx, msg);
+}
+
+static void forwardArray(RedisModuleCtx *ctx, RedisModuleCallReply *r, long *n) {
+    size_t len = RedisModule_CallReplyLength(r);
+    for (size_t i = 0; i < len; i++) {
+        RedisModuleCallReply *e = RedisModule_CallReplyArrayElement(r, i);
+        size_t sl;
+        const char *s = RedisModule_CallReplyStringPtr(e, &sl);
+        RedisModule_ReplyWithStringBuffer(ctx, s, sl);
+        (*n)++;
+    }
+}
+
+typedef struct MatchCtx {
+    RedisModuleCtx *ctx;
+    const char *pat;
+    size_t patlen;
+    int all;
+    long long now;
+    long n;
+} MatchCtx;
+
+static void matchCb(void *priv, const ColdItem *it) {
+    MatchCtx *m = priv;
+    if (it->expire != ARENA_NO_EXPIRE && it->expire <= m->now) return;
+    if (!m->all && !stringmatchlen(m->pat, (int)m->patlen, it->key, (int)it->klen, 0)) return;
+    RedisModule_ReplyWithStringBuffer(m->ctx, it->key, it->klen);
+    m->n++;
+}
+
+/* KEYS pattern, when something is cold: the stock reply plus matching cold
+ * keys (db 0 only). */
+int hmKeysCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    if (argc != 2) return wrongArity(ctx, "keys");
+    RedisModuleCallReply *r = RedisModule_Call(ctx, "KEYS", "s", argv[1]);
+    if (!r || RedisModule_CallReplyType(r) != REDISMODULE_REPLY_ARRAY) {
+        if (r) {
+            RedisModule_ReplyWithCallReply(ctx, r);
+            RedisModule_FreeCallReply(r);
+            return REDISMODULE_OK;
+        }
+        return RedisModule_ReplyWithError(ctx, "ERR KEYS failed");
+    }
+    long n = 0;
+    RedisModule_ReplyWithArray(ctx, REDISMODULE_POSTPONED_LEN);
+    forwardArray(ctx, r, &n);
+    RedisModule_FreeCallReply(r);
+    if (RedisModule_GetSelectedDb(ctx) == 0) {
+        MatchCtx m = {ctx, NULL, 0, 0, hmNowMs(), 0};
+        m.pat = RedisModule_StringPtrLen(argv[1], &m.patlen);
+        m.all = m.patlen == 1 && m.pat[0] == '*';
+        uint64_t cur = 0;
+        do {
+            cur = arenaIterate(hm.arena, cur, 1u << 20, matchCb, &m);
+        } while (cur && cur != UINT64_MAX);
+        n += m.n;
+    }
+    RedisModule_ReplySetArrayLength(ctx, n);
+    return REDISMODULE_OK;
+}
+
+int hmDbsizeCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    (void)argv;
+    if (argc != 1) return wrongArity(ctx, "dbsize");
+    long long n = (long long)RedisModule_DbSize(ctx);
+    if (RedisModule_GetSelectedDb(ctx) == 0) n += (long long)arenaCount(hm.arena);
+    return RedisModule_ReplyWithLongLong(ctx, n);
+}
+
+/* A SCAN goes through the keyspace, then the arena (hmScanCommand). A cold
+ * key promoted meanwhile leaves the arena for the keyspace, maybe for a
+ * bucket the keyspace cursor has passed: neither phase would return it,
+ * although it was there all along. So while SCANs are served (a call on db
+ * 0 within HM_SCAN_GRACE_US), every promotion is logged with the arena
+ * cursor of the item it was, and the arena phase also returns the logged
+ * keys whose place lies in the range a call covers. Cursors are the
+ * client's, so nothing says when an iteration ends: the log goes when no
+ * SCAN came for the grace. An iteration that waits longer than that
+ * between two calls, or meets more than HM_SCAN_LOG_MAX promotions, can
+ * miss such keys (scan_log_dropped counts the latter). */
+typedef struct ScanLogEntry {
+    RedisModuleString *key;
+    uint64_t pos;               /* arenaCursorOf() of the item it was */
+} ScanLogEntry;
+
+void hmScanLogClear(void) {
+    for (size_t i = 0; i < hm.scan.n; i++) RedisModule_FreeString(NULL, hm.scan.log[i].key);
+    RedisModule_Free(hm.scan.log);
+    hm.scan.log = NULL;
+    hm.scan.n = hm.scan.cap = 0;
+}
+
+/* 1 if a SCAN may be going on: one was served within the grace. */
+int hmScanRecent(void) {
+    if (hm.scan.seen_us && hmNowUs() - hm.scan.seen_us > HM_SCAN_GRACE_US) {
+        hm.scan.seen_us = 0;
+        hmScanLogClear();
+    }
+    return hm.scan.seen_us != 0;
+}
+
+/* Key 'k', a cold item at arena cursor 'pos', is leaving the arena for the
+ * keyspace. */
+void hmScanLogNote(const char *k, size_t klen, uint64_t pos) {
+    if (!hmScanRecent()) return;
+    if (hm.scan.n == HM_SCAN_LOG_MAX) {
+        hm.scan.dropped++;
+        return;
+    }
+    if (hm.scan.n == hm.scan.cap) {
+        hm.scan.cap = hm.scan.cap ? hm.scan.cap * 2 : 64;
+        hm.scan.log = RedisModule_Realloc(hm.scan.log, hm.scan.cap * sizeof(*hm.scan.log));
+    }
+    hm.scan.log[hm.scan.n++] = (ScanLogEntry){RedisModule_CreateString(NULL, k, klen), pos};
+    hm.scan.sorted = 0;
+}
+
+static int scanLogCmp(const void *a, const void *b) {
+    uint64_t x = ((const ScanLogEntry *)a)->pos, y = ((const ScanLogEntry *)b)->pos;
+    return x < y ? -1 : x > y;
+}
+
+/* Reply with the logged keys of arena cursors [from, to) (to 0: to the
+ * end) that match and are still in the keyspace. Returns how many. The log
+ * is sorted by position when a call needs it after appends, so that a call
+ * costs its own range, not the whole log (SCAN's COUNT is 10 by default). */
+static long scanLogReply(RedisModuleCtx *ctx, uint64_t from, uint64_t to, const MatchCtx *m,
+                         int strings_only) {
+    if (!hm.scan.sorted) {
+        qsort(hm.scan.log, hm.scan.n, sizeof(*hm.scan.log), scanLogCmp);
+        hm.scan.sorted = 1;
+    }
+    size_t lo = 0, hi = hm.scan.n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (hm.scan.log[mid].pos < from) lo = mid + 1;
+        else hi = mid;
+    }
+    long n = 0;
+    for (size_t i = lo; i < hm.scan.n; i++) {
+        const ScanLogEntry *e = &hm.scan.log[i];
+        if (to && e->pos >= to) break;
+        size_t kl;
+        const char *k = RedisModule_StringPtrLen(e->key, &kl);
+        if (!m->all && !stringmatchlen(m->pat, (int)m->patlen, k, (int)kl, 0)) continue;
+        /* write mode: no keyspace hit or miss counted, as in openIfAbsent */
+        RedisModuleKey *kh = RedisModule_OpenKey(hm.dctx, e->key, REDISMODULE_WRITE |
+                                                                   REDISMODULE_OPEN_KEY_NOTOUCH);
+        int type = RedisModule_KeyType(kh);
+        RedisModule_CloseKey(kh);
+        if (type == REDISMODULE_KEYTYPE_EMPTY ||
+            (strings_only && type != REDISMODULE_KEYTYPE_STRING))
+            continue;
+        RedisModule_ReplyWithString(ctx, e->key);
+        n++;
+    }
+    return n;
+}
+
+/* SCAN cursor [MATCH p] [COUNT n] [TYPE t]. Two phases: the stock SCAN over
+ * the keyspace (cursors passed through unchanged), then the arena in its
+ * creation order, with bit 63 of the cursor set. Demoted keys move from the
+ * keyspace to the arena, i.e. forward in the iteration, so they are still
+ * returned; promoted keys come from the SCAN log (above). */
+int hmScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    if (argc < 2) return wrongArity(ctx, "scan");
+    size_t cl;
+    const char *cs = RedisModule_StringPtrLen(argv[1], &cl);
+    char *end;
+    errno = 0;
+    unsigned long long cursor = strtoull(cs, &end, 10);
+    int phase1 = cl > 0 && *end == '\0' && errno == 0 && (cursor & HM_SCAN_PHASE_BIT) &&
+                 cs[0] != '-' && cs[0] != '+';
+    int db0 = RedisModule_GetSelectedDb(ctx) == 0;
+    if (db0) {
+        /* Visited keys go back first: a lent item is not iterated. */
+        hmReadBackSettle();
+        hmScanRecent();
+        hm.scan.seen_us = hmNowUs();
+    }
+    if (!phase1 || !db0) {
+        RedisModuleCallReply *r = RedisModule_Call(ctx, "SCAN", "v", argv + 1, (size_t)(argc - 1));
+        if (!r) return RedisModule_ReplyWithError(ctx, "ERR SCAN failed");
+        if (RedisModule_CallReplyType(r) != REDISMODULE_REPLY_ARRAY || !db0) {
+            RedisModule_ReplyWithCallReply(ctx, r);
+            RedisModule_FreeCallReply(r);
+            return REDISMODULE_OK;
+        }
+        RedisModuleCallReply *c = RedisModule_CallReplyArrayElement(r, 0);
+        size_t nl;
+        const char *next = RedisModule_CallReplyStringPtr(c, &nl);
+        RedisModule_ReplyWithArray(ctx, 2);
+        if (nl == 1 && next[0] == '0' && (arenaCount(hm.arena) || hm.scan.n)) {
+            char buf[32];
+            int bl = snprintf(buf, sizeof(buf), "%llu", (unsigned long long)HM_SCAN_PHASE_BIT);
+            RedisModule_ReplyWithStringBuffer(ctx, buf, (size_t)bl);
+        } else {
+            RedisModule_ReplyWithStringBuffer(ctx, next, nl);
+        }
+        long n = 0;
+        RedisModule_ReplyWithArray(ctx, REDISMODULE_POSTPONED_LEN);
+        forwardArray(ctx, RedisModule_CallReplyArrayElement(r, 1), &n);
+        RedisModule_ReplySetArrayLength(ctx, n);
+        RedisModule_FreeCallReply(r);
+        return REDISMODULE_OK;
+    }
+    /* Arena phase: parse options the way scanGenericCommand does. */
+    long long count = 10;
+    const char *pat = NULL, *type = NULL;
+    size_t patlen = 0, typelen = 0;
+    for (int i = 2; i < argc; i += 2) {
+        size_t ol;
+        const char *o = RedisModule_StringPtrLen(argv[i], &ol);
+        if (i + 1 >= argc) return RedisModule_ReplyWithError(ctx, "ERR syntax error");
+        if (hmCmdIs(o, ol, "count")) {
+            if (RedisModule_StringToLongLong(argv[i + 1], &count) != REDISMODULE_OK)
+                return RedisModule_ReplyWithError(ctx, "ERR value is not an integer or out of range");
+            if (count < 1) return RedisModule_ReplyWithError(ctx, "ERR syntax error");
+        } else if (hmCmdIs(o, ol, "match")) {
+            pat = RedisModule_StringPtrLen(argv[i + 1], &patlen);
+        } else if (hmCmdIs(o, ol, "type")) {
+            type = RedisModule_StringPtrLen(argv[i + 1], &typelen);
+        } else {
+            return RedisModule_ReplyWithError(ctx, "ERR syntax error");
+        }
+    }
+    MatchCtx m = {ctx, pat, patlen, pat == NULL || (patlen == 1 && pat[0] == '*'), hmNowMs(), 0};
+    int type_ok = type == NULL || hmCmdIs(type, typelen, "string");
+    uint64_t acur = cursor & ~HM_SCAN_PHASE_BIT;
+    RedisModule_ReplyWithArray(ctx, 2);
+    if (!type_ok) {
+        /* no cold item can match: finish the iteration */
+        RedisModule_ReplyWithSimpleString(ctx, "0");
+        RedisModule_ReplyWithArray(ctx, 0);
+        return REDISMODULE_OK;
+    }
+    /* The reply's cursor comes first: collect keys, then reply. */
+    KeyList l = {0};
+    uint64_t next = arenaIterate(hm.arena, acur, (unsigned)(count > 100000 ? 100000 : count),
+                                 hmCollectCb, &l);
+    if (next == UINT64_MAX) next = 0;
+    char buf[32];
+    int bl = snprintf(buf, sizeof(buf), "%llu",
+                      next ? (unsigned long long)(next | HM_SCAN_PHASE_BIT) : 0ULL);
+    RedisModule_ReplyWithStringBuffer(ctx, buf, (size_t)bl);
+    long n = 0;
+    RedisModule_ReplyWithArray(ctx, REDISMODULE_POSTPONED_LEN);
+    for (size_t i = 0; i < l.n; i++) {
+        size_t kl;
+        const char *k = RedisModule_StringPtrLen(l.v[i], &kl);
+        ColdRef ref;
+        int keep = m.all || stringmatchlen(pat, (int)patlen, k, (int)kl, 0);
+        if (keep && arenaLookup(hm.arena, k, kl, &ref) == 1) {
+            ColdItem it;
+            if (arenaRead(hm.arena, ref, &it) == 0) {
+                if (it.expire != ARENA_NO_EXPIRE && it.expire <= m.now) keep = 0;
+                arenaItemRelease(&it);
+            }
+        }
+        if (keep) {
+            RedisModule_ReplyWithString(ctx, l.v[i]);
+            n++;
+        }
+        RedisModule_FreeString(hm.dctx, l.v[i]);
+    }
+    RedisModule_Free(l.v);
+    n += scanLogReply(ctx, acur, next, &m, type != NULL);
+    RedisModule_ReplySetArrayLength(ctx, n);
+    return REDISMODULE_OK;
+}

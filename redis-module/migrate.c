@@ -1,0 +1,292 @@
+/* migrate.c -- APPASSIST.PREPARE / RESUME / ABORT / STATUS, shared by
+ * clients and the host port: the arena dropped or spilled, the lazy drop
+ * and the clearing of freed memory. */
+
+#include <pthread.h>
+
+#include "hybridmem.h"
+#include "zerofree.h"
+
+/* ------------------------------------------------------------ migration */
+
+/* Lazy drop (appassist.lazy-drop, like Redis's lazyfree): PREPARE empties
+ * the arena at once and a detached thread unmaps its mappings, so the reply
+ * does not wait for the kernel to free hundreds of MiB page by page (under
+ * TCG that was most of PREPARE's time). Nothing refers to the mappings any
+ * more; the pages are free in the guest moments later, while the host is
+ * already migrating.
+ *
+ * It only pays when the freed pages end up zero, by the kernel
+ * (init_on_free=1) or by this process (appassist.zero-freed): then a page
+ * the migration reaches before the thread cleared it is the only loss.
+ * When the balloon has to take the pages instead, they must be free before
+ * the balloon and the first RAM pass get to them, and the thread competes
+ * with both for the guest's vCPUs (docs/redis-module.md, "Design history").
+ * 'auto' is therefore: lazy iff the freed pages are cleared.
+ *
+ * Zeroing what the process frees (appassist.zero-freed, zerofree.c) makes
+ * the balloon unnecessary for it: a free zero page costs the migration a
+ * flag, and clearing happens when memory is freed (jemalloc purges, spread
+ * over the server's life) or in the drop thread (the arena), not in the
+ * migration's set-up. 'auto' is on unless the kernel clears freed pages
+ * itself. */
+static int kernelZeroesFreedPages(void) {
+    static int known = -1;
+    if (known >= 0) return known;
+    char line[4096];
+    FILE *f = fopen("/proc/cmdline", "r");
+    known = 0;
+    if (f) {
+        if (fgets(line, sizeof(line), f)) {
+            for (char *tok = strtok(line, " \n"); tok; tok = strtok(NULL, " \n"))
+                if (strncmp(tok, "init_on_free=", 13) == 0)   /* kstrtobool's "true" */
+                    known = strchr("1yY", tok[13]) ? tok[13] != '\0' : strcmp(tok + 13, "on") == 0;
+        }
+        fclose(f);
+    }
+    return known;
+}
+
+static int zeroFreedWanted(void) {
+    return hm.cfg.zero_freed == TRI_YES || (hm.cfg.zero_freed == TRI_AUTO && !kernelZeroesFreedPages());
+}
+
+/* Turn clearing on or off per appassist.zero-freed. Turning it off ends the
+ * window in which everything freed was cleared; turning it on starts one
+ * only at the next peak reset (RESUME/ABORT), since pages freed before are
+ * not zero. */
+void hmZeroFreedApply(void) {
+    int on = zeroFreedWanted() && zeroFreeInstalled();
+    if (!on) hm.mig.zero_window = 0;
+    zeroFreeEnable(on);
+}
+
+int hmApplyZeroFreed(RedisModuleCtx *ctx, void *priv, RedisModuleString **err) {
+    (void)ctx; (void)priv; (void)err;
+    hmZeroFreedApply();
+    return REDISMODULE_OK;
+}
+
+typedef struct UnmapJob {
+    ArenaMapping *maps;
+    size_t n;
+    int zero;                   /* clear the pages before unmapping */
+} UnmapJob;
+
+static void unmapJob(UnmapJob *job) {
+    uint64_t t0 = hmNowUs();
+    for (size_t i = 0; job->zero && i < job->n; i++)
+        zeroResident(job->maps[i].addr, job->maps[i].len);
+    uint64_t t1 = hmNowUs();
+    arenaUnmap(job->maps, job->n);
+    free(job);
+    __atomic_store_n(&hm.mig.last_clear_us, (long long)(t1 - t0), __ATOMIC_RELAXED);
+    __atomic_store_n(&hm.mig.last_unmap_us, (long long)(hmNowUs() - t1), __ATOMIC_RELAXED);
+}
+
+static void *unmapThread(void *arg) {
+    unmapJob(arg);
+    return NULL;
+}
+
+/* Drop the arena; returns the bytes of mappings released (or being
+ * released by the thread). *zeroed: the released pages end up zero. */
+static uint64_t dropArena(uint64_t *items, int *lazy, int *zeroed) {
+    int kernel = kernelZeroesFreedPages(), zero = zeroFreeEnabled();
+    int want_lazy = hm.cfg.lazy_drop == TRI_YES || (hm.cfg.lazy_drop == TRI_AUTO && (kernel || zero));
+    *lazy = 0;
+    *zeroed = kernel;
+    if (!want_lazy && !zero) return arenaDrop(hm.arena, items);
+    UnmapJob *job = malloc(sizeof(*job));
+    if (!job) return arenaDrop(hm.arena, items);
+    job->zero = zero;
+    *zeroed = kernel || zero;
+    uint64_t freed = arenaDropDeferred(hm.arena, items, &job->maps, &job->n);
+    if (!want_lazy || job->n == 0) {
+        unmapJob(job);
+        return freed;
+    }
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &attr, unmapThread, job) != 0)
+        unmapJob(job);          /* no thread: do it here */
+    else
+        *lazy = 1;
+    pthread_attr_destroy(&attr);
+    return freed;
+}
+
+void hmPrepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms) {
+    uint64_t t0 = hmNowUs();
+    hmReadBackSettle();
+    long long rss0 = hmProcessRss();
+    int64_t freed = 0;
+    uint64_t items = 0;
+    int complete = 1;
+    int lazy = 0, arena_zeroed = 0;
+    if (hm.pass.cursor) {
+        /* abandon the running demotion pass; demotion is paused */
+        RedisModule_ScanCursorDestroy(hm.pass.cursor);
+        hm.pass.cursor = NULL;
+    }
+    hmCompactAbandon();
+    if (hm.state == ST_RESUMING) hm.state = ST_PREPARED;
+    switch (hm.cfg.policy) {
+    case POLICY_DROP:
+        items = arenaCount(hm.arena);
+        freed = (int64_t)dropArena(NULL, &lazy, &arena_zeroed);
+        hm.mig.dropped_items += (long long)items;
+        break;
+    case POLICY_SPILL: {
+        char path[PATH_MAX];
+        size_t pl;
+        const char *p = RedisModule_StringPtrLen(hm.cfg.spill_path, &pl);
+        snprintf(path, sizeof(path), "%.*s", (int)pl, p);
+        items = arenaCount(hm.arena);
+        uint64_t deadline = deadline_ms > 0 ? t0 + (uint64_t)deadline_ms * 1000 : 0;
+        freed = arenaSpill(hm.arena, path, deadline, &complete);
+        if (freed < 0) {
+            fs->err = "ERR appassist: writing the spill file failed";
+            RedisModule_Log(ctx, "warning", "appassist: spill to %s failed: %s", path, strerror(errno));
+            return;
+        }
+        break;
+    }
+    case POLICY_NONE:
+        break;
+    }
+    /* Give the allocator's free pages back too (demoted items left them). */
+    if (hm.cfg.policy != POLICY_NONE) hmMemoryPurge(ctx);
+    hm.state = ST_PREPARED;
+    long long rss1 = hmProcessRss();
+    /* What the host may balloon away is everything this process gave back
+     * to the guest kernel, not only the arena: pages that jemalloc returned
+     * after demotion and compaction are free in the guest but still hold
+     * data, so a migration would send them. The peak RSS since the last
+     * RESUME/ABORT (or start) minus the RSS now measures all of it; the
+     * host clamps the balloon with the guest's own statistics. */
+    int64_t dropped = freed;
+    long long peak = hmProcessPeakRss();
+    /* With a lazy drop, RSS still holds the arena the thread is unmapping. */
+    long long given = peak > 0 && rss1 > 0 ? peak - rss1 + (lazy ? dropped : 0) : -1;
+    if (hm.cfg.policy != POLICY_NONE && given > freed)
+        freed = given;
+    /* The part of it the guest now holds as zero pages: all of it when the
+     * kernel clears freed pages or this process cleared everything it gave
+     * back since the window began (spilled chunks are not cleared), else
+     * what the arena drop cleared. The host balloons only the rest. */
+    int64_t zeroed = arena_zeroed ? dropped : 0;
+    if (kernelZeroesFreedPages())
+        zeroed = freed;
+    else if (hm.mig.zero_window && zeroFreeEnabled())
+        zeroed = freed - (hm.cfg.policy == POLICY_SPILL ? dropped : 0);
+    if (zeroed < 0) zeroed = 0;
+    hm.mig.prepares++;
+    hm.mig.last_freed = freed;
+    hm.mig.last_items = (long long)items;
+    hm.mig.last_time_us = (long long)(hmNowUs() - t0);
+    hm.mig.last_rss_before = rss0;
+    hm.mig.last_rss_after = rss1;
+    hm.mig.last_policy = hm.cfg.policy;
+    hm.mig.last_complete = complete;
+    hm.mig.last_lazy = lazy;
+    hm.mig.last_zeroed = zeroed;
+    hmFieldInt(fs, "freed_bytes", freed);
+    hmFieldInt(fs, "zeroed_bytes", zeroed);
+    hmFieldInt(fs, "dropped_bytes", dropped);
+    hmFieldInt(fs, "peak_rss", peak);
+    hmFieldInt(fs, "lazy", lazy);
+    hmFieldInt(fs, "items", (long long)items);
+    hmFieldInt(fs, "used_memory", (long long)hmInfoMemoryField(ctx, "used_memory"));
+    hmFieldInt(fs, "rss", rss1);
+    hmFieldInt(fs, "rss_before", rss0);
+    hmFieldInt(fs, "time_us", hm.mig.last_time_us);
+    hmFieldStr(fs, "policy", hm_policy_names[hm.cfg.policy]);
+    hmFieldInt(fs, "complete", complete);
+    hmFieldStr(fs, "state", hm_state_names[hm.state]);
+}
+
+/* RESUME (migration done, we run on the destination) and ABORT (migration
+ * cancelled, we still run on the source) do the same thing: undo what
+ * PREPARE did where it can be undone. Dropped items stay dropped (cache
+ * semantics); spilled chunks are read back in background slices. */
+void hmResumeFields(RedisModuleCtx *ctx, Fields *fs, int abort) {
+    (void)ctx;
+    if (hm.state == ST_PREPARED)
+        hm.state = arenaHasSpilled(hm.arena) ? ST_RESUMING : ST_NORMAL;
+    /* The host has taken back what the last PREPARE reported: count the
+     * next one from here. */
+    hmProcessPeakReset();
+    hm.mig.zero_window = zeroFreeEnabled();
+    if (abort) hm.mig.aborts++; else hm.mig.resumes++;
+    hmFieldStr(fs, "state", hm_state_names[hm.state]);
+    hmFieldInt(fs, "cold_items", (long long)arenaCount(hm.arena));
+    hmFieldInt(fs, "dropped_items", hm.mig.dropped_items);
+}
+
+void hmStatusFields(RedisModuleCtx *ctx, Fields *fs) {
+    ArenaStats st;
+    arenaGetStats(hm.arena, &st);
+    hmFieldStr(fs, "state", hm_state_names[hm.state]);
+    hmFieldStr(fs, "policy", hm_policy_names[hm.cfg.policy]);
+    hmFieldInt(fs, "hot_budget_bytes", hmHotBudget(ctx));
+    hmFieldInt(fs, "hot_items", (long long)hm.pass.hot_items);
+    hmFieldInt(fs, "hot_bytes", (long long)hm.pass.hot_bytes);
+    hmFieldInt(fs, "cold_items", (long long)st.items);
+    hmFieldInt(fs, "cold_bytes", (long long)st.item_bytes);
+    hmFieldInt(fs, "arena_chunks", (long long)st.chunks);
+    hmFieldInt(fs, "arena_chunks_in_memory", (long long)st.chunks_mem);
+    hmFieldInt(fs, "arena_mapped_bytes", (long long)st.mapped_bytes);
+    hmFieldInt(fs, "spilled_bytes", (long long)st.spilled_bytes);
+    hmFieldInt(fs, "demotions", hm.stats.demotions);
+    hmFieldInt(fs, "promotions", hm.stats.promotions);
+    hmFieldInt(fs, "visits", hm.stats.visits);
+    hmFieldInt(fs, "prepares", hm.mig.prepares);
+    hmFieldInt(fs, "used_memory", (long long)hmInfoMemoryField(ctx, "used_memory"));
+    hmFieldInt(fs, "rss", hmProcessRss());
+}
+
+static int parseDeadline(RedisModuleString **argv, int argc, long long *deadline) {
+    *deadline = 0;
+    if (argc < 2) return 0;
+    if (RedisModule_StringToLongLong(argv[1], deadline) != REDISMODULE_OK ||
+        *deadline < 0 || *deadline > 86400000LL)
+        return -1;
+    return 0;
+}
+
+int hmPrepareCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    if (argc > 2) return RedisModule_WrongArity(ctx);
+    long long deadline;
+    if (parseDeadline(argv, argc, &deadline) < 0)
+        return RedisModule_ReplyWithError(ctx, "ERR deadline-ms must be an integer between 0 and 86400000");
+    Fields fs = {0};
+    hmPrepareFields(ctx, &fs, deadline);
+    return hmReplyFields(ctx, &fs);
+}
+
+int hmResumeCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    (void)argv;
+    if (argc != 1) return RedisModule_WrongArity(ctx);
+    Fields fs = {0};
+    hmResumeFields(ctx, &fs, 0);
+    return hmReplyFields(ctx, &fs);
+}
+
+int hmAbortCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    (void)argv;
+    if (argc != 1) return RedisModule_WrongArity(ctx);
+    Fields fs = {0};
+    hmResumeFields(ctx, &fs, 1);
+    return hmReplyFields(ctx, &fs);
+}
+
+int hmStatusCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    (void)argv;
+    if (argc != 1) return RedisModule_WrongArity(ctx);
+    Fields fs = {0};
+    hmStatusFields(ctx, &fs);
+    return hmReplyFields(ctx, &fs);
+}

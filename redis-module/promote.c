@@ -1,0 +1,169 @@
+/* promote.c -- promotion (arena -> keyspace) and demotion (keyspace ->
+ * arena) of one item. */
+
+#include "hybridmem.h"
+
+/* ------------------------------------------------------------ promotion */
+
+/* Move 'key' from the arena back into db 0 of the keyspace. The expire goes
+ * with it even when it is already in the past: Redis then expires the key on
+ * the access that follows, with the stock "expired" notification and the
+ * DEL propagated to replicas and AOF, exactly as if it had stayed hot.
+ * Returns 1 if promoted, 0 if the key is not cold, -1 on error (the item
+ * stays in the arena; logged).
+ *
+ * The filter calls this for every key of every command, and most keys are
+ * hot: the keyspace is asked first. Its lookup is the one the command
+ * makes next, so it costs a cache miss the command then does not pay,
+ * while a miss on the arena's index came on top (docs/redis-module.md, "Design history"). A write-mode lookup counts no keyspace_hits/misses
+ * and fires no "keymiss" event; like the command's own lookup it expires a
+ * key whose TTL has passed. A replica only expires keys when its master
+ * says so, so there the arena is asked first, as the keyspace wins
+ * anyway. */
+static RedisModuleKey *openIfAbsent(RedisModuleString *key) {
+    RedisModuleKey *kh = RedisModule_OpenKey(hm.dctx, key, REDISMODULE_WRITE |
+                                                           REDISMODULE_OPEN_KEY_NOTOUCH);
+    if (RedisModule_KeyType(kh) == REDISMODULE_KEYTYPE_EMPTY) return kh;
+    RedisModule_CloseKey(kh);
+    return NULL;
+}
+
+/* Bring the cold item 'key' into the keyspace before a command runs on it.
+ * 'visit': the command touches the key's access clock; then, unless the
+ * item was accessed before within appassist.promote-window-ms, it is a
+ * visit, not a promotion: the item goes back to the arena once the command
+ * has run (hmReadBackSettle). Returns 1 if the item was brought in, 0 if it
+ * was not cold, -1 on error. */
+int hmPromoteKey(RedisModuleString *key, int visit) {
+    size_t klen;
+    const char *k = RedisModule_StringPtrLen(key, &klen);
+    RedisModuleCtx *ctx = hm.dctx;
+    RedisModuleKey *kh = NULL;
+    ColdRef ref;
+    if (!hm.replica && !(kh = openIfAbsent(key))) return 0;
+    int r = arenaLookup(hm.arena, k, klen, &ref);
+    if (r <= 0) {
+        if (r < 0)
+            RedisModule_Log(hm.dctx, "warning", "appassist: lookup of a cold key failed: %s",
+                            strerror(errno));
+        if (kh) RedisModule_CloseKey(kh);
+        return r;
+    }
+    if (r == 2 || (!kh && !(kh = openIfAbsent(key)))) {
+        /* Keyspace wins (see the invariants at the top). A lent item
+         * whose copy left the keyspace was deleted (or renamed, expired,
+         * evicted) by a command of this round. */
+        if (kh) RedisModule_CloseKey(kh);
+        arenaDelete(hm.arena, k, klen);
+        return 0;
+    }
+    ColdItem it;
+    if (arenaRead(hm.arena, ref, &it) < 0) {
+        RedisModule_CloseKey(kh);
+        RedisModule_Log(ctx, "warning", "appassist: reading a cold item failed: %s",
+                        strerror(errno));
+        return -1;
+    }
+    RedisModuleString *val = RedisModule_CreateString(ctx, it.val, it.vlen);
+    int64_t expire = it.expire;
+    long long bytes = (long long)(klen + it.vlen + HM_ITEM_OVERHEAD);
+    arenaItemRelease(&it);
+    RedisModule_StringSet(kh, val);
+    int expired = 0;
+    if (expire != ARENA_NO_EXPIRE) {
+        RedisModule_SetAbsExpire(kh, expire);
+        expired = expire <= hmNowMs();
+    }
+    RedisModule_FreeString(ctx, val);
+    if (visit && !expired && hmReadBackWanted(k, klen)) {
+        /* The arena keeps the item, lent: if the command leaves it as it
+         * was, going back costs only the keyspace delete. */
+        arenaBorrow(hm.arena, k, klen);
+        hmVisitMark(kh);
+        hmKeyListPush(&hm.visit.back, RedisModule_CreateStringFromString(NULL, key));
+        hm.stats.visits++;
+    } else {
+        if (!expired) hmScanLogNote(k, klen, arenaCursorOf(hm.arena, ref));
+        arenaDelete(hm.arena, k, klen);
+        if (expired) hm.stats.expired_promotions++;
+        hm.stats.promotions++;
+        hm.pass.hot_est += bytes;
+    }
+    RedisModule_CloseKey(kh);
+    return 1;
+}
+
+/* Promote every cold item (SWAPDB touching db 0, pure-AOF rewrites). This is
+ * O(cold items) and blocks; it only runs for rare administrative commands. */
+
+void hmCollectCb(void *priv, const ColdItem *it) {
+    hmKeyListPush(priv, RedisModule_CreateString(hm.dctx, it->key, it->klen));
+}
+
+void hmPromoteAll(void) {
+    hmReadBackSettle();
+    KeyList l = {0};
+    uint64_t cur = 0;
+    do {
+        cur = arenaIterate(hm.arena, cur, 4096, hmCollectCb, &l);
+    } while (cur && cur != UINT64_MAX);
+    for (size_t i = 0; i < l.n; i++) {
+        hmPromoteKey(l.v[i], 0);
+        RedisModule_FreeString(hm.dctx, l.v[i]);
+    }
+    RedisModule_Free(l.v);
+}
+
+/* ------------------------------------------------------------ demotion */
+
+/* Open 'key' for a representation change (demotion, relocation): a write
+ * handle that does not touch LRU/LFU, with *expire filled. NULL (nothing
+ * open) if the key is not a string or is logically expired: Redis's own
+ * expiry deals with those. */
+RedisModuleKey *hmOpenLiveString(RedisModuleString *key, mstime_t *expire) {
+    RedisModuleKey *kh = RedisModule_OpenKey(hm.dctx, key, REDISMODULE_READ | REDISMODULE_WRITE |
+                                                           REDISMODULE_OPEN_KEY_NOTOUCH);
+    if (RedisModule_KeyType(kh) != REDISMODULE_KEYTYPE_STRING) {
+        RedisModule_CloseKey(kh);
+        return NULL;
+    }
+    *expire = RedisModule_GetAbsExpire(kh);
+    if (*expire != REDISMODULE_NO_EXPIRE && *expire <= hmNowMs()) {
+        RedisModule_CloseKey(kh);
+        return NULL;
+    }
+    return kh;
+}
+
+/* Move string key 'key', open as 'kh' (hmOpenLiveString), from db 0 into the
+ * arena and close 'kh'. Returns the bytes moved (key, value and the
+ * estimated overhead), 0 if it was not moved. */
+uint64_t hmMoveToArena(RedisModuleString *key, RedisModuleKey *kh, mstime_t expire) {
+    size_t klen, vlen;
+    const char *k = RedisModule_StringPtrLen(key, &klen);
+    const char *v = RedisModule_StringDMA(kh, &vlen, REDISMODULE_READ);
+    ColdRef ref;
+    if (v == NULL || arenaLookup(hm.arena, k, klen, &ref) != 0 ||
+        arenaInsert(hm.arena, k, klen, v, vlen,
+                    expire == REDISMODULE_NO_EXPIRE ? ARENA_NO_EXPIRE : expire) < 0) {
+        hm.stats.demote_errors++;
+        RedisModule_CloseKey(kh);
+        return 0;
+    }
+    RedisModule_DeleteKey(kh);
+    RedisModule_CloseKey(kh);
+    return klen + vlen + HM_ITEM_OVERHEAD;
+}
+
+/* Demote 'key' (a pass picked it). Returns 1 if demoted. */
+int hmDemoteKey(RedisModuleString *key) {
+    mstime_t expire;
+    RedisModuleKey *kh = hmOpenLiveString(key, &expire);
+    uint64_t bytes = kh ? hmMoveToArena(key, kh, expire) : 0;
+    if (!bytes) return 0;
+    hm.stats.demotions++;
+    hm.pass.demoted++;
+    hm.pass.hot_est = hm.pass.hot_est > (long long)bytes ? hm.pass.hot_est - (long long)bytes : 0;
+    hm.compact.pending += bytes;
+    return 1;
+}
