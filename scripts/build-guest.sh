@@ -4,7 +4,9 @@
 #   initrd.img   busybox + virtio modules + redis-server (+ libraries) + our Redis module + tests/guest/init
 #   rootfs.ext4  the same tree as an ext4 root disk (mkfs.ext4 -d), for booting from a disk image
 # Deterministic and cached: rebuilt only when an input (kernel package, busybox, redis-server,
-# the module, the init script, this script) changes.
+# the module, the init script, this script) changes.  Each step prints a line with
+# its duration (about 6 s in all on the build machine, plus the kernel's download
+# the first time).
 set -euo pipefail
 
 top=$(cd "$(dirname "$0")/.." && pwd)
@@ -13,7 +15,22 @@ out=$build/guest
 module=${HYBRIDMEM_SO:-$build/redis-module/hybridmem.so}
 export SOURCE_DATE_EPOCH=1700000000
 
-die() { echo "build-guest: $*" >&2; exit 1; }
+# begin/end bracket a step on one line: "build-guest: unpacking the kernel ... 1.8 s".
+open_line=
+die() {
+    [ -z "$open_line" ] || echo
+    echo "build-guest: $*" >&2
+    exit 1
+}
+now() { printf -v "$1" %s "${EPOCHREALTIME//[!0-9]/}"; }  # microseconds, into the variable named $1
+since() {  # time since $1 (from now): "1.8 s"
+    local t
+    now t
+    t=$(((t - $1 + 50000) / 100000))
+    echo "$((t / 10)).$((t % 10)) s"
+}
+begin() { printf 'build-guest: %s ... ' "$*"; now open_line; }
+end() { since "$open_line"; open_line=; }
 
 # The kernel: the version the cloud meta-package currently depends on.
 # (sed quits at the first match: no `| head` whose early exit pipefail would see)
@@ -30,6 +47,7 @@ if [ "$(cat "$out/.inputs" 2>/dev/null)" = "$inputs" ] && [ -f "$out/initrd.img"
     exit 0
 fi
 
+now started
 echo "build-guest: building guest ($kpkg $kver_pkg)"
 work=$build/guest-work
 rm -rf "$work"
@@ -38,14 +56,19 @@ mkdir -p "$work/deb" "$out" "$build/src"
 # Kernel package: fetched once per version.
 debs=("$build"/src/"$kpkg"_*.deb)
 if [ ! -f "${debs[0]}" ]; then
+    begin "downloading $kpkg"
     (cd "$build/src" && apt-get download -q "$kpkg") >/dev/null 2>&1 || die "apt-get download $kpkg failed"
+    end
     debs=("$build"/src/"$kpkg"_*.deb)
 fi
 deb=${debs[0]}
+begin "unpacking the kernel package"
 dpkg-deb -x "$deb" "$work/deb"
 kver=$(ls "$work/deb/lib/modules")
 cp "$work/deb/boot/vmlinuz-$kver" "$out/vmlinuz"
+end
 
+begin "collecting busybox, the virtio modules, redis-server and the module"
 root=$work/root
 mkdir -p "$root"/{bin,sbin,usr/bin,usr/sbin,etc,proc,sys,dev,tmp,run,var/lib/redis,opt/hybridvm,newroot,root}
 
@@ -96,15 +119,21 @@ fi
 echo "root:x:0:0:root:/root:/bin/sh" >"$root/etc/passwd"
 echo "root:x:0:" >"$root/etc/group"
 install -m 0755 "$top/tests/guest/init" "$root/init"
+end
 
 # Reproducible archives: fixed mtimes, sorted entries.
+begin "writing initrd.img"
 find "$root" -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
 (cd "$root" && find . -print0 | LC_ALL=C sort -z | cpio --null --reproducible -o -H newc --quiet) | gzip -n -1 >"$out/initrd.img.tmp"
 mv "$out/initrd.img.tmp" "$out/initrd.img"
+end
+begin "writing rootfs.ext4"
 rm -f "$out/rootfs.ext4"
+# (its stdout only says "Creating regular file"; errors go to stderr)
 E2FSPROGS_FAKE_TIME=$SOURCE_DATE_EPOCH mkfs.ext4 -q -F -L hvroot -U 6f1d3c58-3c9b-4a5e-9d3e-6a1f0b2c4d5e \
-    -E root_owner=0:0,hash_seed=2b8c7a1e-5d4f-4e3a-9b2c-1d0e9f8a7b6c -d "$root" "$out/rootfs.ext4" 256M
+    -E root_owner=0:0,hash_seed=2b8c7a1e-5d4f-4e3a-9b2c-1d0e9f8a7b6c -d "$root" "$out/rootfs.ext4" 256M >/dev/null
+end
 echo "$kver" >"$out/kernel-version"
 echo "$inputs" >"$out/.inputs"
 rm -rf "$work"
-echo "build-guest: guest ready in $out (kernel $kver)"
+echo "build-guest: guest ready in $out (kernel $kver) after $(since "$started")"
