@@ -7,8 +7,10 @@
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -17,6 +19,12 @@
 #define SLOT_LENT       (1u << 31)      /* in Slot.chunk: lent (arenaBorrow) */
 #define MIN_SLOTS       1024u
 #define REHASH_STEP     64u     /* slots moved per insert/delete while rehashing */
+
+/* The spill file starts with a header page: SPILL_MAGIC, then zeros; the
+ * chunks follow, page-aligned for the page-cache drop. The header only says
+ * whose the file is: the arena never reads it back. */
+#define SPILL_HDR       4096
+static const char SPILL_MAGIC[16] = "appassist-spill\n";
 
 typedef struct Slot {
     uint32_t hash;      /* low 32 bits of the key hash */
@@ -91,9 +99,9 @@ struct ColdArena {
     uint64_t expiring;          /* live items with an expire */
     uint64_t item_bytes;
 
-    int spill_fd;               /* -1: none */
+    int spill_fd;               /* -1: none; flock'ed while open */
     char *spill_path;
-    off_t spill_size;
+    off_t spill_size;           /* file size, header included */
     uint32_t nspilled;
 
     /* arenaIterate() keeps the last spilled chunk it read. */
@@ -643,10 +651,18 @@ ColdArena *arenaCreate(uint64_t unused) {
     return arenaCreateKeyed(key);
 }
 
+/* 1 if 'path' names the file open as 'fd' (not something put in its place
+ * since), 0 if not. */
+static int samePath(int fd, const char *path) {
+    struct stat fs, ps;
+    return fstat(fd, &fs) == 0 && lstat(path, &ps) == 0 &&
+           fs.st_dev == ps.st_dev && fs.st_ino == ps.st_ino;
+}
+
 static void spillClose(ColdArena *a) {
     if (a->spill_fd >= 0) {
+        if (a->spill_path && samePath(a->spill_fd, a->spill_path)) unlink(a->spill_path);
         close(a->spill_fd);
-        if (a->spill_path) unlink(a->spill_path);
     }
     a->spill_fd = -1;
     free(a->spill_path);
@@ -743,7 +759,7 @@ void arenaGetStats(const ColdArena *a, ArenaStats *st) {
     }
     st->index_bytes = tableBytes(&a->ht[0]) + tableBytes(&a->ht[1]);
     st->mapped_bytes += st->index_bytes;
-    st->spilled_bytes = (uint64_t)a->spill_size;
+    st->spilled_bytes = a->spill_fd >= 0 ? (uint64_t)(a->spill_size - SPILL_HDR) : 0;
     st->dead_bytes = a->dead_bytes;
     st->rehashing = a->rehashing;
     for (int t = 0; t <= a->rehashing; t++)
@@ -753,17 +769,71 @@ void arenaGetStats(const ColdArena *a, ArenaStats *st) {
 
 /* ----------------------------------------------------------- spill */
 
+/* Whether the file at 'path' is a spill file an arena left behind: a
+ * regular file (not a link), owned by this user, starting with SPILL_MAGIC,
+ * and not locked (an arena holds a flock on its spill file while it uses
+ * it, in this process or another one configured with the same path).
+ * 0 if so; -1 with errno ELOOP (a symbolic link), EBUSY (in use), EEXIST
+ * (anything else: a file that is not ours is never removed). */
+static int spillIsStale(const char *path) {
+    struct stat ls, fs;
+    if (lstat(path, &ls) < 0) return -1;
+    if (S_ISLNK(ls.st_mode)) { errno = ELOOP; return -1; }
+    if (!S_ISREG(ls.st_mode) || ls.st_uid != geteuid()) { errno = EEXIST; return -1; }
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return -1;
+    char magic[sizeof(SPILL_MAGIC)];
+    int r = -1, e = EEXIST;
+    if (fstat(fd, &fs) == 0 && fs.st_dev == ls.st_dev && fs.st_ino == ls.st_ino &&
+        readFull(fd, magic, sizeof(magic), 0) == 0 &&
+        memcmp(magic, SPILL_MAGIC, sizeof(magic)) == 0) {
+        if (flock(fd, LOCK_EX | LOCK_NB) == 0) r = 0;
+        else e = EBUSY;
+    }
+    close(fd);
+    errno = e;
+    return r;
+}
+
+/* Create the spill file at 'path'. It must not exist: O_EXCL, so that the
+ * path cannot make the server truncate or write through to another file (a
+ * symbolic link there fails too). The one exception is a spill file left
+ * behind by an arena that is gone (a crash: spillIsStale), which is removed
+ * first. Returns the fd, flock'ed, with the header written; -1 with errno
+ * on failure (EEXIST, ELOOP, EBUSY: see spillIsStale). */
+static int spillCreate(const char *path) {
+    int flags = O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
+    int fd = open(path, flags, 0600);
+    if (fd < 0 && errno == EEXIST) {
+        if (spillIsStale(path) < 0) return -1;
+        if (unlink(path) < 0) return -1;
+        fd = open(path, flags, 0600);
+    }
+    if (fd < 0) return -1;
+    char hdr[SPILL_HDR] = {0};
+    memcpy(hdr, SPILL_MAGIC, sizeof(SPILL_MAGIC));
+    if (flock(fd, LOCK_EX | LOCK_NB) < 0 || writeFull(fd, hdr, sizeof(hdr), 0) < 0) {
+        int e = errno;
+        unlink(path);
+        close(fd);
+        errno = e;
+        return -1;
+    }
+    return fd;
+}
+
 int64_t arenaSpill(ColdArena *a, const char *path, uint64_t deadline_us,
                    int *done) {
     int64_t freed = 0;
     *done = 0;
     if (a->spill_fd < 0) {
-        int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-        if (fd < 0) return -1;
+        char *p = strdup(path);
+        if (!p) { errno = ENOMEM; return -1; }
+        int fd = spillCreate(path);
+        if (fd < 0) { int e = errno; free(p); errno = e; return -1; }
         a->spill_fd = fd;
-        a->spill_path = strdup(path);
-        a->spill_size = 0;
-        if (!a->spill_path) { spillClose(a); errno = ENOMEM; return -1; }
+        a->spill_path = p;
+        a->spill_size = SPILL_HDR;
     }
     uint32_t first = UINT32_MAX, last = 0;
     off_t start = a->spill_size;

@@ -146,11 +146,18 @@ uint64_t arenaDropDeferred(ColdArena *a, uint64_t *items,
 /* munmap() every mapping of the list and free the list. */
 void arenaUnmap(ArenaMapping *maps, size_t nmaps);
 
-/* Write in-memory chunks to 'path' (created/truncated on the first chunk),
- * flush them to disk, drop them from the page cache and unmap them. Stops
- * early when 'deadline_us' (CLOCK_MONOTONIC, 0: none) passes. Returns the
- * bytes unmapped, or -1 with errno (the arena is unchanged for the chunk
- * that failed). *done is 1 when no in-memory chunk is left. */
+/* Write in-memory chunks to 'path', flush them to disk, drop them from the
+ * page cache and unmap them. Stops early when 'deadline_us'
+ * (CLOCK_MONOTONIC, 0: none) passes. Returns the bytes unmapped, or -1 with
+ * errno (the arena is unchanged for the chunk that failed). *done is 1 when
+ * no in-memory chunk is left.
+ * The first call creates the file, which must not exist (O_EXCL, and a
+ * symbolic link is refused): errno EEXIST for an existing file, ELOOP for
+ * a link, EBUSY for the spill file of a live arena. Only a spill file left
+ * behind by a dead arena (regular, owned by this user, with the spill
+ * header, not locked) is replaced. The file is removed when the last chunk
+ * is read back (arenaUnspillStep) or the arena is dropped, unless something
+ * else has taken its name meanwhile. */
 int64_t arenaSpill(ColdArena *a, const char *path, uint64_t deadline_us,
                    int *done);
 

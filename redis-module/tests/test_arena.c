@@ -4,9 +4,11 @@
 #include "../siphash.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static int failures;
@@ -281,8 +283,106 @@ static void testFlood(void) {
     }
 }
 
+/* ------------------------------------------------------ the spill file */
+
+static void writeFile(const char *path, const char *text) {
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL);
+    if (!f) return;
+    fputs(text, f);
+    fclose(f);
+}
+
+static int fileIs(const char *path, const char *text) {
+    char buf[256] = "";
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    return n == strlen(text) && memcmp(buf, text, n) == 0;
+}
+
+static ColdArena *smallArena(int n) {
+    ColdArena *a = arenaCreate(0);
+    char k[32];
+    for (int i = 0; i < n; i++) CHECK(arenaInsert(a, k, keyName(k, i), "value", 5, -1) == 0);
+    return a;
+}
+
+/* The spill file is created: never opened through a symbolic link, never
+ * over a file that is not a spill file (which is left as it was), nor over
+ * the spill file of a live arena; a spill file left by a dead one is
+ * replaced. The arena is unchanged by a refused spill. */
+static void testSpillPath(void) {
+    char dir[] = "/tmp/test_arena_spill.XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    char path[64], victim[64], absent[64], moved[64];
+    snprintf(path, sizeof(path), "%s/spill", dir);
+    snprintf(victim, sizeof(victim), "%s/victim", dir);
+    snprintf(absent, sizeof(absent), "%s/absent", dir);
+    snprintf(moved, sizeof(moved), "%s/moved", dir);
+    writeFile(victim, "precious");
+    ColdArena *a = smallArena(100);
+    ArenaStats st;
+    int done = 0;
+
+    CHECK(symlink(victim, path) == 0);          /* a link to a file */
+    errno = 0;
+    CHECK(arenaSpill(a, path, 0, &done) == -1 && errno == ELOOP);
+    CHECK(fileIs(victim, "precious"));
+    CHECK(unlink(path) == 0);
+    CHECK(symlink(absent, path) == 0);          /* a dangling link */
+    errno = 0;
+    CHECK(arenaSpill(a, path, 0, &done) == -1 && errno == ELOOP);
+    CHECK(access(absent, F_OK) != 0);
+    CHECK(unlink(path) == 0);
+    writeFile(path, "precious");                /* someone else's file */
+    errno = 0;
+    CHECK(arenaSpill(a, path, 0, &done) == -1 && errno == EEXIST);
+    CHECK(fileIs(path, "precious"));
+    CHECK(unlink(path) == 0);
+    arenaGetStats(a, &st);
+    CHECK(!arenaHasSpilled(a) && st.chunks_mem == 1 && arenaCount(a) == 100);
+
+    /* A live arena's spill file is not taken over. */
+    CHECK(arenaSpill(a, path, 0, &done) > 0 && done == 1);
+    CHECK(arenaHasSpilled(a));
+    ColdArena *b = smallArena(10);
+    errno = 0;
+    CHECK(arenaSpill(b, path, 0, &done) == -1 && errno == EBUSY);
+    CHECK(!arenaHasSpilled(b));
+    ColdRef ref;
+    CHECK(arenaLookup(a, "k7", 2, &ref) == 1);  /* a's file still serves */
+    /* Dropping an arena removes its file, not what has taken its name. */
+    CHECK(rename(path, moved) == 0);
+    writeFile(path, "precious");
+    arenaDrop(a, NULL);
+    CHECK(fileIs(path, "precious"));
+    CHECK(unlink(path) == 0 && unlink(moved) == 0);
+
+    /* A spill file left behind by a process that died is replaced. */
+    pid_t pid = fork();
+    if (pid == 0) {
+        ColdArena *c = smallArena(10);
+        _exit(arenaSpill(c, path, 0, &done) > 0 ? 0 : 1);
+    }
+    int ws = 0;
+    CHECK(pid > 0 && waitpid(pid, &ws, 0) == pid && WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+    CHECK(access(path, F_OK) == 0);
+    CHECK(arenaSpill(b, path, 0, &done) > 0 && done == 1);
+    CHECK(arenaLookup(b, "k3", 2, &ref) == 1);
+    int r;
+    while ((r = arenaUnspillStep(b)) == 1) {}
+    CHECK(r == 0 && access(path, F_OK) != 0);
+
+    arenaFree(a);
+    arenaFree(b);
+    CHECK(unlink(victim) == 0 && rmdir(dir) == 0);
+}
+
 int main(void) {
     testSipHash();
+    testSpillPath();
     testFlood();
     testProbeBound();
 
@@ -331,10 +431,9 @@ int main(void) {
     CHECK(arenaInsert(a, "big", 3, NULL, (size_t)ARENA_MAX_VAL + 1, -1) == -1 && errno == E2BIG);
 
     /* Spill: everything reads back from the file, nothing is in memory. */
-    char path[] = "/tmp/test_arena.XXXXXX";
-    int fd = mkstemp(path);
-    CHECK(fd >= 0);
-    close(fd);
+    char dir[] = "/tmp/test_arena.XXXXXX", path[64];
+    CHECK(mkdtemp(dir) != NULL);
+    snprintf(path, sizeof(path), "%s/spill", dir);
     ArenaStats st;
     arenaGetStats(a, &st);
     uint64_t chunks = st.chunks;
@@ -357,6 +456,7 @@ int main(void) {
     CHECK(r == 0);
     CHECK(!arenaHasSpilled(a));
     CHECK(access(path, F_OK) != 0);     /* file unlinked */
+    CHECK(rmdir(dir) == 0);
     checkAll(a);
     randomOps(a, 20000, 1);
     checkAll(a);
