@@ -6,8 +6,9 @@ our QEMU, loads it with items of which 70 % are cold, and migrates it to a
 second QEMU process with post-copy over a link capped at 1 Gbit/s, twice:
 stock, then app-assisted (the module drops its cold set and leaves what it
 freed as zero pages; QEMU balloons whatever the module reports it did not
-clear, then migrates).  Checks the items on the destination and
-prints both migrations' figures side by side.
+clear, then migrates).  Checks the items on the destination, prints both
+migrations' figures (a row per figure, a column per migration) and writes
+them as a chart, demo.png, next to the logs.
 
 --libvirt does the same through two private libvirtd instances and
 `virsh migrate --live --postcopy --postcopy-after-precopy`.
@@ -28,13 +29,73 @@ PORT_ARGS = ['-device', 'virtio-serial-pci,id=aaserial,bus=pci.0,addr=0x1d',
              '-device', 'virtserialport,bus=aaserial.0,chardev=aa0,name=org.qemu.app-assist.0']
 
 
-def table(rows, columns):
-    widths = [max(len(str(c)), *(len(str(r.get(c, ''))) for r in rows)) for c in columns]
-    out = ['  '.join(str(c).ljust(w) for c, w in zip(columns, widths)),
-           '  '.join('-' * w for w in widths)]
-    for r in rows:
-        out.append('  '.join(str(r.get(c, '')).ljust(w) for c, w in zip(columns, widths)))
-    return '\n'.join(out)
+# Figures whose ratio assisted/stock means something (less is better for each).
+RATIO_FIGURES = ('total time (ms)', 'transferred (MiB)',
+                 'virsh migrate (s)', 'time elapsed (ms)', 'data processed (MiB)')
+# Figures the chart shows, in this order, when both runs have them as numbers.
+CHART_FIGURES = ('total time (ms)', 'transferred (MiB)', 'setup time (ms)', 'downtime (ms)',
+                 'post-copy page requests',
+                 'virsh migrate (s)', 'time elapsed (ms)', 'data processed (MiB)')
+
+
+def number(value):
+    """value as a float if it is a figure, else None ('-', 'completed', ...)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def table(runs):
+    """runs: [(name, {figure: value})].  One row per figure (first-seen order),
+    one column per run, and a last column with the ratio last run / first run
+    for RATIO_FIGURES.  About 70 characters wide for the demo's figures."""
+    names = [n for n, _ in runs]
+    figures = list(dict.fromkeys(f for _, r in runs for f in r))
+    head = ['figure', *names, f'{names[-1].split()[0]} / {names[0].split()[0]}']
+    body = []
+    for f in figures:
+        values = [r.get(f, '-') for _, r in runs]
+        first, last = number(values[0]), number(values[-1])
+        ratio = f'{last / first:.2f}' if f in RATIO_FIGURES and first and last is not None else ''
+        body.append([f, *(str(v) for v in values), ratio])
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+
+    def line(cells):
+        # Figures left-aligned, values right-aligned.
+        return '  '.join([cells[0].ljust(widths[0])] +
+                         [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]).rstrip()
+    return '\n'.join([line(head), '  '.join('-' * w for w in widths)] + [line(r) for r in body])
+
+
+def chart(runs, path, title):
+    """Write the CHART_FIGURES of runs ([(name, {figure: value})]) as a PNG, one
+    panel per figure with a bar per run.  Returns path, or None (and says why)
+    when there is nothing to draw or matplotlib is missing."""
+    figures = [f for f in CHART_FIGURES if all(number(r.get(f)) is not None for _, r in runs)]
+    if not figures:
+        print('demo: no figure to chart', file=sys.stderr)
+        return None
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('demo: matplotlib missing (scripts/requirements.txt installs it): no chart', file=sys.stderr)
+        return None
+    names = [n for n, _ in runs]
+    fig, axes = plt.subplots(1, len(figures), figsize=(2.4 * len(figures), 3.4), squeeze=False)
+    for ax, f in zip(axes[0], figures):
+        bars = ax.bar(range(len(runs)), [number(r[f]) for _, r in runs],
+                      color=['tab:gray', 'tab:blue'][:len(runs)])
+        ax.bar_label(bars, fmt='%g', fontsize=8)
+        ax.set_xticks(range(len(runs)), [n.split()[0] for n in names], fontsize=8)
+        ax.set_title(f, fontsize=9)
+        ax.margins(y=0.15)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def run_qemu(args, mode, log_dir, data):
@@ -51,21 +112,25 @@ def run_qemu(args, mode, log_dir, data):
         r.close()
         res = hvlib.migrate_postcopy(src, dst, precopy_seconds=args.precopy, bandwidth=args.bandwidth,
                                      capabilities=['app-assist'] if assisted else [], timeout=900)
-        aa = res.info.get('app-assist', {})
         wrong_hot, wrong_cold = hvlib.count_wrong(dst.redis(), hot, cold, cold_dropped=assisted)
         balloon = dst.qmp('query-balloon')['actual']
-        row = {'migration': f'{mode} post-copy', **res.row(),
-               'freed by apps (MiB)': round(aa.get('freed-bytes', 0) / 2**20, 1) if assisted else '-',
-               'of it zero pages (MiB)': round(aa.get('zeroed-bytes', 0) / 2**20, 1) if assisted else '-',
-               'prepare (ms)': aa.get('prepare-time', '-') if assisted else '-',
-               'balloon (ms)': aa.get('balloon-time', '-') if assisted else '-',
-               'hot items wrong': wrong_hot, 'cold items wrong': wrong_cold}
         ok = (res.status == 'completed' and not wrong_hot and not wrong_cold
               and balloon == hvlib.vm.parse_mem(args.mem))
-        return row, ok
+        return qemu_figures(res, assisted, wrong_hot, wrong_cold), ok
     finally:
         dst.shutdown()
         src.shutdown()
+
+
+def qemu_figures(res, assisted, wrong_hot, wrong_cold):
+    """One migration's figures ({name (unit): value}) from its hvlib.MigrationResult."""
+    aa = res.info.get('app-assist', {})
+    return {**res.row(),
+            'freed by apps (MiB)': round(aa.get('freed-bytes', 0) / 2**20, 1) if assisted else '-',
+            'of it zero pages (MiB)': round(aa.get('zeroed-bytes', 0) / 2**20, 1) if assisted else '-',
+            'prepare (ms)': aa.get('prepare-time', '-') if assisted else '-',
+            'balloon (ms)': aa.get('balloon-time', '-') if assisted else '-',
+            'hot items wrong': wrong_hot, 'cold items wrong': wrong_cold}
 
 
 def run_libvirt(args, mode, log_dir, data):
@@ -95,20 +160,39 @@ def run_libvirt(args, mode, log_dir, data):
                        '--listen-address', '127.0.0.1', timeout=900)
         wall = time.monotonic() - t
         job = pair.dst.virsh('domjobinfo', 'hvdemo', '--completed').stdout
-        def field(name):
-            m = re.search(rf'^{name}:\s+(.*)$', job, re.M)
-            return ' '.join(m.group(1).split()) if m else '-'
 
         wrong_hot, wrong_cold = hvlib.count_wrong(hvlib.redis_client(ports['dst'], name='dst'), hot, cold,
                                                   cold_dropped=assisted)
         aa = json.loads(pair.dst.virsh('qemu-monitor-command', 'hvdemo',
                                        '{"execute": "query-migrate"}').stdout)['return'].get('app-assist', {})
-        row = {'migration': f'{mode} (virsh)', 'virsh migrate (s)': round(wall, 1),
-               'time elapsed': field('Time elapsed'), 'setup time': field('Setup time'),
-               'downtime': field('Total downtime'), 'data processed': field('Data processed'),
-               'app-assist on destination': aa.get('status', '-'),
-               'hot items wrong': wrong_hot, 'cold items wrong': wrong_cold}
-        return row, not wrong_hot and not wrong_cold
+        return libvirt_figures(wall, job, aa, wrong_hot, wrong_cold), not wrong_hot and not wrong_cold
+
+
+def libvirt_figures(wall, job, aa, wrong_hot, wrong_cold):
+    """One virsh migration's figures ({name (unit): value}): its wall time in s,
+    `virsh domjobinfo --completed`'s text `job`, the destination's app-assist
+    status `aa` (from query-migrate)."""
+    return {'virsh migrate (s)': round(wall, 1),
+            'time elapsed (ms)': virsh_figure(job, 'Time elapsed'),
+            'setup time (ms)': virsh_figure(job, 'Setup time'),
+            'downtime (ms)': virsh_figure(job, 'Total downtime'),
+            'data processed (MiB)': virsh_figure(job, 'Data processed'),
+            'app-assist on destination': aa.get('status', '-'),
+            'hot items wrong': wrong_hot, 'cold items wrong': wrong_cold}
+
+
+def virsh_figure(job, name):
+    """A figure of `virsh domjobinfo` ("Data processed: 1.234 GiB") as a number of
+    ms (times) or MiB (sizes, which virsh scales to their magnitude); '-' when
+    virsh did not report it, the text as is when its unit is unknown."""
+    m = re.search(rf'^{name}:\s+([0-9.]+)\s*(\S+)', job, re.M)
+    if not m:
+        return '-'
+    value, unit = float(m.group(1)), m.group(2)
+    if unit == 'ms':
+        return int(value)
+    scale = {'B': 2**-20, 'KiB': 2**-10, 'MiB': 1, 'GiB': 2**10, 'TiB': 2**20}.get(unit)
+    return round(value * scale, 1) if scale else f'{m.group(1)} {unit}'
 
 
 _paths = None
@@ -140,16 +224,21 @@ def main():
           f'link {args.bandwidth * 8 / 1e9:g} Gbit/s{", through libvirt" if args.libvirt else ""}; '
           f'logs in {log_dir}', flush=True)
     data = hvlib.make_items(args.items, args.value_size)
-    rows, ok = [], True
+    runs, ok = [], True
     for mode in ('stock', 'app-assisted'):
         t = time.monotonic()
         row, good = (run_libvirt if args.libvirt else run_qemu)(args, mode, log_dir, data)
-        rows.append(row)
+        runs.append((f'{mode} (virsh)' if args.libvirt else f'{mode} post-copy', row))
         ok = ok and good
         print(f'demo: {mode} run done in {time.monotonic() - t:.0f} s', flush=True)
     print()
-    print(table(rows, list(dict.fromkeys(c for r in rows for c in r))))
+    print(table(runs))
     print()
+    png = chart(runs, os.path.join(log_dir, 'demo.png'),
+                f'guest {args.mem}, {args.items} items of {args.value_size} B, {args.hot:.0%} hot, '
+                f'link {args.bandwidth * 8 / 1e9:g} Gbit/s{", through libvirt" if args.libvirt else ""}')
+    if png:
+        print(f'demo: chart in {png}')
     if not ok:
         print('demo: FAILED (see the table and the logs)', file=sys.stderr)
         return 1
