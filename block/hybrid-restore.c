@@ -135,8 +135,14 @@ void hybrid_restore_kick(BDRVHybridState *s)
     Coroutine *co[HYBRID_RESTORE_WORKERS];
     int i;
 
+    /*
+     * Only a node that serves writes needs its RAM tier: a read-only one
+     * (qemu-img info/convert, a read-only export) reads the persistent
+     * tier directly.  Reopening it read-write drains it, and the end of
+     * that drained section starts the restore.
+     */
     if (!s->restore_enabled || s->restore_done || s->restore_workers ||
-        s->quiesced || s->inactive) {
+        s->quiesced || s->inactive || bdrv_is_read_only(s->bs)) {
         return;
     }
     if (!s->restore_start_ns) {

@@ -96,5 +96,80 @@ class HybridInactivateTest(unittest.TestCase):
             self.assertNotIn('failed', out)
 
 
+@unittest.skipUnless(H.have_binaries(), f'QEMU tools not built in {H.BIN}')
+class HybridReadOnlyTest(unittest.TestCase):
+    """Only nodes that serve writes restore their RAM tier; read-only
+    openers read the persistent tier directly."""
+
+    def setUp(self):
+        self.tmp = H.TempDir()
+        self.img = self.tmp('ro.hyb')
+        H.qemu_img('create', '-q', '-f', 'hybrid', '-o', 'ram-size=8M',
+                   self.img, '16M')
+        H.qemu_io('-f', 'hybrid', '-c', 'write -P 0x31 0 4M',
+                  '-c', 'write -P 0x32 12M 1M', self.img)
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def test_qemu_img_no_restore(self):
+        """qemu-img info and convert (read-only opens) do not restore:
+        no hybrid_restore_* trace event fires; convert copies the data."""
+        r = H.qemu_img('-T', 'hybrid_restore*', 'info', self.img)
+        self.assertNotIn('hybrid_restore', r.stderr)
+        out = self.tmp('out.raw')
+        r = H.qemu_img('-T', 'hybrid_restore*', 'convert', '-O', 'raw',
+                       self.img, out)
+        self.assertNotIn('hybrid_restore', r.stderr)
+        H.qemu_img('compare', '-f', 'hybrid', '-F', 'raw', self.img, out)
+        # A read-write open does restore
+        r = H.qemu_io('-T', 'hybrid_restore*', '-f', 'hybrid',
+                      '-c', 'read -P 0x31 0 4M', self.img)
+        self.assertIn('hybrid_restore_read', r.stderr)
+
+    def test_read_only_node_then_read_write(self):
+        """A read-only blockdev-add gives no HYBRID_RESTORE_COMPLETED and
+        reads correct data from the persistent tier; blockdev-reopen to
+        read-write starts the restore, and the node serves writes."""
+        q = H.StorageDaemon(self.tmp, '--blockdev',
+                            f'driver=file,node-name=f0,filename={self.img},'
+                            'read-only=on', system=True)
+        try:
+            q.cmd('blockdev-add', driver='hybrid', **{'node-name': 'h0',
+                  'read-only': True}, file='f0')
+
+            def io(cmd):
+                out = q.cmd('human-monitor-command', **{
+                    'command-line': f'qemu-io h0 "{cmd}"'})
+                self.assertNotIn('failed', out)
+            io('read -P 0x31 0 4M')
+            io('read -P 0 4M 8M')
+            io('read -P 0x32 12M 1M')
+            info = q.cmd('query-hybrid')[0]
+            # A restore would have read something by now: each qemu-io
+            # above drained the node, waiting for its restore reads
+            self.assertNotIn('HYBRID_RESTORE_COMPLETED',
+                             [e['event'] for e in q.events])
+            self.assertEqual((info['ram-loaded'], info['restore-bytes'],
+                              info['restore-done'], info['read-hits']),
+                             (0, 0, False, 0))
+            self.assertGreater(info['read-misses'], 0)
+            q.cmd('blockdev-reopen', options=[
+                {'driver': 'file', 'node-name': 'f0', 'filename': self.img,
+                 'read-only': False},
+                {'driver': 'hybrid', 'node-name': 'h0', 'file': 'f0',
+                 'read-only': False}])
+            ev = q.wait_event('HYBRID_RESTORE_COMPLETED', timeout=30)
+            self.assertEqual(ev['data']['bytes'], 8 * MiB)
+            io('write -P 0x33 1M 64k')
+            io('read -P 0x33 1M 64k')
+            io('read -P 0x31 0 1M')
+        finally:
+            q.stop()
+        out = H.qemu_io('-r', '-f', 'hybrid', '-c', 'read -P 0x33 1M 64k',
+                        '-c', 'read -P 0x31 1088k 2880k', self.img).stdout
+        self.assertNotIn('failed', out)
+
+
 if __name__ == '__main__':
     unittest.main()
