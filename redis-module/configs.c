@@ -124,10 +124,14 @@ int hmRegisterConfigs(RedisModuleCtx *ctx) {
     if (RedisModule_RegisterBoolConfig(ctx, "demote", 1, REDISMODULE_CONFIG_DEFAULT,
             getBool, setBool, NULL, &hm.cfg.demote) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
-    if (RedisModule_RegisterStringConfig(ctx, "port-path", DEFAULT_PORT_PATH, REDISMODULE_CONFIG_DEFAULT,
+    /* The paths name files the server opens (the spill file it creates and
+     * writes, the port it opens read-write): protected like Redis's own dir
+     * and dbfilename, set at load time or where enable-protected-configs
+     * allows it, not by any client with CONFIG rights. */
+    if (RedisModule_RegisterStringConfig(ctx, "port-path", DEFAULT_PORT_PATH, REDISMODULE_CONFIG_PROTECTED,
             getString, setString, applyPort, NULL) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
-    if (RedisModule_RegisterStringConfig(ctx, "spill-path", DEFAULT_SPILL_PATH, REDISMODULE_CONFIG_DEFAULT,
+    if (RedisModule_RegisterStringConfig(ctx, "spill-path", DEFAULT_SPILL_PATH, REDISMODULE_CONFIG_PROTECTED,
             getString, setString, NULL, NULL) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
     return RedisModule_LoadConfigs(ctx);

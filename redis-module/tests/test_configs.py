@@ -32,7 +32,7 @@ class ConfigTest(ServerTestCase):
 
     def test_config_defaults_and_set(self):
         """Defaults as documented; CONFIG SET validates ranges and enums."""
-        s = self.server(configs={})
+        s = self.server(configs={}, extra=['--enable-protected-configs', 'yes'])
         c = s.client()
         cfg = c.config_get('appassist.*')
         self.assertEqual(cfg['appassist.hot-percent'], '30')

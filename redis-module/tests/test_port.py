@@ -212,7 +212,9 @@ class PortTest(ServerTestCase):
     def test_host_goes_away_and_comes_back(self):
         """EOF from the host side closes the port; it is reopened."""
         path, ls = self.listen()
-        s = self.server(configs={'port-path': path, 'port-retry-ms': 50})
+        # port-path is a protected config: CONFIG SET below needs this
+        s = self.server(configs={'port-path': path, 'port-retry-ms': 50},
+                        extra=['--enable-protected-configs', 'yes'])
         c = s.client()
         conn, ep = self.accept(ls)
         self.assertEqual(ep.call('PING'), 'PONG')
@@ -230,9 +232,10 @@ class PortTest(ServerTestCase):
         self.assertHealthy(s)
 
     def test_config_set_port_path(self):
-        """CONFIG SET appassist.port-path switches ports; '' disables."""
+        """CONFIG SET appassist.port-path switches ports; '' disables
+        (where protected configs may be set)."""
         path, ls = self.listen()
-        s = self.server(configs={'port-path': ''})
+        s = self.server(configs={'port-path': ''}, extra=['--enable-protected-configs', 'yes'])
         c = s.client()
         self.assertFalse(self.connected(c))
         c.config_set('appassist.port-path', path)

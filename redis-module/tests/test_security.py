@@ -1,5 +1,6 @@
 """What a client must not be able to do through the module (issue 18): make
-the server write through a path it does not own."""
+the server write through a path it does not own, or change the paths the
+module opens."""
 
 import os
 import sys
@@ -8,7 +9,7 @@ import unittest
 import redis
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hmlib import ServerTestCase, aggressive  # noqa: E402
+from hmlib import MODULE, ServerTestCase, aggressive  # noqa: E402
 
 
 class SpillPathTest(ServerTestCase):
@@ -88,6 +89,57 @@ class SpillPathTest(ServerTestCase):
                       what='unspill')
         self.assertFalse(os.path.exists(spill))
         self.assertHealthy(s)
+
+
+class ProtectedConfigTest(ServerTestCase):
+
+    def stock_error(self, c, name):
+        """Stock's error for a protected config (dir), for config 'name'."""
+        with self.assertRaises(redis.ResponseError) as cm:
+            c.config_set('dir', self.workdir)
+        return str(cm.exception).replace("'dir'", "'%s'" % name)
+
+    def test_paths_are_protected(self):
+        """CONFIG SET of spill-path or port-path fails like CONFIG SET dir,
+        with stock's error text; the value stays."""
+        s = self.server()
+        c = s.client()
+        for name, value in (('appassist.spill-path', '/tmp/x'),
+                            ('appassist.port-path', '/dev/sda')):
+            before = c.config_get(name)[name]
+            want = self.stock_error(c, name)
+            self.assertIn("can't set protected config", want)
+            with self.assertRaises(redis.ResponseError) as cm:
+                c.config_set(name, value)
+            self.assertEqual(str(cm.exception), want)
+            self.assertEqual(c.config_get(name)[name], before)
+        self.assertHealthy(s)
+
+    def test_paths_settable_where_protected_configs_are(self):
+        """With --enable-protected-configs yes both paths can be set."""
+        s = self.server(extra=['--enable-protected-configs', 'yes'])
+        c = s.client()
+        spill = os.path.join(self.workdir, 'x')
+        c.config_set('appassist.spill-path', spill)
+        self.assertEqual(c.config_get('appassist.spill-path')['appassist.spill-path'], spill)
+        c.config_set('appassist.port-path', '')
+        self.assertEqual(c.config_get('appassist.port-path')['appassist.port-path'], '')
+        self.assertHealthy(s)
+
+    def test_paths_at_load_time(self):
+        """The paths are still given at load time: on the command line and
+        with MODULE LOADEX ... CONFIG."""
+        spill = os.path.join(self.workdir, 'at-start')
+        s = self.server(configs={'spill-path': spill})
+        c = s.client()
+        self.assertEqual(c.config_get('appassist.spill-path')['appassist.spill-path'], spill)
+        s2 = self.server(name='loadex', module=False)
+        c2 = s2.client()
+        spill2 = os.path.join(self.workdir, 'loadex')
+        c2.execute_command('MODULE', 'LOADEX', MODULE, 'CONFIG', 'appassist.spill-path', spill2,
+                           'CONFIG', 'appassist.port-path', '')
+        self.assertEqual(c2.config_get('appassist.spill-path')['appassist.spill-path'], spill2)
+        self.assertHealthy(s2)
 
 
 if __name__ == '__main__':

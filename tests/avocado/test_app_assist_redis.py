@@ -241,14 +241,15 @@ class AppAssistRedis(HybridVMTest):
         subprocess.run(['mkfs.ext4', '-q', '-F', img], check=True, timeout=60)
         disk = ['-drive', f'file={img},if=none,id=d0,format=raw',
                 '-device', 'virtio-blk-pci,drive=d0']
-        kw = dict(mem=self.MEM, module=True, append='hv.mount=/dev/vda:/spill',
+        # spill-path is protected (no CONFIG SET): given at start-up
+        kw = dict(mem=self.MEM, module=True,
+                  append='hv.mount=/dev/vda:/spill hv.redisarg=--appassist.spill-path,/spill/appassist.spill',
                   args=port_args(1) + disk)
         data = dataset(9, self.COUNT // 3, self.SIZE)
         src = self.guest('spill-src', **kw).launch()
         src.wait_console(r'HV-MOUNT /dev/vda /spill', timeout=120)
         r = src.redis()
         r.config_set('appassist.on-prepare', 'spill')
-        r.config_set('appassist.spill-path', '/spill/appassist.spill')
         r.close()
         hot, cold = self.load(src, data)
         full = balloon_actual(src)
