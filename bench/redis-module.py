@@ -130,7 +130,9 @@ class Srv:
         argv = ['redis-server', '--port', '0', '--unixsocket', self.sock, '--dir', self.dir,
                 '--save', '', '--appendonly', 'no', '--logfile', os.path.join(self.dir, 'log')]
         if module:
-            argv += ['--loadmodule', MODULE, '--appassist.port-path', '']
+            # APPASSIST.DEMOTE/COMPACT set up the cold sets: debug commands on
+            argv += ['--loadmodule', MODULE, '--appassist.port-path', '',
+                     '--appassist.enable-debug-commands', 'yes']
             for k, v in (configs or {}).items():
                 argv += ['--appassist.' + k, str(v)]
         self.proc = subprocess.Popen(argv, preexec_fn=pinned(SERVER_CPUS))

@@ -124,6 +124,12 @@ int hmRegisterConfigs(RedisModuleCtx *ctx) {
     if (RedisModule_RegisterBoolConfig(ctx, "demote", 1, REDISMODULE_CONFIG_DEFAULT,
             getBool, setBool, NULL, &hm.cfg.demote) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
+    /* Like Redis's enable-debug-command: the test helpers APPASSIST.DEMOTE
+     * and APPASSIST.COMPACT exist only if this is yes at load time (OnLoad
+     * registers them, or not, once; a command cannot be added later). */
+    if (RedisModule_RegisterBoolConfig(ctx, "enable-debug-commands", 0, REDISMODULE_CONFIG_IMMUTABLE,
+            getBool, setBool, NULL, &hm.cfg.debug_commands) == REDISMODULE_ERR)
+        return REDISMODULE_ERR;
     /* The paths name files the server opens (the spill file it creates and
      * writes, the port it opens read-write): protected like Redis's own dir
      * and dbfilename, set at load time or where enable-protected-configs

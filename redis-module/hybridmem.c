@@ -238,6 +238,36 @@ static int createCommand(RedisModuleCtx *ctx, const char *name, RedisModuleCmdFu
     return RedisModule_SetCommandInfo(cmd, &info);
 }
 
+/* APPASSIST.PREPARE may drop the cold set, as FLUSHALL drops the dataset.
+ * Redis 7.0 gives module commands no ACL categories (admin puts built-in
+ * commands in @admin and @dangerous, not module ones; a module can set
+ * categories from 7.2 on), so +@all -@dangerous would leave PREPARE
+ * allowed. It therefore takes the rights to run FLUSHALL (@dangerous
+ * @write @keyspace @slow) as well as its own: a user denied @dangerous is
+ * denied PREPARE, with stock's NOPERM text and an ACL LOG entry. No user
+ * (AOF, the server itself) passes; the host port calls the code under this
+ * and is not a Redis client. */
+static int prepareCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    RedisModuleString *name = RedisModule_GetCurrentUserName(ctx);
+    if (name) {
+        RedisModuleUser *user = RedisModule_GetModuleUserFromUserName(name);
+        RedisModule_FreeString(ctx, name);
+        RedisModuleString *flushall = RedisModule_CreateString(ctx, "flushall", 8);
+        int ok = user && RedisModule_ACLCheckCommandPermissions(user, &flushall, 1) == REDISMODULE_OK;
+        if (!ok && user) {
+            RedisModuleString *cmd = RedisModule_CreateString(ctx, "appassist.prepare", 17);
+            RedisModule_ACLAddLogEntry(ctx, user, cmd, REDISMODULE_ACL_LOG_CMD);
+            RedisModule_FreeString(ctx, cmd);
+        }
+        RedisModule_FreeString(ctx, flushall);
+        if (user) RedisModule_FreeModuleUser(user);
+        if (!ok)
+            return RedisModule_ReplyWithError(ctx, "NOPERM this user has no permissions to run "
+                                                   "the 'appassist.prepare' command");
+    }
+    return hmPrepareCommand(ctx, argv, argc);
+}
+
 __attribute__((visibility("default")))
 int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     (void)argv;
@@ -274,7 +304,7 @@ int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
     if (hm.cfg.hot_percent == 0) hm.pass.threshold = 0;
     hm.pass.keep_at_threshold = 0;
 
-    if (createCommand(ctx, "appassist.prepare", hmPrepareCommand, "admin",
+    if (createCommand(ctx, "appassist.prepare", prepareCommand, "admin",
                       "Give up the cold set per appassist.on-prepare before a migration", -1) ||
         createCommand(ctx, "appassist.resume", hmResumeCommand, "admin",
                       "Migration finished: resume normal operation", 1) ||
@@ -282,10 +312,6 @@ int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
                       "Migration cancelled: resume normal operation", 1) ||
         createCommand(ctx, "appassist.status", hmStatusCommand, "readonly",
                       "Hot/cold statistics and migration state", 1) ||
-        createCommand(ctx, "appassist.demote", hmDemoteCommand, "admin",
-                      "Run a demotion pass now (tests, benchmarks)", -1) ||
-        createCommand(ctx, "appassist.compact", hmCompactCommand, "admin",
-                      "Run a compaction pass now (tests, benchmarks)", -1) ||
         createCommand(ctx, "appassist.iscold", hmIsColdCommand, "readonly fast",
                       "1 if the key is in the cold arena", 2) ||
         createCommand(ctx, "appassist.keys", hmKeysCommand, "readonly",
@@ -294,6 +320,13 @@ int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
                       "SCAN over the keyspace and the cold arena (internal)", -1) ||
         createCommand(ctx, "appassist.dbsize", hmDbsizeCommand, "readonly fast",
                       "DBSIZE counting cold items (internal)", -1))
+        return REDISMODULE_ERR;
+    /* Test helpers: only with appassist.enable-debug-commands yes. */
+    if (hm.cfg.debug_commands &&
+        (createCommand(ctx, "appassist.demote", hmDemoteCommand, "admin",
+                       "Run a demotion pass now (tests, benchmarks)", -1) ||
+         createCommand(ctx, "appassist.compact", hmCompactCommand, "admin",
+                       "Run a compaction pass now (tests, benchmarks)", -1)))
         return REDISMODULE_ERR;
 
     if (hmFilterInit(ctx) == REDISMODULE_ERR) return REDISMODULE_ERR;

@@ -116,6 +116,7 @@ typedef struct HmConfig {               /* configs.c */
     int demote;                 /* appassist.demote yes|no */
     int lazy_drop;              /* appassist.lazy-drop auto|yes|no */
     int zero_freed;             /* appassist.zero-freed auto|yes|no */
+    int debug_commands;         /* appassist.enable-debug-commands (load time) */
     RedisModuleString *port_path;
     RedisModuleString *spill_path;
 } HmConfig;

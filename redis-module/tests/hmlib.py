@@ -41,7 +41,9 @@ def rss_of(pid):
 
 class Server:
     """One redis-server process. module=True loads hybridmem.so with the
-    given appassist.* configs (names without the prefix)."""
+    given appassist.* configs (names without the prefix); the test helpers
+    APPASSIST.DEMOTE/COMPACT are on (enable-debug-commands) unless the
+    configs say otherwise."""
 
     def __init__(self, workdir, name, module=False, configs=None, extra=None):
         self.dir = os.path.join(workdir, name)
@@ -60,7 +62,8 @@ class Server:
              '--enable-debug-command', 'yes', '--enable-module-command', 'yes']
         if self.module:
             a += ['--loadmodule', MODULE]
-            cfg = {'port-path': '', 'spill-path': os.path.join(self.dir, 'spill')}
+            cfg = {'port-path': '', 'spill-path': os.path.join(self.dir, 'spill'),
+                   'enable-debug-commands': 'yes'}
             cfg.update(self.configs)
             for k, v in cfg.items():
                 a += ['--appassist.' + k, str(v)]

@@ -1,6 +1,7 @@
 """What a client must not be able to do through the module (issue 18): make
-the server write through a path it does not own, or change the paths the
-module opens."""
+the server write through a path it does not own, change the paths the module
+opens, run the test helpers, or drop data where it may not run @dangerous
+commands."""
 
 import os
 import sys
@@ -140,6 +141,71 @@ class ProtectedConfigTest(ServerTestCase):
                            'CONFIG', 'appassist.port-path', '')
         self.assertEqual(c2.config_get('appassist.spill-path')['appassist.spill-path'], spill2)
         self.assertHealthy(s2)
+
+
+class DebugCommandsTest(ServerTestCase):
+
+    def test_absent_by_default(self):
+        """Loaded without enable-debug-commands, APPASSIST.DEMOTE and
+        APPASSIST.COMPACT do not exist, and the option cannot be turned on
+        at run time."""
+        s = self.server(module=False)
+        c = s.client()
+        c.execute_command('MODULE', 'LOADEX', MODULE, 'CONFIG', 'appassist.port-path', '')
+        self.assertEqual(c.config_get('appassist.enable-debug-commands'),
+                         {'appassist.enable-debug-commands': 'no'})
+        for cmd in ('APPASSIST.DEMOTE', 'APPASSIST.COMPACT'):
+            with self.assertRaisesRegex(redis.ResponseError, "^unknown command '%s'" % cmd):
+                c.execute_command(cmd, 10)
+        c.set_response_callback('COMMAND', lambda r, **kw: r)     # raw reply
+        names = c.execute_command('COMMAND', 'LIST', 'FILTERBY', 'MODULE', 'appassist')
+        self.assertIn(b'appassist.prepare', names)
+        self.assertNotIn(b'appassist.demote', names)
+        self.assertNotIn(b'appassist.compact', names)
+        with self.assertRaisesRegex(redis.ResponseError, "can't set immutable config"):
+            c.config_set('appassist.enable-debug-commands', 'yes')
+        self.assertEqual(c.execute_command('APPASSIST.ISCOLD', 'k'), 0)  # the rest is there
+        self.assertHealthy(s)
+
+    def test_present_when_asked_for(self):
+        """With appassist.enable-debug-commands yes at load time they run."""
+        s = self.server(configs=dict(aggressive(), **{'enable-debug-commands': 'yes'}))
+        c = s.client()
+        c.set('k', 'v')
+        self.assertGreaterEqual(c.execute_command('APPASSIST.DEMOTE', 10), 0)
+        self.assertGreaterEqual(c.execute_command('APPASSIST.COMPACT', 10), 0)
+        self.assertHealthy(s)
+
+
+class PrepareAclTest(ServerTestCase):
+
+    def test_prepare_denied_without_dangerous(self):
+        """A user with +@all -@dangerous gets stock's NOPERM for
+        APPASSIST.PREPARE (as for FLUSHALL), logged in ACL LOG; nothing is
+        dropped. The default user still prepares."""
+        s = self.server(configs=aggressive())
+        c = s.client()
+        for i in range(100):
+            c.set('k%d' % i, 'v%d' % i)
+        self.demote_all(c, 100)
+        c.execute_command('ACL', 'SETUSER', 'limited', 'on', '>pw', '~*', '&*', '+@all', '-@dangerous')
+        lc = s.client(username='limited', password='pw')
+        # (redis-py takes the NOPERM prefix off into the exception's type)
+        with self.assertRaises(redis.exceptions.NoPermissionError) as cm:
+            lc.flushall()
+        stock = str(cm.exception)
+        self.assertEqual(stock, "this user has no permissions to run the 'flushall' command")
+        with self.assertRaises(redis.exceptions.NoPermissionError) as cm:
+            lc.execute_command('APPASSIST.PREPARE')
+        self.assertEqual(str(cm.exception), stock.replace("'flushall'", "'appassist.prepare'"))
+        self.assertEqual(c.info('appassist')['appassist_state'], 'normal')
+        self.assertEqual(c.info('appassist')['appassist_cold_items'], 100)
+        log = c.execute_command('ACL', 'LOG')
+        self.assertIn(b'appassist.prepare', [dict(zip(e[::2], e[1::2]))[b'object'] for e in log])
+        self.assertEqual(lc.get('k5'), b'v5')       # the user still works
+        c.execute_command('APPASSIST.PREPARE')
+        self.assertEqual(c.info('appassist')['appassist_state'], 'prepared')
+        self.assertHealthy(s)
 
 
 if __name__ == '__main__':
