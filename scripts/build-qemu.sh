@@ -129,9 +129,10 @@ fi
 
 # 6. Build.
 # progress: reads ninja's output (a copy is in the log already) and shows its
-# "[N/M] description" lines once there is work: on a terminal ($cols wide) as one
-# line rewritten in place, otherwise a line at each further 10 % of a large build
-# or after 30 s without one.  Ends with a summary line.
+# "[N/M] description" lines once there is work (qemu-version.h alone, which is
+# regenerated on every run, is none): on a terminal ($cols wide) as one line
+# rewritten in place, otherwise a line at each further 10 % of a large build or
+# after 30 s without one.  Ends with a summary line.
 progress() {
     local line n=0 m=0 pct decile=0 start t last=$SECONDS text seen=
     now start
@@ -140,7 +141,11 @@ progress() {
         [[ $line =~ ^\[([0-9]+)/([0-9]+)\]\ (.*)$ ]] || continue
         n=${BASH_REMATCH[1]} m=${BASH_REMATCH[2]}
         [ "$m" -gt 0 ] || continue
-        [ "$seen" ] || { log "building with ninja (log: $build/qemu-ninja.log)"; seen=1; }
+        if [ -z "$seen" ]; then
+            [[ ${BASH_REMATCH[3]} != "Generating qemu-version.h "* ]] || continue
+            log "building with ninja (log: $build/qemu-ninja.log)"
+            seen=1
+        fi
         pct=$((n * 100 / m))
         if [ "$tty" = 1 ]; then
             now t
@@ -154,7 +159,7 @@ progress() {
         fi
     done
     [ "$tty" = 0 ] || printf '\r%-*s\r' "$width" ''
-    if [ "$n" -gt 0 ]; then
+    if [ "$seen" ]; then
         echo "build-qemu: ninja ran $n of $m steps in $(dur "$start")"
     fi
 }
