@@ -235,16 +235,27 @@ hybrid_co_flush_to_os(BlockDriverState *bs)
     return ret;
 }
 
-/* Async writers wait here while too much is dirty. */
-int coroutine_fn hybrid_wait_dirty_limit(BDRVHybridState *s)
+/*
+ * May an async-mode write complete in RAM only?  Not while a write-back
+ * error is pending: until a flush writes everything back, new writes go
+ * through to the persistent tier as in sync mode, so that nothing more is
+ * acknowledged that could not be made durable, and each writer sees the
+ * persistent tier's own answer (docs/hybrid-format.rst, "Crash
+ * consistency").  Async writers wait here while too much is dirty.
+ */
+bool coroutine_fn hybrid_may_defer_write(BDRVHybridState *s)
 {
-    while (s->dirty_bytes >= s->dirty_limit) {
-        if (s->flush_error) {
-            return s->flush_error;
-        }
+    if (s->mode == HYBRID_MODE_SYNC) {
+        return false;
+    }
+    while (!s->flush_error && s->dirty_bytes >= s->dirty_limit) {
         trace_hybrid_dirty_wait(s, s->dirty_bytes);
         hybrid_flusher_kick(s);
         qemu_co_queue_wait(&s->dirty_queue, NULL);
     }
-    return 0;
+    if (s->flush_error) {
+        trace_hybrid_write_through_on_error(s, s->flush_error);
+        return false;
+    }
+    return true;
 }

@@ -383,16 +383,10 @@ hybrid_write_ram_block(BDRVHybridState *s, uint64_t idx, uint32_t boff,
                        BdrvRequestFlags flags)
 {
     HybridSlot *slot = &s->slots[idx];
-    bool sync = s->mode == HYBRID_MODE_SYNC;
+    bool sync = !hybrid_may_defer_write(s);
     bool locked = false;
     int ret = 0;
 
-    if (!sync) {
-        ret = hybrid_wait_dirty_limit(s);
-        if (ret < 0) {
-            return ret;
-        }
-    }
     if (sync || !(slot->flags & HYBRID_SLOT_LOADED)) {
         hybrid_slot_lock(s, slot);
         locked = true;

@@ -220,7 +220,7 @@ HybridInfo *hybrid_get_info(BlockDriverState *bs);
 void hybrid_slot_set_dirty(BDRVHybridState *s, HybridSlot *slot,
                            uint32_t lo, uint32_t hi);
 void hybrid_flusher_kick(BDRVHybridState *s);
-int coroutine_fn hybrid_wait_dirty_limit(BDRVHybridState *s);
+bool coroutine_fn hybrid_may_defer_write(BDRVHybridState *s);
 int coroutine_fn GRAPH_RDLOCK hybrid_co_flush_to_os(BlockDriverState *bs);
 
 /* hybrid-restore.c */

@@ -171,5 +171,84 @@ class HybridReadOnlyTest(unittest.TestCase):
         self.assertNotIn('failed', out)
 
 
+@unittest.skipUnless(H.have_binaries(), f'QEMU tools not built in {H.BIN}')
+class HybridWriteAfterErrorTest(unittest.TestCase):
+    """After a failed write-back, async writes go through to the persistent
+    tier until a flush succeeds (docs/hybrid-format.rst)."""
+
+    def setUp(self):
+        self.tmp = H.TempDir()
+        self.img = self.tmp('wae.hyb')
+        H.qemu_img('create', '-q', '-f', 'hybrid', '-o', 'ram-size=4M',
+                   self.img, '16M')
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def on_disk(self, pattern, off, length):
+        """Does the persistent tier itself hold @pattern there now?"""
+        out = H.qemu_io('-U', '-r', '-f', 'raw', '-c',
+                        f'read -P {pattern} {65536 + off} {length}',
+                        self.img, check=False).stdout
+        return 'Pattern verification failed' not in out
+
+    def test_write_through_until_flush(self):
+        """blkdebug fails writes at guest offset 1 MiB until a write-zeroes
+        beyond the boundary lifts it.  A flush fails; then a write elsewhere
+        is on disk when acknowledged, a write to the failing range reports
+        EIO; once lifted, a flush succeeds, writes stay in RAM again, and
+        everything acknowledged is on disk after close."""
+        sector = (65536 + MiB) // 512
+        o = (f'driver=hybrid,mode=async,file.driver=blkdebug,'
+             f'file.image.driver=file,file.image.filename={self.img},'
+             f'file.inject-error.0.event=pwritev,'
+             f'file.inject-error.0.iotype=write,'
+             f'file.inject-error.0.sector={sector},'
+             f'file.inject-error.0.errno=5,file.inject-error.0.state=1,'
+             # in state 2 this rule replaces the first one; it never fires
+             f'file.inject-error.1.event=pwritev,'
+             f'file.inject-error.1.iotype=write,'
+             f'file.inject-error.1.sector={(65536 + 15 * MiB) // 512},'
+             f'file.inject-error.1.errno=5,file.inject-error.1.state=2,'
+             f'file.set-state.0.event=pwritev_zero,file.set-state.0.state=1,'
+             f'file.set-state.0.new_state=2')
+        io = H.QemuIo(o)
+        try:
+            self.assertIn('wrote 65536/65536', io.cmd('write -P 0x41 1M 64k'))
+            self.assertFalse(self.on_disk('0x41', MiB, 65536))
+            io.cmd('flush')                         # write-back fails
+            self.assertFalse(self.on_disk('0x41', MiB, 65536))
+            # A write elsewhere is durable when acknowledged
+            self.assertIn('wrote 65536/65536', io.cmd('write -P 0x42 2M 64k'))
+            self.assertTrue(self.on_disk('0x42', 2 * MiB, 65536))
+            # A write to the failing range reports the tier's error
+            self.assertIn('write failed: Input/output error',
+                          io.cmd('write -P 0x43 1M 4k'))
+            # Lift the error; writes still go through until a flush works
+            self.assertIn('wrote', io.cmd('write -z 12M 64k'))
+            self.assertIn('wrote 65536/65536', io.cmd('write -P 0x44 3M 64k'))
+            self.assertTrue(self.on_disk('0x44', 3 * MiB, 65536))
+            io.cmd('flush')                         # succeeds, clears
+            self.assertTrue(self.on_disk('0x41', MiB + 4096, 61440))
+            # Normal async operation again: acknowledged in RAM
+            self.assertIn('wrote 65536/65536',
+                          io.cmd('write -P 0x45 2112k 64k'))
+            self.assertFalse(self.on_disk('0x45', 2112 * 1024, 65536))
+            out = io.cmd('read -P 0x45 2112k 64k')
+            self.assertNotIn('failed', out)
+        finally:
+            io.quit()       # exit status 1: a command (the EIO write) failed
+        out = H.qemu_io('-r', '-f', 'hybrid',
+                        '-c', 'read -P 0x43 1M 4k',
+                        '-c', 'read -P 0x41 1028k 60k',
+                        '-c', 'read -P 0x42 2M 64k',
+                        '-c', 'read -P 0x45 2112k 64k',
+                        '-c', 'read -P 0x44 3M 64k',
+                        '-c', 'read -P 0 12M 64k', self.img).stdout
+        self.assertNotIn('failed', out)
+        self.assertFalse(H.img_info(self.img)['format-specific']['data']
+                         ['dirty'])
+
+
 if __name__ == '__main__':
     unittest.main()
