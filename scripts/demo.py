@@ -195,6 +195,12 @@ def virsh_figure(job, name):
     return round(value * scale, 1) if scale else f'{m.group(1)} {unit}'
 
 
+def shown(path):
+    """path as the demo prints it: relative when it is under the current directory."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith('..') else rel
+
+
 _paths = None
 
 
@@ -222,7 +228,7 @@ def main():
     os.makedirs(log_dir, exist_ok=True)
     print(f'demo: guest {args.mem}, {args.items} items of {args.value_size} B, {args.hot:.0%} hot, '
           f'link {args.bandwidth * 8 / 1e9:g} Gbit/s{", through libvirt" if args.libvirt else ""}; '
-          f'logs in {log_dir}', flush=True)
+          f'logs in {shown(log_dir)}', flush=True)
     data = hvlib.make_items(args.items, args.value_size)
     runs, ok = [], True
     for mode in ('stock', 'app-assisted'):
@@ -238,7 +244,7 @@ def main():
                 f'guest {args.mem}, {args.items} items of {args.value_size} B, {args.hot:.0%} hot, '
                 f'link {args.bandwidth * 8 / 1e9:g} Gbit/s{", through libvirt" if args.libvirt else ""}')
     if png:
-        print(f'demo: chart in {png}')
+        print(f'demo: chart in {shown(png)}')
     if not ok:
         print('demo: FAILED (see the table and the logs)', file=sys.stderr)
         return 1
