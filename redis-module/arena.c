@@ -632,9 +632,8 @@ ColdArena *arenaCreateKeyed(const uint8_t key[ARENA_KEY_BYTES]) {
  * ready, a moment at a guest's boot). Should getrandom fail (ENOSYS), the
  * clock, pid and an address are hashed instead: weaker, but distinct per
  * process and per arena. */
-ColdArena *arenaCreate(uint64_t unused) {
+ColdArena *arenaCreate(void) {
     uint8_t key[ARENA_KEY_BYTES];
-    (void)unused;
     ssize_t n;
     do {
         n = getrandom(key, sizeof(key), 0);

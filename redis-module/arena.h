@@ -77,9 +77,8 @@ typedef struct ArenaStats {
 
 /* Create an empty arena. The index hash is SipHash-1-2 keyed with 128 bits
  * drawn from the kernel's random pool here, so that clients cannot choose
- * keys that collide (hash flooding). The argument is ignored: it goes once
- * the module's callers stop passing one. NULL on allocation failure. */
-ColdArena *arenaCreate(uint64_t unused);
+ * keys that collide (hash flooding). NULL on allocation failure. */
+ColdArena *arenaCreate(void);
 /* The same with a given key: for tests, which need a reproducible index. */
 ColdArena *arenaCreateKeyed(const uint8_t key[ARENA_KEY_BYTES]);
 /* Free everything, closes and unlinks the spill file if there is one. */

@@ -8,7 +8,6 @@
  */
 
 #include <fcntl.h>
-#include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -144,7 +143,7 @@ static void onShutdown(RedisModuleCtx *ctx, RedisModuleEvent e, uint64_t sub, vo
     (void)data;
     hmPortClose(0);
     arenaFree(hm.arena);   /* unlinks the spill file */
-    hm.arena = arenaCreate(0);
+    hm.arena = arenaCreate();
 }
 
 static void infoFunc(RedisModuleInfoCtx *ctx, int for_crash_report) {
@@ -290,9 +289,7 @@ int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
     hm.port.fd = -1;
     hm.pass.threshold = HM_BUCKETS;
     respBufInit(&hm.port.out, HM_PORT_OUTBUF);
-    uint64_t seed = 0;
-    if (getrandom(&seed, sizeof(seed), 0) != sizeof(seed)) seed = (uint64_t)hmNowUs() ^ (uint64_t)getpid();
-    hm.arena = arenaCreate(seed);
+    hm.arena = arenaCreate();      /* keys its index hash with getrandom() */
     if (!hm.arena) return REDISMODULE_ERR;
 
     if (hmPersistInit(ctx) == REDISMODULE_ERR) return REDISMODULE_ERR;

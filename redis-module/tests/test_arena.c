@@ -303,7 +303,7 @@ static int fileIs(const char *path, const char *text) {
 }
 
 static ColdArena *smallArena(int n) {
-    ColdArena *a = arenaCreate(0);
+    ColdArena *a = arenaCreate();
     char k[32];
     for (int i = 0; i < n; i++) CHECK(arenaInsert(a, k, keyName(k, i), "value", 5, -1) == 0);
     return a;
@@ -522,7 +522,7 @@ int main(void) {
      * stands in the middle of the arena. */
     {
         enum { N = 6000, GONE = 2100 };     /* 520-byte items, ~2016 a chunk */
-        ColdArena *b = arenaCreate(0);     /* random key */
+        ColdArena *b = arenaCreate();     /* random key */
         char k[32], v[500];
         memset(v, 'x', sizeof(v));
         for (int i = 0; i < N; i++) CHECK(arenaInsert(b, k, keyName(k, i), v, 500, -1) == 0);
