@@ -61,8 +61,8 @@ void qmp_hybrid_set_mode(const char *node_name, HybridMode mode,
     BlockDriverState *bs;
 
     GLOBAL_STATE_CODE();
-    GRAPH_RDLOCK_GUARD_MAINLOOP();
 
+    /* No graph lock: the reopen drains the node */
     bs = hybrid_find_node(node_name, errp);
     if (!bs) {
         return;
@@ -71,5 +71,5 @@ void qmp_hybrid_set_mode(const char *node_name, HybridMode mode,
         error_setg(errp, "Node '%s' is read-only", node_name);
         return;
     }
-    hybrid_set_mode(bs, mode);
+    hybrid_set_mode(bs, mode, errp);
 }

@@ -550,14 +550,32 @@ static void hybrid_drain_begin(BlockDriverState *bs)
     s->quiesced = true;
 }
 
+static void hybrid_drain_end_bh(void *opaque)
+{
+    BlockDriverState *bs = opaque;
+    BDRVHybridState *s = bs->opaque;
+
+    hybrid_restore_kick(s);
+    hybrid_flusher_kick(s);
+    bdrv_dec_in_flight(bs);
+}
+
+/*
+ * Called from the thread that ends the drained section, which need not be
+ * the node's: the background work restarts in the node's AioContext, where
+ * all other accesses to its state run.  A new drained section waits for
+ * the bottom half (in flight); if it begins first, the kicks find the node
+ * quiesced and do nothing.
+ */
 static void hybrid_drain_end(BlockDriverState *bs)
 {
     BDRVHybridState *s = bs->opaque;
 
     s->quiesced = false;
     if (s->slots) {
-        hybrid_restore_kick(s);
-        hybrid_flusher_kick(s);
+        bdrv_inc_in_flight(bs);
+        aio_bh_schedule_oneshot(bdrv_get_aio_context(bs),
+                                hybrid_drain_end_bh, bs);
     }
 }
 
@@ -608,6 +626,24 @@ static BlockdevOptionsHybrid *hybrid_parse_options(QDict *options,
     qdict_del(options, HYBRID_OPT_BLOCK_SIZE);
     qdict_del(options, HYBRID_OPT_PROMOTE_SIZE);
     return ret;
+}
+
+/* The mode a node gets when the mode option is not given */
+static HybridMode hybrid_default_mode(BDRVHybridState *s)
+{
+    return s->header.mode == HYBRID_HDR_MODE_ASYNC ? HYBRID_MODE_ASYNC
+                                                   : HYBRID_MODE_SYNC;
+}
+
+static int hybrid_check_dirty_limit(BDRVHybridState *s, uint64_t limit,
+                                    Error **errp)
+{
+    if (limit < s->block_size) {
+        error_setg(errp, "dirty-limit %" PRIu64 " is smaller than the block "
+                   "size %" PRIu32, limit, s->block_size);
+        return -EINVAL;
+    }
+    return 0;
 }
 
 static int GRAPH_RDLOCK
@@ -702,18 +738,15 @@ static int hybrid_open(BlockDriverState *bs, QDict *options, int flags,
         return ret;
     }
 
-    s->mode = o->has_mode ? o->mode :
-              (s->header.mode == HYBRID_HDR_MODE_ASYNC ? HYBRID_MODE_ASYNC
-                                                       : HYBRID_MODE_SYNC);
+    s->mode = o->has_mode ? o->mode : hybrid_default_mode(s);
     s->dedup = o->has_dedup ? o->dedup : s->header.dedup;
     s->ram_size = o->has_ram_size ? o->ram_size : s->header.ram_size;
     s->dirty_limit = o->has_dirty_limit ? o->dirty_limit
                                         : HYBRID_DEFAULT_DIRTY_LIMIT;
     s->restore_enabled = o->has_restore ? o->restore : true;
-    if (s->dirty_limit < s->block_size) {
-        error_setg(errp, "dirty-limit %" PRIu64 " is smaller than the block "
-                   "size %" PRIu32, s->dirty_limit, s->block_size);
-        return -EINVAL;
+    ret = hybrid_check_dirty_limit(s, s->dirty_limit, errp);
+    if (ret < 0) {
+        return ret;
     }
     s->ram_blocks = MIN(s->ram_size >> s->block_shift, s->nb_blocks);
     ret = hybrid_check_ram_blocks(s->ram_blocks, s->ram_size, s->block_size,
@@ -883,10 +916,91 @@ static void hybrid_close(BlockDriverState *bs)
     hybrid_ram_free(s);
 }
 
-static int hybrid_reopen_prepare(BDRVReopenState *state,
-                                 BlockReopenQueue *queue, Error **errp)
+/* Options blockdev-reopen (and hybrid-set-mode) may change */
+static QemuOptsList hybrid_reopen_opts = {
+    .name = "hybrid-reopen",
+    .head = QTAILQ_HEAD_INITIALIZER(hybrid_reopen_opts.head),
+    .desc = {
+        {
+            .name = HYBRID_OPT_MODE,
+            .type = QEMU_OPT_STRING,
+            .help = "Write mode (sync, async)",
+        },
+        {
+            .name = HYBRID_OPT_DIRTY_LIMIT,
+            .type = QEMU_OPT_SIZE,
+            .help = "Async: writers wait while this many bytes are dirty",
+        },
+        { /* end of list */ }
+    },
+};
+
+typedef struct HybridReopenState {
+    HybridMode mode;
+    uint64_t dirty_limit;
+} HybridReopenState;
+
+/*
+ * mode and dirty-limit may change (an omitted one goes back to its
+ * default); the block layer refuses a change of any other option.
+ */
+static int GRAPH_UNLOCKED
+hybrid_reopen_prepare(BDRVReopenState *state, BlockReopenQueue *queue,
+                      Error **errp)
 {
-    return 0;
+    BDRVHybridState *s = state->bs->opaque;
+    g_autofree HybridReopenState *r = g_new0(HybridReopenState, 1);
+    QemuOpts *opts;
+    const char *mode;
+    int ret = -EINVAL;
+
+    opts = qemu_opts_create(&hybrid_reopen_opts, NULL, 0, &error_abort);
+    if (!qemu_opts_absorb_qdict(opts, state->options, errp)) {
+        goto out;
+    }
+    mode = qemu_opt_get(opts, HYBRID_OPT_MODE);
+    r->mode = mode ? qapi_enum_parse(&HybridMode_lookup, mode, -1, NULL)
+                   : hybrid_default_mode(s);
+    if ((int)r->mode < 0) {
+        error_setg(errp, "Invalid mode '%s' (expected sync or async)", mode);
+        goto out;
+    }
+    r->dirty_limit = qemu_opt_get_size(opts, HYBRID_OPT_DIRTY_LIMIT,
+                                       HYBRID_DEFAULT_DIRTY_LIMIT);
+    ret = hybrid_check_dirty_limit(s, r->dirty_limit, errp);
+    if (ret < 0) {
+        goto out;
+    }
+    state->opaque = g_steal_pointer(&r);
+out:
+    qemu_opts_del(opts);
+    return ret;
+}
+
+/*
+ * The node is drained (bdrv_reopen_queue()): no request and no background
+ * work runs in its AioContext, so the options can change from here even
+ * when the node lives in an iothread.  The end of the drained section
+ * restarts the flusher, which writes back what is owed after a switch to
+ * sync mode.
+ */
+static void GRAPH_UNLOCKED hybrid_reopen_commit(BDRVReopenState *state)
+{
+    BDRVHybridState *s = state->bs->opaque;
+    HybridReopenState *r = state->opaque;
+
+    assert(s->quiesced);
+    trace_hybrid_set_mode(s, s->mode, r->mode);
+    s->mode = r->mode;
+    s->dirty_limit = r->dirty_limit;
+    g_free(r);
+    state->opaque = NULL;
+}
+
+static void GRAPH_UNLOCKED hybrid_reopen_abort(BDRVReopenState *state)
+{
+    g_free(state->opaque);
+    state->opaque = NULL;
 }
 
 /* ---- create ---- */
@@ -1170,14 +1284,17 @@ static int GRAPH_RDLOCK hybrid_has_zero_init(BlockDriverState *bs)
 
 /* ---- management (called from hybrid-qmp.c) ---- */
 
-void hybrid_set_mode(BlockDriverState *bs, HybridMode mode)
+/*
+ * A reopen that changes only the mode: drained like blockdev-reopen, and
+ * the node's options stay in step (a later reopen keeps the new mode).
+ */
+int hybrid_set_mode(BlockDriverState *bs, HybridMode mode, Error **errp)
 {
-    BDRVHybridState *s = bs->opaque;
+    QDict *opts = qdict_new();
 
-    trace_hybrid_set_mode(s, s->mode, mode);
-    s->mode = mode;
-    /* Leaving async: start writing back what is owed */
-    hybrid_flusher_kick(s);
+    GLOBAL_STATE_CODE();
+    qdict_put_str(opts, HYBRID_OPT_MODE, HybridMode_str(mode));
+    return bdrv_reopen(bs, opts, true, errp);
 }
 
 HybridInfo *hybrid_get_info(BlockDriverState *bs)
@@ -1231,6 +1348,13 @@ HybridInfo *hybrid_get_info(BlockDriverState *bs)
     return info;
 }
 
+static const char *const hybrid_mutable_opts[] = {
+    HYBRID_OPT_MODE,
+    HYBRID_OPT_DIRTY_LIMIT,
+
+    NULL
+};
+
 static const char *const hybrid_strong_runtime_opts[] = {
     HYBRID_OPT_RAW,
     HYBRID_OPT_BLOCK_SIZE,
@@ -1244,12 +1368,15 @@ BlockDriver bdrv_hybrid = {
     .is_format                  = true,
     .create_opts                = &hybrid_create_opts,
     .strong_runtime_opts        = hybrid_strong_runtime_opts,
+    .mutable_opts               = hybrid_mutable_opts,
 
     /* open, close, create */
     .bdrv_probe                 = hybrid_probe,
     .bdrv_open                  = hybrid_open,
     .bdrv_close                 = hybrid_close,
     .bdrv_reopen_prepare        = hybrid_reopen_prepare,
+    .bdrv_reopen_commit         = hybrid_reopen_commit,
+    .bdrv_reopen_abort          = hybrid_reopen_abort,
     .bdrv_child_perm            = bdrv_default_perms,
     .bdrv_co_create             = hybrid_co_create,
     .bdrv_co_create_opts        = hybrid_co_create_opts,

@@ -213,7 +213,7 @@ static inline uint64_t hybrid_host_offset(BDRVHybridState *s, uint64_t off)
 extern BlockDriver bdrv_hybrid;
 void coroutine_fn hybrid_slot_lock(BDRVHybridState *s, HybridSlot *slot);
 void coroutine_fn hybrid_slot_unlock(BDRVHybridState *s, HybridSlot *slot);
-void hybrid_set_mode(BlockDriverState *bs, HybridMode mode);
+int hybrid_set_mode(BlockDriverState *bs, HybridMode mode, Error **errp);
 HybridInfo *hybrid_get_info(BlockDriverState *bs);
 
 /* hybrid-writeback.c */

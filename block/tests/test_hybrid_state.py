@@ -3,6 +3,7 @@ read-only opens, writes after a failed write-back, mode switches.
 Binaries come from $HYBRIDVM_BUILD/bin."""
 
 import os
+import random
 import sys
 import time
 import unittest
@@ -246,6 +247,106 @@ class HybridWriteAfterErrorTest(unittest.TestCase):
                         '-c', 'read -P 0x44 3M 64k',
                         '-c', 'read -P 0 12M 64k', self.img).stdout
         self.assertNotIn('failed', out)
+        self.assertFalse(H.img_info(self.img)['format-specific']['data']
+                         ['dirty'])
+
+
+@unittest.skipUnless(H.have_binaries(), f'QEMU tools not built in {H.BIN}')
+class HybridModeSwitchTest(unittest.TestCase):
+    """Mode switches (hybrid-set-mode and blockdev-reopen) while the node
+    runs in an iothread under write load keep every write."""
+
+    REGIONS = (0, 20 * MiB, 40 * MiB)     # below, across, beyond 32 MiB
+    REGION = 16 * MiB
+
+    def setUp(self):
+        self.tmp = H.TempDir()
+        self.img = self.tmp('sw.hyb')
+        H.qemu_img('create', '-q', '-f', 'hybrid', '-o', 'ram-size=32M',
+                   self.img, '64M')
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def writes(self, seed, n):
+        """n (pattern, offset, length) writes inside one region, the
+        expected content of that region after them."""
+        rnd = random.Random(seed)
+        region = bytearray(self.REGION)
+        out = []
+        for i in range(n):
+            ln = rnd.choice((512, 4096, 65536, 131072, 200704))
+            off = rnd.randrange(0, self.REGION - ln, 512)
+            pat = i % 254 + 1
+            region[off:off + ln] = bytes([pat]) * ln
+            out.append((pat, off, ln))
+        return out, region
+
+    def test_switch_under_load(self):
+        """Three qemu-io writers over NBD (the export puts the node in
+        iothread io0) while the main loop switches the mode 60+ times, by
+        hybrid-set-mode and by blockdev-reopen (also changing dirty-limit);
+        afterwards the image holds exactly the last write of every byte."""
+        sock = self.tmp('nbd.sock')
+        q = H.StorageDaemon(
+            self.tmp, '--object', 'iothread,id=io0',
+            '--blockdev', f'driver=file,node-name=f0,filename={self.img}',
+            '--blockdev', 'driver=hybrid,node-name=h0,file=f0,mode=async,'
+            'dirty-limit=1M',
+            '--nbd-server', f'addr.type=unix,addr.path={sock}',
+            '--export', 'type=nbd,id=e0,node-name=h0,writable=on,'
+            'iothread=io0')
+        expected = []
+        writers = []
+        try:
+            for k, base in enumerate(self.REGIONS):
+                ws, region = self.writes(k, 400)
+                expected.append(region)
+                cmds = []
+                for pat, off, ln in ws:
+                    cmds += ['-c', f'write -P {pat} {base + off} {ln}']
+                writers.append(H.subprocess.Popen(
+                    [H.binary('qemu-io'), '-f', 'raw', *cmds,
+                     f'nbd+unix:///h0?socket={sock}'],
+                    stdout=H.subprocess.PIPE, stderr=H.subprocess.STDOUT,
+                    text=True))
+            switches = 0
+            deadline = time.monotonic() + 300
+            while any(w.poll() is None for w in writers):
+                self.assertLess(time.monotonic(), deadline, 'writers hang')
+                mode = ('sync', 'async')[switches % 2]
+                if switches % 4 < 2:
+                    q.cmd('hybrid-set-mode', **{'node-name': 'h0',
+                                                'mode': mode})
+                else:
+                    q.cmd('blockdev-reopen', options=[{
+                        'driver': 'hybrid', 'node-name': 'h0', 'file': 'f0',
+                        'mode': mode,
+                        'dirty-limit': (1 + switches % 3) * MiB}])
+                info = q.cmd('query-hybrid')[0]
+                self.assertEqual(info['mode'], mode)
+                self.assertIsNone(info.get('error'))
+                switches += 1
+            for w in writers:
+                out = w.communicate()[0]
+                self.assertEqual(w.returncode, 0, out[-2000:])
+                self.assertNotIn('failed', out)
+            self.assertGreaterEqual(switches, 60,
+                                    'too few switches during the load')
+            print(f'{switches} mode switches under load', file=sys.stderr)
+        finally:
+            for w in writers:
+                if w.poll() is None:
+                    w.kill()
+                    w.wait()
+            q.stop()
+        raw = self.tmp('sw.raw')
+        H.qemu_img('convert', '-f', 'hybrid', '-O', 'raw', self.img, raw)
+        with open(raw, 'rb') as f:
+            data = f.read()
+        for base, region in zip(self.REGIONS, expected):
+            self.assertTrue(data[base:base + self.REGION] == region,
+                            f'region at {base} differs')
         self.assertFalse(H.img_info(self.img)['format-specific']['data']
                          ['dirty'])
 
