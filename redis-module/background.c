@@ -18,7 +18,7 @@ int hmBackgroundAllowed(void) {
     return 1;
 }
 
-int hmDemotionAllowed(void) {
+static int demotionAllowed(void) {
     return hm.cfg.demote && hmBackgroundAllowed();
 }
 
@@ -98,7 +98,7 @@ static int backgroundWork(uint64_t deadline) {
     while (rehash && hmNowUs() < deadline) rehash = arenaRehashStep(hm.arena, HM_REHASH_STEP);
     if (hm.compact.wanted && hm.compact.mallctl && !hm.pass.cursor && hmBackgroundAllowed())
         hmCompactSlice(deadline);
-    else if (hmDemotionAllowed())
+    else if (demotionAllowed())
         hmDemoteSlice(deadline, hmNowMs());
     sweepSlice(deadline);
     if (hmNowUs() < deadline && hmReclaimWanted()) hmReclaimSlice(deadline);

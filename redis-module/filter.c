@@ -25,12 +25,20 @@
  * The filter runs before the command, which may then wait (queued in a
  * MULTI, postponed by CLIENT PAUSE): the item may only go back once the
  * command has run. So the visit marks the key's access clock as long ago
- * (LRU idle HM_VISIT_IDLE_MS, or LFU counter 0), the command's lookup
- * touches it (commands that look up with NOTOUCH promote instead), and a
- * key still marked when the round ends stays hot with a fresh clock, as a
- * promotion. Another client's access to the same key in that round would
+ * (LRU idle HM_VISIT_IDLE_MS, or LFU counter 0) and the command's lookup
+ * touches it. Another client's access to the same key in that round would
  * touch the clock too: so there are no visits while a MULTI is open (as
  * for demotion) or clients may be paused (notePause).
+ *
+ * A key still marked when the round ends was not touched: its command
+ * looked it up with NOTOUCH (TTL, TYPE, EXISTS), or did not run at all
+ * because Redis refused it after the filter (ACL, arity, OOM...), or is
+ * queued in a MULTI. Without a MULTI open the item goes back as it was
+ * and leaves no trace, so that a command refused to a client (a key
+ * outside its ACL key patterns, a command it may not run) neither promotes
+ * nor reveals the key; with one, it stays hot with a fresh clock, as a
+ * promotion. Whether an item read twice stays hot is decided at the end
+ * of the round too, once the command has run.
  *
  * Accesses are remembered in two generations of a bit set indexed by a
  * hash of the key (a false positive only promotes early), each generation
@@ -58,15 +66,30 @@ static int hotFull(void) {
     return hm.pass.admit_budget > 0 && hm.pass.hot_est > hm.pass.admit_budget + hm.pass.admit_budget / 8;
 }
 
-static int visitsAllowed(void) {
-    return hmDemotionAllowed() && (hm.visit.paused_until_us == 0 || hmNowUs() >= hm.visit.paused_until_us);
+/* 1 if an item brought in for a command may go back to the arena after
+ * it: not while a command may be postponed (MULTI, a pause), nor outside
+ * the normal state. */
+static int lendAllowed(void) {
+    return hmBackgroundAllowed() &&
+           (hm.visit.paused_until_us == 0 || hmNowUs() >= hm.visit.paused_until_us);
 }
 
-/* 1 if the cold item accessed now is a visit (see above). */
-int hmReadBackWanted(const char *k, size_t klen) {
-    if (hm.cfg.promote_window_ms == 0 || !hm.bg.bites_on || hm.replica ||
-        hm.visit.back.n >= HM_READ_BACK_MAX || !visitsAllowed())
-        return 0;
+/* 1 if a read goes back cold (a visit); otherwise an item whose command
+ * ran stays hot (with demotion off, or promote-window-ms 0). */
+static int visitMode(void) {
+    return hm.cfg.demote && hm.cfg.promote_window_ms != 0;
+}
+
+/* 1 if the cold item accessed now is lent to the keyspace for its command
+ * (see above): whether it stays hot is decided once the command has run
+ * (hmReadBackSettle), so a command Redis refuses brings nothing in. */
+int hmReadBackWanted(void) {
+    return hm.bg.bites_on && !hm.replica && hm.visit.back.n < HM_READ_BACK_MAX && lendAllowed();
+}
+
+/* 1 if 'k' was read before within appassist.promote-window-ms (see above);
+ * it is marked as read now. */
+static int seenBefore(const char *k, size_t klen) {
     uint64_t now = hmNowUs(), window = (uint64_t)hm.cfg.promote_window_ms * 1000;
     if (!hm.visit.seen[0]) {
         hm.visit.seen[0] = RedisModule_Calloc(HM_SEEN_BITS / 64, sizeof(uint64_t));
@@ -86,11 +109,31 @@ int hmReadBackWanted(const char *k, size_t klen) {
     size_t w = bit >> 6;
     int seen = ((hm.visit.seen[0][w] | hm.visit.seen[1][w]) & mask) != 0;
     hm.visit.seen[0][w] |= mask;
-    if (seen && hotFull()) {
-        hm.stats.promotions_refused++;
-        return 1;
+    return seen;
+}
+
+/* 1 if a client may have a MULTI open: its queued commands ran the filter
+ * and have yet to run. Every MULTI passes the filter, which sets
+ * multi_since_check; CLIENT LIST (flag x) then tells, and clears it when no
+ * client is in one. Asked only when a visit ends untouched. */
+static int multiOpen(void) {
+    if (!hm.filter.multi_since_check) return 0;
+    RedisModuleCallReply *r = RedisModule_Call(hm.dctx, "CLIENT", "c", "LIST");
+    size_t len = 0;
+    const char *s = r ? RedisModule_CallReplyStringPtr(r, &len) : NULL;
+    int open = s == NULL;       /* cannot tell: assume one */
+    for (const char *p = s, *end = s + len; p && p < end && !open;) {
+        const char *nl = memchr(p, '\n', (size_t)(end - p));
+        const char *eol = nl ? nl : end;
+        const char *f = memmem(p, (size_t)(eol - p), " flags=", 7);
+        if (f)
+            for (f += 7; f < eol && *f != ' '; f++)
+                if (*f == 'x') open = 1;
+        p = nl ? nl + 1 : end;
     }
-    return !seen;
+    if (r) RedisModule_FreeCallReply(r);
+    if (!open) hm.filter.multi_since_check = 0;
+    return open;
 }
 
 /* Mark a visited key's access clock (see above). */
@@ -130,16 +173,47 @@ static int visitUnchanged(RedisModuleKey *kh, ColdRef ref, mstime_t expire) {
     return same;
 }
 
+/* Take the visited item back: unchanged, by deleting the keyspace copy and
+ * taking the lent item at 'ref' back; changed, with the value and expire
+ * the commands left. Closes 'kh'. */
+static void visitBack(RedisModuleString *key, RedisModuleKey *kh, ColdRef ref, mstime_t expire) {
+    size_t klen;
+    const char *k = RedisModule_StringPtrLen(key, &klen);
+    if (visitUnchanged(kh, ref, expire)) {
+        RedisModule_DeleteKey(kh);
+        RedisModule_CloseKey(kh);
+        arenaReturn(hm.arena, k, klen);
+    } else {
+        /* The new version goes to the arena's end, ahead of every SCAN
+         * cursor; if it cannot, it stays hot. */
+        uint64_t pos = arenaCursorOf(hm.arena, ref);
+        arenaDelete(hm.arena, k, klen);
+        if (!hmMoveToArena(key, kh, expire)) hmScanLogNote(k, klen, pos);
+    }
+}
+
+/* The visited item stays hot (a promotion); closes 'kh'. */
+static void visitKeep(const char *k, size_t klen, RedisModuleKey *kh, int lent, ColdRef ref) {
+    if (lent) {
+        hmScanLogNote(k, klen, arenaCursorOf(hm.arena, ref));
+        arenaDelete(hm.arena, k, klen);
+    }
+    hm.pass.hot_est += (long long)(klen + RedisModule_ValueLength(kh) + HM_ITEM_OVERHEAD);
+    RedisModule_CloseKey(kh);
+    hm.stats.promotions++;
+}
+
 /* After the commands of this round of the event loop, the visited items go
- * back: unchanged, by deleting the keyspace copy and taking the lent item
- * back; changed, with the value and expire the commands left. A key the
- * round deleted, expired or turned into another type stays as it is (the
- * lent item goes). A key whose command has not run yet, or any key when
- * visits are not allowed now (a migration or a pause began), stays hot: a
- * promotion. Runs before anything walks the keyspace or the arena as a
- * whole (bites, the timer, PREPARE, DEMOTE, COMPACT, SWAPDB). */
+ * back (visitBack), unless read before within the window: those stay hot
+ * unless the hot set is full (hotFull). A key the round deleted, expired or
+ * turned into another type stays as it is (the lent item goes). An item
+ * whose command did not touch it goes back as it was, but stays hot while
+ * a MULTI is open (see above); any item stays hot when visits are not
+ * allowed now (a migration or a pause began). Runs before anything walks
+ * the keyspace or the arena as a whole (bites, the timer, PREPARE, DEMOTE,
+ * COMPACT, SWAPDB). */
 void hmReadBackSettle(void) {
-    int allowed = visitsAllowed();
+    int allowed = lendAllowed(), visits = allowed && visitMode();
     for (size_t i = 0; i < hm.visit.back.n; i++) {
         RedisModuleString *key = hm.visit.back.v[i];
         size_t klen;
@@ -149,29 +223,30 @@ void hmReadBackSettle(void) {
         RedisModuleKey *kh = hmOpenLiveString(key, &expire);
         int lent = arenaLookup(hm.arena, k, klen, &ref) == 2;
         if (!kh) {
+            /* deleted, expired or retyped by the round's commands */
             if (lent) arenaDelete(hm.arena, k, klen);
+            if (visits) hm.stats.visits++;
+            else hm.stats.promotions++;
         } else if (lent && allowed && visitDone(kh)) {
-            if (visitUnchanged(kh, ref, expire)) {
-                RedisModule_DeleteKey(kh);
-                RedisModule_CloseKey(kh);
-                arenaReturn(hm.arena, k, klen);
+            int seen = visits && seenBefore(k, klen);
+            if (seen && hotFull()) hm.stats.promotions_refused++;
+            if (!visits || (seen && !hotFull())) {
+                /* The clock the key would have had, promoted before its
+                 * command: an LFU counter counts from LFU_INIT_VAL. */
+                long long freq;
+                if (RedisModule_GetLFU(kh, &freq) == REDISMODULE_OK && freq >= 0)
+                    RedisModule_SetLFU(kh, freq + HM_LFU_INIT > 255 ? 255 : freq + HM_LFU_INIT);
+                visitKeep(k, klen, kh, lent, ref);
             } else {
-                /* The new version goes to the arena's end, ahead of
-                 * every SCAN cursor; if it cannot, it stays hot. */
-                uint64_t pos = arenaCursorOf(hm.arena, ref);
-                arenaDelete(hm.arena, k, klen);
-                if (!hmMoveToArena(key, kh, expire)) hmScanLogNote(k, klen, pos);
+                visitBack(key, kh, ref, expire);
+                hm.stats.visits++;
             }
+        } else if (lent && allowed && !multiOpen()) {
+            visitBack(key, kh, ref, expire);    /* untouched: see above */
         } else {
             /* PREPARE dropped the arena, or the command is still to run. */
             visitReset(kh);
-            if (lent) {
-                hmScanLogNote(k, klen, arenaCursorOf(hm.arena, ref));
-                arenaDelete(hm.arena, k, klen);
-            }
-            RedisModule_CloseKey(kh);
-            hm.stats.visits--;
-            hm.stats.promotions++;
+            visitKeep(k, klen, kh, lent, ref);
         }
         RedisModule_FreeString(NULL, key);
     }
@@ -192,23 +267,20 @@ int hmCmdIs(const char *c, size_t l, const char *name) {
  * of a pipelined GET (docs/redis-module.md, "Design history")). Must stay exact: a
  * command listed here with another key would run on that key cold. */
 #define NAMELEN(s) s, sizeof(s) - 1
-typedef struct { const char *name; size_t len; int visit; } CmdName;
-/* 'visit': a cold key the command names is visited, not promoted (see
- * hmReadBackWanted); 0 for the commands that look the key up with NOTOUCH
- * (the visit could not tell that they ran: it would end as a promotion). */
+typedef struct { const char *name; size_t len; } CmdName;
 static const CmdName one_key_cmds[] = {
-    {NAMELEN("get"), 1}, {NAMELEN("set"), 1}, {NAMELEN("setnx"), 1}, {NAMELEN("setex"), 1},
-    {NAMELEN("psetex"), 1}, {NAMELEN("getset"), 1}, {NAMELEN("getdel"), 1},
-    {NAMELEN("getex"), 1}, {NAMELEN("incr"), 1}, {NAMELEN("decr"), 1}, {NAMELEN("incrby"), 1},
-    {NAMELEN("decrby"), 1}, {NAMELEN("incrbyfloat"), 1}, {NAMELEN("append"), 1},
-    {NAMELEN("strlen"), 1}, {NAMELEN("getrange"), 1}, {NAMELEN("setrange"), 1},
-    {NAMELEN("substr"), 1}, {NAMELEN("ttl"), 0}, {NAMELEN("pttl"), 0}, {NAMELEN("expire"), 1},
-    {NAMELEN("pexpire"), 1}, {NAMELEN("expireat"), 1}, {NAMELEN("pexpireat"), 1},
-    {NAMELEN("persist"), 1}, {NAMELEN("type"), 0}, {NAMELEN("expiretime"), 0},
-    {NAMELEN("pexpiretime"), 0},
+    {NAMELEN("get")}, {NAMELEN("set")}, {NAMELEN("setnx")}, {NAMELEN("setex")},
+    {NAMELEN("psetex")}, {NAMELEN("getset")}, {NAMELEN("getdel")},
+    {NAMELEN("getex")}, {NAMELEN("incr")}, {NAMELEN("decr")}, {NAMELEN("incrby")},
+    {NAMELEN("decrby")}, {NAMELEN("incrbyfloat")}, {NAMELEN("append")},
+    {NAMELEN("strlen")}, {NAMELEN("getrange")}, {NAMELEN("setrange")},
+    {NAMELEN("substr")}, {NAMELEN("ttl")}, {NAMELEN("pttl")}, {NAMELEN("expire")},
+    {NAMELEN("pexpire")}, {NAMELEN("expireat")}, {NAMELEN("pexpireat")},
+    {NAMELEN("persist")}, {NAMELEN("type")}, {NAMELEN("expiretime")},
+    {NAMELEN("pexpiretime")},
 };
 static const CmdName one_key_if_argc2[] = {
-    {NAMELEN("exists"), 0}, {NAMELEN("del"), 1}, {NAMELEN("unlink"), 1}, {NAMELEN("touch"), 1},
+    {NAMELEN("exists")}, {NAMELEN("del")}, {NAMELEN("unlink")}, {NAMELEN("touch")},
 };
 
 static const CmdName *inNames(const CmdName *t, size_t n, const char *c, size_t l) {
@@ -292,7 +364,12 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
         }
         break;
     case 5:
-        if (hmCmdIs(c, cl, "multi")) { hm.filter.multi_open++; hm.filter.multi_seen_us = hmNowUs(); return; }
+        if (hmCmdIs(c, cl, "multi")) {
+            hm.filter.multi_open++;
+            hm.filter.multi_seen_us = hmNowUs();
+            hm.filter.multi_since_check = 1;
+            return;
+        }
         break;
     case 6:
         if (hmCmdIs(c, cl, "dbsize")) {
@@ -315,7 +392,7 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
     if (arenaCount(hm.arena) == 0) return;
     const CmdName *one = firstArgIsOnlyKey(c, cl, argc);
     if (one) {
-        hmPromoteKey(RedisModule_CommandFilterArgGet(f, 1), one->visit);
+        hmPromoteKey(RedisModule_CommandFilterArgGet(f, 1), 1);
         return;
     }
 

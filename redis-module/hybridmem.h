@@ -172,6 +172,7 @@ typedef struct HmFilter {               /* filter.c */
     uint64_t served;            /* commands seen by the filter */
     long multi_open;            /* MULTIs without EXEC/DISCARD yet (see hmFilter) */
     uint64_t multi_seen_us;
+    int multi_since_check;      /* a MULTI passed since multiOpen() found none */
 } HmFilter;
 
 typedef struct HmVisit {                /* filter.c: reads of cold items (see hmReadBackWanted) */
@@ -298,7 +299,7 @@ int hmRegisterConfigs(RedisModuleCtx *ctx);
 int hmFilterInit(RedisModuleCtx *ctx);
 int hmCmdIs(const char *c, size_t l, const char *name);
 uint32_t hmKeyFnv(const char *key, size_t l);
-int hmReadBackWanted(const char *k, size_t klen);
+int hmReadBackWanted(void);
 void hmVisitMark(RedisModuleKey *kh);
 void hmReadBackSettle(void);
 
@@ -333,7 +334,6 @@ int hmCompactCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
 /* ------------------------------------------------------------ background.c */
 
 int hmBackgroundAllowed(void);
-int hmDemotionAllowed(void);
 void hmArmTimer(void);
 void hmBgBite(RedisModuleCtx *ctx, RedisModuleEvent e, uint64_t sub, void *data);
 

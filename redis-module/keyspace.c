@@ -22,6 +22,47 @@ static int wrongArity(RedisModuleCtx *ctx, const char *cmd) {
     return RedisModule_ReplyWithError(ctx, msg);
 }
 
+/* 1 if the client behind 'ctx' has a user (RedisModule_GetCurrentUserName
+ * dereferences it). The master's client and a module's RM_Call have none:
+ * they may run everything. RM_Call's "C" flag stops at once, with ENOTSUP,
+ * when there is none; otherwise "W" stops a write command before it runs
+ * or is checked against ACLs (ENOSPC). */
+static int hasUser(RedisModuleCtx *ctx) {
+    if (RedisModule_GetContextFlags(ctx) & REDISMODULE_CTX_FLAGS_REPLICATED) return 0;
+    errno = 0;
+    RedisModuleCallReply *r = RedisModule_Call(ctx, "DEL", "CWc", "appassist:no-such-key");
+    if (r) RedisModule_FreeCallReply(r);
+    return errno != ENOTSUP;
+}
+
+/* 1 if the caller may run 'cmd' with these arguments (argv[0] is ours):
+ * the command the filter rewrote into this one, checked as stock Redis
+ * checks it before running it. Otherwise replies with stock Redis's error,
+ * adds the refusal to the ACL LOG, and returns 0. Without this check, a
+ * user allowed everything but KEYS/SCAN/DBSIZE ran them as these module
+ * commands, which ACL rules do not name. */
+static int aclAllowed(RedisModuleCtx *ctx, const char *cmd, RedisModuleString **argv, int argc) {
+    if (!hasUser(ctx)) return 1;
+    RedisModuleString *name = RedisModule_GetCurrentUserName(ctx);
+    RedisModuleUser *user = RedisModule_GetModuleUserFromUserName(name);
+    RedisModule_FreeString(ctx, name);
+    RedisModuleString *stackv[8], **v = stackv;
+    if (argc > 8) v = RedisModule_Alloc(sizeof(*v) * (size_t)argc);
+    v[0] = RedisModule_CreateString(ctx, cmd, strlen(cmd));
+    for (int i = 1; i < argc; i++) v[i] = argv[i];
+    int ok = user && RedisModule_ACLCheckCommandPermissions(user, v, argc) == REDISMODULE_OK;
+    if (!ok) {
+        char msg[96];
+        if (user) RedisModule_ACLAddLogEntry(ctx, user, v[0], REDISMODULE_ACL_LOG_CMD);
+        snprintf(msg, sizeof(msg), "NOPERM this user has no permissions to run the '%s' command", cmd);
+        RedisModule_ReplyWithError(ctx, msg);
+    }
+    RedisModule_FreeString(ctx, v[0]);
+    if (v != stackv) RedisModule_Free(v);
+    if (user) RedisModule_FreeModuleUser(user);
+    return ok;
+}
+
 static void forwardArray(RedisModuleCtx *ctx, RedisModuleCallReply *r, long *n) {
     size_t len = RedisModule_CallReplyLength(r);
     for (size_t i = 0; i < len; i++) {
@@ -54,6 +95,7 @@ static void matchCb(void *priv, const ColdItem *it) {
  * keys (db 0 only). */
 int hmKeysCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (argc != 2) return wrongArity(ctx, "keys");
+    if (!aclAllowed(ctx, "keys", argv, argc)) return REDISMODULE_OK;
     RedisModuleCallReply *r = RedisModule_Call(ctx, "KEYS", "s", argv[1]);
     if (!r || RedisModule_CallReplyType(r) != REDISMODULE_REPLY_ARRAY) {
         if (r) {
@@ -84,6 +126,7 @@ int hmKeysCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
 int hmDbsizeCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     (void)argv;
     if (argc != 1) return wrongArity(ctx, "dbsize");
+    if (!aclAllowed(ctx, "dbsize", argv, argc)) return REDISMODULE_OK;
     long long n = (long long)RedisModule_DbSize(ctx);
     if (RedisModule_GetSelectedDb(ctx) == 0) n += (long long)arenaCount(hm.arena);
     return RedisModule_ReplyWithLongLong(ctx, n);
@@ -186,6 +229,7 @@ static long scanLogReply(RedisModuleCtx *ctx, uint64_t from, uint64_t to, const 
  * returned; promoted keys come from the SCAN log (above). */
 int hmScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (argc < 2) return wrongArity(ctx, "scan");
+    if (!aclAllowed(ctx, "scan", argv, argc)) return REDISMODULE_OK;
     size_t cl;
     const char *cs = RedisModule_StringPtrLen(argv[1], &cl);
     char *end;

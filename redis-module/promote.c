@@ -29,11 +29,11 @@ static RedisModuleKey *openIfAbsent(RedisModuleString *key) {
 }
 
 /* Bring the cold item 'key' into the keyspace before a command runs on it.
- * 'visit': the command touches the key's access clock; then, unless the
- * item was accessed before within appassist.promote-window-ms, it is a
- * visit, not a promotion: the item goes back to the arena once the command
- * has run (hmReadBackSettle). Returns 1 if the item was brought in, 0 if it
- * was not cold, -1 on error. */
+ * 'visit': the item is lent to the keyspace when that is allowed, and
+ * hmReadBackSettle decides once the command has run: a visit (back to the
+ * arena) unless it was read before within appassist.promote-window-ms, or
+ * back as it was if the command did not run. Returns 1 if the item was
+ * brought in, 0 if it was not cold, -1 on error. */
 int hmPromoteKey(RedisModuleString *key, int visit) {
     size_t klen;
     const char *k = RedisModule_StringPtrLen(key, &klen);
@@ -75,13 +75,12 @@ int hmPromoteKey(RedisModuleString *key, int visit) {
         expired = expire <= hmNowMs();
     }
     RedisModule_FreeString(ctx, val);
-    if (visit && !expired && hmReadBackWanted(k, klen)) {
+    if (visit && !expired && hmReadBackWanted()) {
         /* The arena keeps the item, lent: if the command leaves it as it
          * was, going back costs only the keyspace delete. */
         arenaBorrow(hm.arena, k, klen);
         hmVisitMark(kh);
         hmKeyListPush(&hm.visit.back, RedisModule_CreateStringFromString(NULL, key));
-        hm.stats.visits++;
     } else {
         if (!expired) hmScanLogNote(k, klen, arenaCursorOf(hm.arena, ref));
         arenaDelete(hm.arena, k, klen);

@@ -127,7 +127,8 @@ def run(client, name, args):
                            for x in p.execute(raise_on_error=False)])
         return ('ok', client.execute_command(name, *args))
     except redis.ResponseError as e:
-        return ('err', str(e))
+        # redis-py strips the error code (NOPERM, ...) into the class
+        return ('err', '%s: %s' % (type(e).__name__, e))
 
 
 def normalise(name, rep):
@@ -146,6 +147,118 @@ def close(name, a, b):
             return x == y
         return abs(x - y) <= (2 if name == 'TTL' else 2000)
     return a == b
+
+
+# ACL users, each created on both servers. Stock Redis checks a command and
+# its keys before it runs; the module's filter rewrites KEYS/SCAN/DBSIZE into
+# module commands and brings cold keys in before that check.
+ACL_USERS = {
+    'nolist': 'on >pw ~* +@all -keys -scan -dbsize',
+    'userkeys': 'on >pw ~user:* +@all',
+    'nowrite': 'on >pw ~* +@all -@write',
+}
+
+# What each user sends: the whole-keyspace commands, and reads and writes
+# of keys inside and outside ~user:*.
+ACL_COMMANDS = [
+    ('SCAN', ['*']), ('SCAN', ['other:*']), ('KEYS', ['*']), ('KEYS', ['user:*']),
+    ('DBSIZE', []),
+    ('GET', ['user:1']), ('GET', ['other:1']), ('MGET', ['user:2', 'other:2']),
+    ('MGET', ['user:3', 'user:4']), ('STRLEN', ['other:3']), ('EXISTS', ['other:4']),
+    ('TTL', ['other:5']), ('TYPE', ['other:6']), ('GETRANGE', ['other:11', 0, 3]),
+    ('SET', ['other:7', 'x']), ('INCR', ['other:8']), ('APPEND', ['user:5', 'z']),
+    ('SET', ['user:6', 'w']), ('DEL', ['other:9']), ('GETDEL', ['user:7']),
+    ('RENAME', ['other:10', 'user:10']), ('EXPIRE', ['other:12', 1000]),
+    ('GET', ['other:1']), ('GET', ['other:1']),     # a second access promotes, if allowed
+]
+
+NOPERM_CMD = "NoPermissionError: this user has no permissions to run the '%s' command"
+NOPERM_KEY = ('NoPermissionError: this user has no permissions to access one of the keys '
+              'used as arguments')
+
+
+class AclDifferentialTest(ServerTestCase):
+    """ACL users see through the module exactly what stock Redis shows them:
+    the same replies, error texts included, and a command they may not run
+    brings nothing in from the arena (issue 18, item 1)."""
+
+    def servers_with_users(self, cold, demote='yes'):
+        stock = self.server('stock', module=False)
+        mod = self.server('mod', configs={'hot-percent': 0, 'min-idle-ms': 0, 'demote': 'no',
+                                          'promote-window-ms': 60000})
+        for srv in (stock, mod):
+            c = srv.client()
+            for i in range(20):
+                c.set('user:%d' % i, 'u%d' % i)
+                c.set('other:%d' % i, 'o%d' % i)
+            c.set('other:12', 'ttl', ex=5000)
+            c.rpush('user:list', 'a', 'b')
+            for name, rules in ACL_USERS.items():
+                c.execute_command('ACL', 'SETUSER', name, *rules.split())
+        if cold:
+            c = mod.client()
+            self.demote_all(c, 40)
+            # a budget everything fits: no pass demotes behind the test's back
+            c.config_set('appassist.planned-memory', 1 << 30)
+            c.config_set('appassist.hot-percent', 100)
+            c.config_set('appassist.demote', demote)
+        return stock, mod
+
+    def cold_keys(self, c):
+        return {k for k in c.keys('*') if c.execute_command('APPASSIST.ISCOLD', k)}
+
+    def check(self, cold, demote='yes'):
+        stock, mod = self.servers_with_users(cold, demote)
+        admin = mod.client()
+        for user in ACL_USERS:
+            if cold:
+                admin.execute_command('APPASSIST.DEMOTE', 1000)
+            sc = stock.client(username=user, password='pw')
+            mc = mod.client(username=user, password='pw')
+            for name, args in ACL_COMMANDS:
+                cold_before = self.cold_keys(admin)
+                a = normalise(name, run(sc, name, args))
+                b = normalise(name, run(mc, name, args))
+                self.assertEqual(a, b, '%s: %s %r' % (user, name, args))
+                if a[0] == 'err' and a[1].startswith('NoPermissionError'):
+                    # Refused: nothing the command names left the arena.
+                    self.assertEqual(self.cold_keys(admin), cold_before,
+                                     '%s: %s %r: %s' % (user, name, args, a[1]))
+        # Whole dataset equal at the end.
+        sa = stock.client()
+        keys = sorted(sa.keys('*'))
+        self.assertEqual(keys, sorted(admin.keys('*')))
+        for k in keys:
+            if sa.type(k) == b'string':
+                self.assertEqual(sa.get(k), admin.get(k), k)
+        return stock, mod
+
+    def test_acl_nothing_cold(self):
+        """Every user's replies equal stock Redis's with no cold items."""
+        stock, mod = self.check(cold=False)
+        self.assertHealthy(mod)
+
+    def test_acl_most_cold(self):
+        """Every user's replies equal stock Redis's with most items cold:
+        the rewritten KEYS/SCAN/DBSIZE answer NOPERM to a user without them,
+        and a read or write refused for its key or command brings nothing
+        in from the arena."""
+        stock, mod = self.check(cold=True)
+        c = mod.client(username='nolist', password='pw')
+        for cmd, args in (('SCAN', [0]), ('KEYS', ['*']), ('DBSIZE', []),
+                          ('APPASSIST.SCAN', [0]), ('APPASSIST.KEYS', ['*']),
+                          ('APPASSIST.DBSIZE', [])):
+            with self.assertRaises(redis.exceptions.NoPermissionError) as e:
+                c.execute_command(cmd, *args)
+            self.assertEqual(str(e.exception), NOPERM_CMD.split(': ', 1)[1] %
+                             cmd.split('.')[-1].lower())
+        self.assertHealthy(mod)
+
+    def test_acl_most_cold_no_demotion(self):
+        """The same with appassist.demote no, where an access promotes
+        instead of visiting: a refused command still promotes nothing."""
+        stock, mod = self.check(cold=True, demote='no')
+        self.assertHealthy(mod)
 
 
 class DifferentialTest(ServerTestCase):
