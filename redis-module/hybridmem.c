@@ -171,6 +171,7 @@ static void infoFunc(RedisModuleInfoCtx *ctx, int for_crash_report) {
     RedisModule_InfoAddFieldLongLong(ctx, "demotions", hm.stats.demotions);
     RedisModule_InfoAddFieldLongLong(ctx, "promotions", hm.stats.promotions);
     RedisModule_InfoAddFieldLongLong(ctx, "visits", hm.stats.visits);
+    RedisModule_InfoAddFieldLongLong(ctx, "read_errors", hm.stats.read_errors);
     RedisModule_InfoAddFieldLongLong(ctx, "promotions_refused", hm.stats.promotions_refused);
     RedisModule_InfoAddFieldLongLong(ctx, "expired_promotions", hm.stats.expired_promotions);
     RedisModule_InfoAddFieldULongLong(ctx, "scan_log_items", hm.scan.n);

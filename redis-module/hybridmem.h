@@ -211,6 +211,7 @@ typedef struct HmStats {                /* promote.c, filter.c */
     long long demotions, promotions, expired_promotions, demote_errors;
     long long visits;           /* accesses served by a visit (the item went back cold) */
     long long promotions_refused;
+    long long read_errors;      /* commands refused because a cold item could not be read */
 } HmStats;
 
 typedef struct HmMigration {            /* migrate.c */
@@ -307,7 +308,7 @@ void hmReadBackSettle(void);
 
 int hmPromoteKey(RedisModuleString *key, int visit);
 void hmCollectCb(void *priv, const ColdItem *it);
-void hmPromoteAll(void);
+int hmPromoteAll(void);
 RedisModuleKey *hmOpenLiveString(RedisModuleString *key, mstime_t *expire);
 uint64_t hmMoveToArena(RedisModuleString *key, RedisModuleKey *kh, mstime_t expire);
 int hmDemoteKey(RedisModuleString *key);
@@ -355,6 +356,7 @@ int hmKeysCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
 int hmDbsizeCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
 int hmScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
 int hmIsColdCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
+int hmReplyReadError(RedisModuleCtx *ctx);
 void hmScanLogClear(void);
 int hmScanRecent(void);
 void hmScanLogNote(const char *k, size_t klen, uint64_t pos);

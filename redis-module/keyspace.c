@@ -81,14 +81,33 @@ typedef struct MatchCtx {
     int all;
     long long now;
     long n;
+    KeyList *out;               /* collect here instead of replying */
 } MatchCtx;
 
 static void matchCb(void *priv, const ColdItem *it) {
     MatchCtx *m = priv;
     if (it->expire != ARENA_NO_EXPIRE && it->expire <= m->now) return;
     if (!m->all && !stringmatchlen(m->pat, (int)m->patlen, it->key, (int)it->klen, 0)) return;
-    RedisModule_ReplyWithStringBuffer(m->ctx, it->key, it->klen);
+    if (m->out)
+        hmKeyListPush(m->out, RedisModule_CreateString(NULL, it->key, it->klen));
+    else
+        RedisModule_ReplyWithStringBuffer(m->ctx, it->key, it->klen);
     m->n++;
+}
+
+static void keyListFree(KeyList *l) {
+    for (size_t i = 0; i < l->n; i++) RedisModule_FreeString(NULL, l->v[i]);
+    RedisModule_Free(l->v);
+    *l = (KeyList){0};
+}
+
+/* A whole-keyspace command met a cold item it could not read (a spilled
+ * chunk): an error, never a short answer presented as complete. */
+int hmReplyReadError(RedisModuleCtx *ctx) {
+    hm.stats.read_errors++;
+    RedisModule_Log(hm.dctx, "warning", "appassist: reading spilled cold items failed: %s",
+                    strerror(errno));
+    return RedisModule_ReplyWithError(ctx, "ERR appassist: reading spilled cold items failed");
 }
 
 /* KEYS pattern, when something is cold: the stock reply plus matching cold
@@ -105,14 +124,34 @@ int hmKeysCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
         }
         return RedisModule_ReplyWithError(ctx, "ERR KEYS failed");
     }
+    int db0 = RedisModule_GetSelectedDb(ctx) == 0;
+    MatchCtx m = {ctx, NULL, 0, 0, hmNowMs(), 0, NULL};
+    m.pat = RedisModule_StringPtrLen(argv[1], &m.patlen);
+    m.all = m.patlen == 1 && m.pat[0] == '*';
+    /* Spilled chunks can fail to read: collect the cold keys before
+     * replying. In memory, reply as they come. */
+    KeyList cold = {0};
+    if (db0 && arenaHasSpilled(hm.arena)) {
+        m.out = &cold;
+        uint64_t cur = 0;
+        do {
+            cur = arenaIterate(hm.arena, cur, 1u << 20, matchCb, &m);
+        } while (cur && cur != UINT64_MAX);
+        if (cur == UINT64_MAX) {
+            keyListFree(&cold);
+            RedisModule_FreeCallReply(r);
+            return hmReplyReadError(ctx);
+        }
+    }
     long n = 0;
     RedisModule_ReplyWithArray(ctx, REDISMODULE_POSTPONED_LEN);
     forwardArray(ctx, r, &n);
     RedisModule_FreeCallReply(r);
-    if (RedisModule_GetSelectedDb(ctx) == 0) {
-        MatchCtx m = {ctx, NULL, 0, 0, hmNowMs(), 0};
-        m.pat = RedisModule_StringPtrLen(argv[1], &m.patlen);
-        m.all = m.patlen == 1 && m.pat[0] == '*';
+    if (m.out) {
+        for (size_t i = 0; i < cold.n; i++) RedisModule_ReplyWithString(ctx, cold.v[i]);
+        n += (long)cold.n;
+        keyListFree(&cold);
+    } else if (db0) {
         uint64_t cur = 0;
         do {
             cur = arenaIterate(hm.arena, cur, 1u << 20, matchCb, &m);
@@ -290,12 +329,12 @@ int hmScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
             return RedisModule_ReplyWithError(ctx, "ERR syntax error");
         }
     }
-    MatchCtx m = {ctx, pat, patlen, pat == NULL || (patlen == 1 && pat[0] == '*'), hmNowMs(), 0};
+    MatchCtx m = {ctx, pat, patlen, pat == NULL || (patlen == 1 && pat[0] == '*'), hmNowMs(), 0, NULL};
     int type_ok = type == NULL || hmCmdIs(type, typelen, "string");
     uint64_t acur = cursor & ~HM_SCAN_PHASE_BIT;
-    RedisModule_ReplyWithArray(ctx, 2);
     if (!type_ok) {
         /* no cold item can match: finish the iteration */
+        RedisModule_ReplyWithArray(ctx, 2);
         RedisModule_ReplyWithSimpleString(ctx, "0");
         RedisModule_ReplyWithArray(ctx, 0);
         return REDISMODULE_OK;
@@ -304,7 +343,12 @@ int hmScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     KeyList l = {0};
     uint64_t next = arenaIterate(hm.arena, acur, (unsigned)(count > 100000 ? 100000 : count),
                                  hmCollectCb, &l);
-    if (next == UINT64_MAX) next = 0;
+    if (next == UINT64_MAX) {
+        for (size_t i = 0; i < l.n; i++) RedisModule_FreeString(hm.dctx, l.v[i]);
+        RedisModule_Free(l.v);
+        return hmReplyReadError(ctx);
+    }
+    RedisModule_ReplyWithArray(ctx, 2);
     char buf[32];
     int bl = snprintf(buf, sizeof(buf), "%llu",
                       next ? (unsigned long long)(next | HM_SCAN_PHASE_BIT) : 0ULL);

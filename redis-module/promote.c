@@ -93,24 +93,37 @@ int hmPromoteKey(RedisModuleString *key, int visit) {
 }
 
 /* Promote every cold item (SWAPDB touching db 0, pure-AOF rewrites). This is
- * O(cold items) and blocks; it only runs for rare administrative commands. */
+ * O(cold items) and blocks; it only runs for rare administrative commands.
+ * Returns -1 (logged, counted in read_errors) if some item could not be
+ * read: its callers cannot refuse the command, so the log says what is
+ * left behind. */
 
 void hmCollectCb(void *priv, const ColdItem *it) {
     hmKeyListPush(priv, RedisModule_CreateString(hm.dctx, it->key, it->klen));
 }
 
-void hmPromoteAll(void) {
+int hmPromoteAll(void) {
     hmReadBackSettle();
     KeyList l = {0};
     uint64_t cur = 0;
+    int failed = 0;
     do {
         cur = arenaIterate(hm.arena, cur, 4096, hmCollectCb, &l);
     } while (cur && cur != UINT64_MAX);
+    if (cur == UINT64_MAX) failed++;
     for (size_t i = 0; i < l.n; i++) {
-        hmPromoteKey(l.v[i], 0);
+        if (hmPromoteKey(l.v[i], 0) < 0) failed++;
         RedisModule_FreeString(hm.dctx, l.v[i]);
     }
     RedisModule_Free(l.v);
+    if (failed) {
+        hm.stats.read_errors++;
+        RedisModule_Log(hm.dctx, "warning", "appassist: promoting every cold item failed: "
+                        "%zu promoted, %llu left cold (unreadable)", l.n,
+                        (unsigned long long)arenaCount(hm.arena));
+        return -1;
+    }
+    return 0;
 }
 
 /* ------------------------------------------------------------ demotion */
