@@ -562,20 +562,26 @@ static void hybrid_drain_end_bh(void *opaque)
 
 /*
  * Called from the thread that ends the drained section, which need not be
- * the node's: the background work restarts in the node's AioContext, where
- * all other accesses to its state run.  A new drained section waits for
- * the bottom half (in flight); if it begins first, the kicks find the node
- * quiesced and do nothing.
+ * the node's (an iothread's node drained from the main loop): background
+ * work must restart in the node's AioContext, where all other accesses to
+ * its state run, so from another thread it goes through a bottom half.  A
+ * new drained section waits for that (in flight); if it begins first, the
+ * kicks find the node quiesced and do nothing.
  */
 static void hybrid_drain_end(BlockDriverState *bs)
 {
     BDRVHybridState *s = bs->opaque;
+    AioContext *ctx = bdrv_get_aio_context(bs);
 
     s->quiesced = false;
-    if (s->slots) {
-        bdrv_inc_in_flight(bs);
-        aio_bh_schedule_oneshot(bdrv_get_aio_context(bs),
-                                hybrid_drain_end_bh, bs);
+    if (!s->slots) {
+        return;
+    }
+    bdrv_inc_in_flight(bs);
+    if (qemu_get_current_aio_context() == ctx) {
+        hybrid_drain_end_bh(bs);
+    } else {
+        aio_bh_schedule_oneshot(ctx, hybrid_drain_end_bh, bs);
     }
 }
 
@@ -959,11 +965,16 @@ hybrid_reopen_prepare(BDRVReopenState *state, BlockReopenQueue *queue,
         goto out;
     }
     mode = qemu_opt_get(opts, HYBRID_OPT_MODE);
-    r->mode = mode ? qapi_enum_parse(&HybridMode_lookup, mode, -1, NULL)
-                   : hybrid_default_mode(s);
-    if ((int)r->mode < 0) {
-        error_setg(errp, "Invalid mode '%s' (expected sync or async)", mode);
-        goto out;
+    r->mode = hybrid_default_mode(s);
+    if (mode) {
+        int m = qapi_enum_parse(&HybridMode_lookup, mode, -1, NULL);
+
+        if (m < 0) {
+            error_setg(errp, "Invalid mode '%s' (expected sync or async)",
+                       mode);
+            goto out;
+        }
+        r->mode = m;
     }
     r->dirty_limit = qemu_opt_get_size(opts, HYBRID_OPT_DIRTY_LIMIT,
                                        HYBRID_DEFAULT_DIRTY_LIMIT);
