@@ -153,22 +153,30 @@ class StorageDaemon:
                     raise RuntimeError('qemu-storage-daemon did not start: ' +
                                        self.log.read())
                 time.sleep(0.05)
-        self.file = self.sock.makefile('rw')
+        self.rbuf = b''
         self.events = []
         self._read()                      # greeting
         self.qmp('qmp_capabilities')
 
     def _read(self, timeout=60):
-        self.sock.settimeout(timeout)
-        line = self.file.readline()
-        if not line:
-            raise EOFError('QMP connection closed')
+        """One QMP message; socket.timeout when none arrives in time (the
+        connection stays usable)."""
+        deadline = time.monotonic() + timeout
+        while b'\n' not in self.rbuf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.sock], [], [], left)[0]:
+                raise socket.timeout('no QMP message')
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise EOFError('QMP connection closed')
+            self.rbuf += chunk
+        line, self.rbuf = self.rbuf.split(b'\n', 1)
         return json.loads(line)
 
     def qmp(self, cmd, **args):
         """Run a command; return the whole response (error or return)."""
-        self.file.write(json.dumps({'execute': cmd, 'arguments': args}) + '\n')
-        self.file.flush()
+        self.sock.sendall((json.dumps({'execute': cmd, 'arguments': args}) +
+                           '\n').encode())
         while True:
             msg = self._read()
             if 'event' in msg:

@@ -96,6 +96,45 @@ class HybridInactivateTest(unittest.TestCase):
                             f'read -P {pat} {off} {ln}', self.img).stdout
             self.assertNotIn('failed', out)
 
+    def test_failed_activation_stays_inactive(self):
+        """An activation that fails (header corrupted while inactive)
+        leaves the node inactive: a drained section does not restart its
+        restore (the old code did, and emitted HYBRID_RESTORE_COMPLETED
+        while inactive); once the header is back, activation restores."""
+        q = self.qsd
+        q.cmd('blockdev-add', driver='hybrid', **{'node-name': 'h0'},
+              file='d0', mode='async')
+        self.io('write -P 0x22 1M 64k')
+        r = q.qmp('blockdev-set-active', **{'node-name': 'h0'}, active=False)
+        self.assertIn('error', r)               # blkdebug: first flush
+        q.cmd('blockdev-set-active', **{'node-name': 'h0'}, active=False)
+        self.assertFalse(q.cmd('query-hybrid')[0]['restore-done'],
+                         'restore finished before the inactivation: the test '
+                         'needs a slower persistent tier')
+        q.cmd('qom-set', path='tg0', property='limits',
+              value={'bps-read': 1 << 40})
+        with open(self.img, 'r+b') as f:
+            header = f.read(8)
+            f.seek(0)
+            f.write(b'XXXXXXXX')
+        r = q.qmp('blockdev-set-active', **{'node-name': 'h0'}, active=True)
+        self.assertIn('not in hybrid format', r['error']['desc'])
+        # Any drained section of the node ends with the restore's kick
+        q.qmp('blockdev-reopen', options=[{
+            'driver': 'hybrid', 'node-name': 'h0', 'file': 'd0',
+            'mode': 'async'}])
+        with self.assertRaises(TimeoutError):
+            q.wait_event('HYBRID_RESTORE_COMPLETED', timeout=3)
+        self.assertFalse(q.cmd('query-hybrid')[0]['restore-active'])
+        with open(self.img, 'r+b') as f:
+            f.write(header)
+        q.cmd('blockdev-set-active', **{'node-name': 'h0'}, active=True)
+        ev = q.wait_event('HYBRID_RESTORE_COMPLETED', timeout=30)
+        self.assertEqual(ev['data']['bytes'], 256 * MiB)
+        self.io('read -P 0x22 1M 64k')
+        self.io('read -P 0x21 0 1M')
+        self.io('read -P 0x21 1088k 6080k')
+
 
 @unittest.skipUnless(H.have_binaries(), f'QEMU tools not built in {H.BIN}')
 class HybridReadOnlyTest(unittest.TestCase):
