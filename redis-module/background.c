@@ -46,11 +46,11 @@ static void sweepSlice(uint64_t deadline) {
         void *priv[2] = {&l, &now};
         hm.sweep.cursor = arenaIterate(hm.arena, hm.sweep.cursor, 256, expiredCb, priv);
         for (size_t i = 0; i < l.n; i++) {
-            RedisModuleKey *kh;
+            /* Redis's active expire cycle deletes it from here on, with a
+             * plain DEL to replicas and the AOF as for any key; deleted in
+             * this slice, the DELs of a slice went out wrapped in
+             * MULTI/EXEC. */
             hmPromoteKey(l.v[i], 0);
-            /* Let Redis expire it now, as its active expire cycle would. */
-            kh = RedisModule_OpenKey(hm.dctx, l.v[i], REDISMODULE_READ);
-            RedisModule_CloseKey(kh);
             RedisModule_FreeString(hm.dctx, l.v[i]);
         }
         RedisModule_Free(l.v);

@@ -1,6 +1,8 @@
 /* keyspace.c -- the whole-keyspace commands the filter rewrites (KEYS, SCAN,
  * DBSIZE) so that they see the arena too, the SCAN log, APPASSIST.ISCOLD. */
 
+#include <ctype.h>
+
 #include "hybridmem.h"
 #include "glob.h"
 
@@ -261,6 +263,127 @@ static long scanLogReply(RedisModuleCtx *ctx, uint64_t from, uint64_t to, const 
     return n;
 }
 
+/* SCAN's options, parsed the way scanGenericCommand does. Returns -1
+ * after replying with its error. */
+typedef struct ScanOpts {
+    long long count;
+    const char *pat, *type;     /* NULL: none */
+    size_t patlen, typelen;
+} ScanOpts;
+
+static int parseScanOpts(RedisModuleCtx *ctx, RedisModuleString **argv, int argc, ScanOpts *o) {
+    *o = (ScanOpts){.count = 10};
+    for (int i = 2; i < argc; i += 2) {
+        size_t ol;
+        const char *opt = RedisModule_StringPtrLen(argv[i], &ol);
+        if (i + 1 >= argc) return RedisModule_ReplyWithError(ctx, "ERR syntax error"), -1;
+        if (hmCmdIs(opt, ol, "count")) {
+            if (RedisModule_StringToLongLong(argv[i + 1], &o->count) != REDISMODULE_OK)
+                return RedisModule_ReplyWithError(ctx, "ERR value is not an integer or out of range"), -1;
+            if (o->count < 1) return RedisModule_ReplyWithError(ctx, "ERR syntax error"), -1;
+        } else if (hmCmdIs(opt, ol, "match")) {
+            o->pat = RedisModule_StringPtrLen(argv[i + 1], &o->patlen);
+        } else if (hmCmdIs(opt, ol, "type")) {
+            o->type = RedisModule_StringPtrLen(argv[i + 1], &o->typelen);
+        } else {
+            return RedisModule_ReplyWithError(ctx, "ERR syntax error"), -1;
+        }
+    }
+    return 0;
+}
+
+/* What the keyspace phase's walk keeps of the keys dictScan hands it. */
+typedef struct KeyspaceWalk {
+    const ScanOpts *o;
+    long long now;
+    size_t seen;                /* keys met: SCAN's COUNT counts them all */
+    KeyList keep;               /* keys to reply with */
+    KeyList typecheck;          /* module-type keys whose type name TYPE asks */
+} KeyspaceWalk;
+
+static const char *keyTypeName(int t) {
+    switch (t) {
+    case REDISMODULE_KEYTYPE_STRING: return "string";
+    case REDISMODULE_KEYTYPE_LIST: return "list";
+    case REDISMODULE_KEYTYPE_HASH: return "hash";
+    case REDISMODULE_KEYTYPE_SET: return "set";
+    case REDISMODULE_KEYTYPE_ZSET: return "zset";
+    case REDISMODULE_KEYTYPE_STREAM: return "stream";
+    default: return NULL;       /* a module's type: asked with TYPE later */
+    }
+}
+
+static void keyspaceWalkCb(RedisModuleCtx *ctx, RedisModuleString *name, RedisModuleKey *kh,
+                           void *priv) {
+    KeyspaceWalk *w = priv;
+    w->seen++;
+    size_t kl;
+    const char *k = RedisModule_StringPtrLen(name, &kl);
+    const ScanOpts *o = w->o;
+    if (o->pat && !(o->patlen == 1 && o->pat[0] == '*') &&
+        !stringmatchlen(o->pat, (int)o->patlen, k, (int)kl, 0))
+        return;
+    mstime_t when = RedisModule_GetAbsExpire(kh);
+    if (when != REDISMODULE_NO_EXPIRE && w->now > when) return;    /* keyIsExpired */
+    KeyList *to = &w->keep;
+    if (o->type) {
+        const char *t = keyTypeName(RedisModule_KeyType(kh));
+        if (!t) to = &w->typecheck;
+        else if (strlen(t) != o->typelen || strncasecmp(t, o->type, o->typelen) != 0) return;
+    }
+    RedisModule_RetainString(ctx, name);
+    hmKeyListPush(to, name);
+}
+
+/* The keyspace phase: the walk stock SCAN makes, the same dictScan steps
+ * over the client's DB (COUNT keys, at most ten times COUNT buckets),
+ * MATCH and TYPE, through RedisModule_Scan. Unlike stock SCAN it leaves an
+ * expired key it meets to the active expire cycle instead of deleting it:
+ * a deletion inside a module command reaches replicas and the AOF wrapped
+ * in MULTI/EXEC with the others of the call, where stock Redis sends plain
+ * DELs (SCAN's core flag "touches arbitrary keys" is not open to module
+ * commands). Redis 7.0's RedisModuleScanCursor starts with the dictScan
+ * cursor (module.c), which lets the walk start at the client's. */
+static int scanKeyspace(RedisModuleCtx *ctx, RedisModuleString **argv, int argc,
+                        unsigned long cursor) {
+    ScanOpts o;
+    if (parseScanOpts(ctx, argv, argc, &o) < 0) return REDISMODULE_OK;
+    KeyspaceWalk w = {.o = &o, .now = RedisModule_Milliseconds()};
+    RedisModuleScanCursor *sc = RedisModule_ScanCursorCreate();
+    memcpy(sc, &cursor, sizeof(cursor));
+    long long maxiterations = o.count * 10;
+    int more;
+    do {
+        more = RedisModule_Scan(ctx, sc, keyspaceWalkCb, &w);
+    } while (more && maxiterations-- && w.seen < (size_t)o.count);
+    unsigned long next = 0;
+    if (more) memcpy(&next, sc, sizeof(next));
+    RedisModule_ScanCursorDestroy(sc);
+    for (size_t i = 0; i < w.typecheck.n; i++) {
+        RedisModuleCallReply *r = RedisModule_Call(ctx, "TYPE", "s", w.typecheck.v[i]);
+        size_t tl = 0;
+        const char *t = r ? RedisModule_CallReplyStringPtr(r, &tl) : NULL;
+        if (t && tl == o.typelen && strncasecmp(t, o.type, tl) == 0) {
+            RedisModule_RetainString(ctx, w.typecheck.v[i]);
+            hmKeyListPush(&w.keep, w.typecheck.v[i]);
+        }
+        if (r) RedisModule_FreeCallReply(r);
+    }
+    keyListFree(&w.typecheck);
+    RedisModule_ReplyWithArray(ctx, 2);
+    char buf[32];
+    int bl;
+    if (next == 0 && (arenaCount(hm.arena) || hm.scan.n))
+        bl = snprintf(buf, sizeof(buf), "%llu", (unsigned long long)HM_SCAN_PHASE_BIT);
+    else
+        bl = snprintf(buf, sizeof(buf), "%lu", next);
+    RedisModule_ReplyWithStringBuffer(ctx, buf, (size_t)bl);
+    RedisModule_ReplyWithArray(ctx, (long)w.keep.n);
+    for (size_t i = 0; i < w.keep.n; i++) RedisModule_ReplyWithString(ctx, w.keep.v[i]);
+    keyListFree(&w.keep);
+    return REDISMODULE_OK;
+}
+
 /* SCAN cursor [MATCH p] [COUNT n] [TYPE t]. Two phases: the stock SCAN over
  * the keyspace (cursors passed through unchanged), then the arena in its
  * creation order, with bit 63 of the cursor set. Demoted keys move from the
@@ -271,64 +394,33 @@ int hmScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (!aclAllowed(ctx, "scan", argv, argc)) return REDISMODULE_OK;
     size_t cl;
     const char *cs = RedisModule_StringPtrLen(argv[1], &cl);
-    char *end;
-    errno = 0;
-    unsigned long long cursor = strtoull(cs, &end, 10);
-    int phase1 = cl > 0 && *end == '\0' && errno == 0 && (cursor & HM_SCAN_PHASE_BIT) &&
-                 cs[0] != '-' && cs[0] != '+';
     int db0 = RedisModule_GetSelectedDb(ctx) == 0;
-    if (db0) {
-        /* Visited keys go back first: a lent item is not iterated. */
-        hmReadBackSettle();
-        hmScanRecent();
-        hm.scan.seen_us = hmNowUs();
-    }
-    if (!phase1 || !db0) {
+    if (!db0) {
+        /* not ours: stock SCAN */
         RedisModuleCallReply *r = RedisModule_Call(ctx, "SCAN", "v", argv + 1, (size_t)(argc - 1));
         if (!r) return RedisModule_ReplyWithError(ctx, "ERR SCAN failed");
-        if (RedisModule_CallReplyType(r) != REDISMODULE_REPLY_ARRAY || !db0) {
-            RedisModule_ReplyWithCallReply(ctx, r);
-            RedisModule_FreeCallReply(r);
-            return REDISMODULE_OK;
-        }
-        RedisModuleCallReply *c = RedisModule_CallReplyArrayElement(r, 0);
-        size_t nl;
-        const char *next = RedisModule_CallReplyStringPtr(c, &nl);
-        RedisModule_ReplyWithArray(ctx, 2);
-        if (nl == 1 && next[0] == '0' && (arenaCount(hm.arena) || hm.scan.n)) {
-            char buf[32];
-            int bl = snprintf(buf, sizeof(buf), "%llu", (unsigned long long)HM_SCAN_PHASE_BIT);
-            RedisModule_ReplyWithStringBuffer(ctx, buf, (size_t)bl);
-        } else {
-            RedisModule_ReplyWithStringBuffer(ctx, next, nl);
-        }
-        long n = 0;
-        RedisModule_ReplyWithArray(ctx, REDISMODULE_POSTPONED_LEN);
-        forwardArray(ctx, RedisModule_CallReplyArrayElement(r, 1), &n);
-        RedisModule_ReplySetArrayLength(ctx, n);
+        RedisModule_ReplyWithCallReply(ctx, r);
         RedisModule_FreeCallReply(r);
         return REDISMODULE_OK;
     }
-    /* Arena phase: parse options the way scanGenericCommand does. */
-    long long count = 10;
-    const char *pat = NULL, *type = NULL;
-    size_t patlen = 0, typelen = 0;
-    for (int i = 2; i < argc; i += 2) {
-        size_t ol;
-        const char *o = RedisModule_StringPtrLen(argv[i], &ol);
-        if (i + 1 >= argc) return RedisModule_ReplyWithError(ctx, "ERR syntax error");
-        if (hmCmdIs(o, ol, "count")) {
-            if (RedisModule_StringToLongLong(argv[i + 1], &count) != REDISMODULE_OK)
-                return RedisModule_ReplyWithError(ctx, "ERR value is not an integer or out of range");
-            if (count < 1) return RedisModule_ReplyWithError(ctx, "ERR syntax error");
-        } else if (hmCmdIs(o, ol, "match")) {
-            pat = RedisModule_StringPtrLen(argv[i + 1], &patlen);
-        } else if (hmCmdIs(o, ol, "type")) {
-            type = RedisModule_StringPtrLen(argv[i + 1], &typelen);
-        } else {
-            return RedisModule_ReplyWithError(ctx, "ERR syntax error");
-        }
-    }
+    /* The cursor as parseScanCursorOrReply reads it. */
+    char *end;
+    errno = 0;
+    unsigned long cursor = strtoul(cs, &end, 10);
+    if (isspace((unsigned char)cs[0]) || *end != '\0' || errno == ERANGE)
+        return RedisModule_ReplyWithError(ctx, "ERR invalid cursor");
+    int phase1 = cl > 0 && (cursor & HM_SCAN_PHASE_BIT) && cs[0] != '-' && cs[0] != '+';
+    /* Visited keys go back first: a lent item is not iterated. */
+    hmReadBackSettle();
+    hmScanRecent();
+    hm.scan.seen_us = hmNowUs();
+    if (!phase1) return scanKeyspace(ctx, argv, argc, cursor);
+    /* Arena phase. */
+    ScanOpts so;
+    if (parseScanOpts(ctx, argv, argc, &so) < 0) return REDISMODULE_OK;
+    long long count = so.count;
+    const char *pat = so.pat, *type = so.type;
+    size_t patlen = so.patlen, typelen = so.typelen;
     MatchCtx m = {ctx, pat, patlen, pat == NULL || (patlen == 1 && pat[0] == '*'), hmNowMs(), 0, NULL};
     int type_ok = type == NULL || hmCmdIs(type, typelen, "string");
     uint64_t acur = cursor & ~HM_SCAN_PHASE_BIT;

@@ -261,6 +261,87 @@ class AclDifferentialTest(ServerTestCase):
         self.assertHealthy(mod)
 
 
+def aof_commands(srv):
+    """The commands in a server's AOF (7.0's appendonlydir, the incremental
+    file: what replicas are sent too), each a tuple of bytes."""
+    d = os.path.join(srv.dir, 'appendonlydir')
+    incr = [f for f in os.listdir(d) if f.endswith('.incr.aof')]
+    with open(os.path.join(d, sorted(incr)[-1]), 'rb') as f:
+        data = f.read()
+    cmds, i = [], 0
+    while i < len(data):
+        assert data[i:i + 1] == b'*', data[i:i + 40]
+        j = data.index(b'\r\n', i)
+        n, i, args = int(data[i + 1:j]), j + 2, []
+        for _ in range(n):
+            j = data.index(b'\r\n', i)
+            ln = int(data[i + 1:j])
+            args.append(data[j + 2:j + 2 + ln])
+            i = j + 2 + ln + 2
+        cmds.append((args[0].lower(),) + tuple(args[1:]))
+    return cmds
+
+
+class ReplicationStreamTest(ServerTestCase):
+    """What the module's server sends to replicas and the AOF equals what a
+    stock server sends for the same commands (issue 18, item 2): a SCAN that
+    meets expired keys, hot or cold, leads to plain DELs, never wrapped in
+    MULTI/EXEC. The expired keys' DELs may come at another moment (the
+    module lets the active expire cycle delete what its SCAN skips), so
+    they are compared as a set; everything else in order."""
+
+    def check(self, cold):
+        aof = ['--appendonly', 'yes', '--appendfsync', 'always']
+        stock = self.server('stock', module=False, extra=aof)
+        mod = self.server('mod', extra=aof,
+                          configs={'hot-percent': 0, 'min-idle-ms': 0, 'demote': 'no'})
+        for srv in (stock, mod):
+            c = srv.client()
+            c.execute_command('DEBUG', 'SET-ACTIVE-EXPIRE', '0')
+            c.set('marker', 'before-scan')
+            for i in range(200):
+                c.set('k%d' % i, 'v%d' % i, px=1000 if i % 2 else None)
+            if srv is mod and cold:
+                self.demote_all(c, 200)
+        time.sleep(1.2)                                 # the odd keys expired
+        for srv in (stock, mod):
+            c = srv.client()
+            seen, cur = set(), 0
+            while True:
+                cur, ks = c.scan(cur, count=7)
+                seen.update(ks)
+                if cur == 0:
+                    break
+            self.assertEqual(seen, {b'marker'} | {b'k%d' % i for i in range(0, 200, 2)})
+            c.set('marker', 'after-scan')
+            c.execute_command('DEBUG', 'SET-ACTIVE-EXPIRE', '1')
+        for srv in (stock, mod):
+            c = srv.client()
+            self.wait_for(lambda: c.dbsize() == 101 and c.info('keyspace')['db0']['expires'] == 0,
+                          timeout=30, what='the expired keys deleted')
+        streams = {}
+        for name, srv in (('stock', stock), ('mod', mod)):
+            cmds = aof_commands(srv)
+            start = [c[:3] for c in cmds].index((b'set', b'marker', b'after-scan'))
+            after = [c for c in cmds[:start] if c[0] in (b'del', b'unlink', b'multi', b'exec')]
+            after += cmds[start:]
+            dels = sorted(c for c in after if c[0] in (b'del', b'unlink'))
+            rest = [c for c in after if c[0] not in (b'del', b'unlink')]
+            streams[name] = (rest, dels)
+        self.assertEqual(streams['stock'][0], streams['mod'][0])
+        self.assertEqual(streams['stock'][1], streams['mod'][1])
+        self.assertEqual(len(streams['mod'][1]), 100)
+        self.assertHealthy(mod)
+
+    def test_stream_nothing_cold(self):
+        """A SCAN meeting expired hot keys: plain DELs, as stock sends."""
+        self.check(cold=False)
+
+    def test_stream_most_cold(self):
+        """Expired cold items: plain DELs too, none wrapped in MULTI/EXEC."""
+        self.check(cold=True)
+
+
 class DifferentialTest(ServerTestCase):
 
     def stream(self, seed, steps):
