@@ -384,8 +384,8 @@ static int scanKeyspace(RedisModuleCtx *ctx, RedisModuleString **argv, int argc,
     return REDISMODULE_OK;
 }
 
-/* SCAN cursor [MATCH p] [COUNT n] [TYPE t]. Two phases: the stock SCAN over
- * the keyspace (cursors passed through unchanged), then the arena in its
+/* SCAN cursor [MATCH p] [COUNT n] [TYPE t]. Two phases: the keyspace, as
+ * stock SCAN walks it with its cursors (scanKeyspace), then the arena in its
  * creation order, with bit 63 of the cursor set. Demoted keys move from the
  * keyspace to the arena, i.e. forward in the iteration, so they are still
  * returned; promoted keys come from the SCAN log (above). */
