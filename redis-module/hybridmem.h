@@ -356,7 +356,6 @@ int hmKeysCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
 int hmDbsizeCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
 int hmScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
 int hmIsColdCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
-int hmReplyReadError(RedisModuleCtx *ctx);
 void hmScanLogClear(void);
 int hmScanRecent(void);
 void hmScanLogNote(const char *k, size_t klen, uint64_t pos);

@@ -105,7 +105,7 @@ static void keyListFree(KeyList *l) {
 
 /* A whole-keyspace command met a cold item it could not read (a spilled
  * chunk): an error, never a short answer presented as complete. */
-int hmReplyReadError(RedisModuleCtx *ctx) {
+static int replyReadError(RedisModuleCtx *ctx) {
     hm.stats.read_errors++;
     RedisModule_Log(hm.dctx, "warning", "appassist: reading spilled cold items failed: %s",
                     strerror(errno));
@@ -142,7 +142,7 @@ int hmKeysCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
         if (cur == UINT64_MAX) {
             keyListFree(&cold);
             RedisModule_FreeCallReply(r);
-            return hmReplyReadError(ctx);
+            return replyReadError(ctx);
         }
     }
     long n = 0;
@@ -438,7 +438,7 @@ int hmScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (next == UINT64_MAX) {
         for (size_t i = 0; i < l.n; i++) RedisModule_FreeString(hm.dctx, l.v[i]);
         RedisModule_Free(l.v);
-        return hmReplyReadError(ctx);
+        return replyReadError(ctx);
     }
     RedisModule_ReplyWithArray(ctx, 2);
     char buf[32];
