@@ -389,6 +389,46 @@ class HybridModeSwitchTest(unittest.TestCase):
         self.assertFalse(H.img_info(self.img)['format-specific']['data']
                          ['dirty'])
 
+    def test_reopen_options(self):
+        """hybrid-set-mode keeps the other options; blockdev-reopen changes
+        mode and dirty-limit (an omitted one goes back to its default),
+        names a bad dirty-limit, and refuses to change or reset any other
+        option; the node keeps working after each refusal."""
+        q = H.StorageDaemon(
+            self.tmp, '--blockdev',
+            f'driver=file,node-name=f0,filename={self.img}',
+            '--blockdev', 'driver=hybrid,node-name=h0,file=f0,mode=async,'
+            'dirty-limit=1M,promote-size=64k')
+        try:
+            def state():
+                i = q.cmd('query-hybrid')[0]
+                return i['mode'], i['dirty-limit']
+
+            def reopen(**opts):
+                return q.qmp('blockdev-reopen', options=[dict(
+                    driver='hybrid', **{'node-name': 'h0'}, file='f0',
+                    **opts)])
+            q.cmd('hybrid-set-mode', **{'node-name': 'h0', 'mode': 'sync'})
+            self.assertEqual(state(), ('sync', MiB))
+            self.assertNotIn('error', reopen(mode='async', **{
+                'dirty-limit': 2 * MiB, 'promote-size': 65536}))
+            self.assertEqual(state(), ('async', 2 * MiB))
+            self.assertNotIn('error', reopen(**{'promote-size': 65536}))
+            self.assertEqual(state(), ('sync', 256 * MiB))   # defaults
+            r = reopen(**{'dirty-limit': 1000, 'promote-size': 65536})
+            self.assertIn('dirty-limit 1000 is smaller than the block size '
+                          '65536', r['error']['desc'])
+            self.assertEqual(state(), ('sync', 256 * MiB))
+            r = reopen(**{'ram-size': MiB, 'promote-size': 65536})
+            self.assertIn("Cannot change the option 'ram-size'",
+                          r['error']['desc'])
+            r = reopen(mode='async')
+            self.assertIn("'promote-size' cannot be reset",
+                          r['error']['desc'])
+            self.assertEqual(state(), ('sync', 256 * MiB))
+        finally:
+            q.stop()
+
 
 if __name__ == '__main__':
     unittest.main()
