@@ -300,10 +300,10 @@ class ReplicationStreamTest(ServerTestCase):
             c.execute_command('DEBUG', 'SET-ACTIVE-EXPIRE', '0')
             c.set('marker', 'before-scan')
             for i in range(200):
-                c.set('k%d' % i, 'v%d' % i, px=1000 if i % 2 else None)
+                c.set('k%d' % i, 'v%d' % i, px=3000 if i % 2 else None)
             if srv is mod and cold:
                 self.demote_all(c, 200)
-        time.sleep(1.2)                                 # the odd keys expired
+        time.sleep(3.2)                                 # the odd keys expired
         for srv in (stock, mod):
             c = srv.client()
             seen, cur = set(), 0
