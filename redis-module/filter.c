@@ -255,7 +255,7 @@ void hmReadBackSettle(void) {
 
 /* ------------------------------------------------------------ command filter */
 
-static RedisModuleString *hm_name_keys, *hm_name_scan, *hm_name_dbsize;
+static RedisModuleString *hm_name_keys, *hm_name_scan, *hm_name_dbsize, *hm_name_unreadable;
 
 int hmCmdIs(const char *c, size_t l, const char *name) {
     return strlen(name) == l && strncasecmp(c, name, l) == 0;
@@ -327,6 +327,14 @@ static void notePause(RedisModuleCommandFilterCtx *f, int argc) {
         hm.visit.paused_until_us = hmNowUs() + (uint64_t)ms * 1000;
 }
 
+/* A cold item the command names could not be read (a spilled chunk): the
+ * command must not run on the key as if it were missing. It becomes
+ * appassist.unreadable, which answers with an error. */
+static void refuseUnreadable(RedisModuleCommandFilterCtx *f) {
+    RedisModule_RetainString(NULL, hm_name_unreadable);
+    RedisModule_CommandFilterArgReplace(f, 0, hm_name_unreadable);
+}
+
 /* Runs before every command (client, script, MULTI queueing, RM_Call of
  * other modules). Whole-keyspace commands are rewritten to module commands
  * that also see the arena; every key argument that is cold is brought into
@@ -357,9 +365,11 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
         if (hmCmdIs(c, cl, "exec")) { if (hm.filter.multi_open > 0) hm.filter.multi_open--; return; }
         if (hmCmdIs(c, cl, "mget")) {
             /* every argument is a key */
+            int bad = 0;
             if (arenaCount(hm.arena))
                 for (int i = 1; i < argc; i++)
-                    hmPromoteKey(RedisModule_CommandFilterArgGet(f, i), 1);
+                    bad |= hmPromoteKey(RedisModule_CommandFilterArgGet(f, i), 1) < 0;
+            if (bad) refuseUnreadable(f);
             return;
         }
         break;
@@ -379,7 +389,10 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
             }
             return;
         }
-        if (hmCmdIs(c, cl, "swapdb")) { if (arenaCount(hm.arena)) hmPromoteAll(); return; }
+        if (hmCmdIs(c, cl, "swapdb")) {
+            if (arenaCount(hm.arena) && hmPromoteAll() < 0) refuseUnreadable(f);
+            return;
+        }
         if (hmCmdIs(c, cl, "client")) { notePause(f, argc); return; }
         break;
     case 8:
@@ -392,7 +405,7 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
     if (arenaCount(hm.arena) == 0) return;
     const CmdName *one = firstArgIsOnlyKey(c, cl, argc);
     if (one) {
-        hmPromoteKey(RedisModule_CommandFilterArgGet(f, 1), 1);
+        if (hmPromoteKey(RedisModule_CommandFilterArgGet(f, 1), 1) < 0) refuseUnreadable(f);
         return;
     }
 
@@ -401,9 +414,11 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
     for (int i = 0; i < argc; i++) argv[i] = RedisModule_CommandFilterArgGet(f, i);
     int nkeys = 0;
     int *pos = RedisModule_GetCommandKeys(hm.dctx, argv, argc, &nkeys);
-    for (int i = 0; pos && i < nkeys; i++) hmPromoteKey(argv[pos[i]], 1);
+    int bad = 0;
+    for (int i = 0; pos && i < nkeys; i++) bad |= hmPromoteKey(argv[pos[i]], 1) < 0;
     if (pos) RedisModule_Free(pos);
     if (argv != stackv) RedisModule_Free(argv);
+    if (bad) refuseUnreadable(f);
 }
 
 /* Register the filter (it sees every command but those of this module). */
@@ -411,6 +426,7 @@ int hmFilterInit(RedisModuleCtx *ctx) {
     hm_name_keys = RedisModule_CreateString(NULL, "appassist.keys", 14);
     hm_name_scan = RedisModule_CreateString(NULL, "appassist.scan", 14);
     hm_name_dbsize = RedisModule_CreateString(NULL, "appassist.dbsize", 16);
+    hm_name_unreadable = RedisModule_CreateString(NULL, "appassist.unreadable", 20);
     if (!RedisModule_RegisterCommandFilter(ctx, hmFilter, REDISMODULE_CMDFILTER_NOSELF))
         return REDISMODULE_ERR;
     return REDISMODULE_OK;

@@ -317,7 +317,9 @@ int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
         createCommand(ctx, "appassist.scan", hmScanCommand, "readonly",
                       "SCAN over the keyspace and the cold arena (internal)", -1) ||
         createCommand(ctx, "appassist.dbsize", hmDbsizeCommand, "readonly fast",
-                      "DBSIZE counting cold items (internal)", -1))
+                      "DBSIZE counting cold items (internal)", -1) ||
+        createCommand(ctx, "appassist.unreadable", hmUnreadableCommand, "readonly fast",
+                      "Refuses a command whose cold items could not be read (internal)", -1))
         return REDISMODULE_ERR;
     /* Test helpers: only with appassist.enable-debug-commands yes. */
     if (hm.cfg.debug_commands &&

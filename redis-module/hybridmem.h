@@ -356,6 +356,7 @@ int hmKeysCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
 int hmDbsizeCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
 int hmScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
 int hmIsColdCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
+int hmUnreadableCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
 void hmScanLogClear(void);
 int hmScanRecent(void);
 void hmScanLogNote(const char *k, size_t klen, uint64_t pos);

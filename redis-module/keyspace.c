@@ -105,11 +105,22 @@ static void keyListFree(KeyList *l) {
 
 /* A whole-keyspace command met a cold item it could not read (a spilled
  * chunk): an error, never a short answer presented as complete. */
+#define READ_ERROR_REPLY "ERR appassist: reading spilled cold items failed"
+
 static int replyReadError(RedisModuleCtx *ctx) {
     hm.stats.read_errors++;
     RedisModule_Log(hm.dctx, "warning", "appassist: reading spilled cold items failed: %s",
                     strerror(errno));
-    return RedisModule_ReplyWithError(ctx, "ERR appassist: reading spilled cold items failed");
+    return RedisModule_ReplyWithError(ctx, READ_ERROR_REPLY);
+}
+
+/* APPASSIST.UNREADABLE: what the filter turns a command into when a cold
+ * item it names could not be read (internal; the failed read is logged). */
+int hmUnreadableCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    (void)argv;
+    (void)argc;
+    hm.stats.read_errors++;
+    return RedisModule_ReplyWithError(ctx, READ_ERROR_REPLY);
 }
 
 /* KEYS pattern, when something is cold: the stock reply plus matching cold

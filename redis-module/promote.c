@@ -94,9 +94,9 @@ int hmPromoteKey(RedisModuleString *key, int visit) {
 
 /* Promote every cold item (SWAPDB touching db 0, pure-AOF rewrites). This is
  * O(cold items) and blocks; it only runs for rare administrative commands.
- * Returns -1 (logged, counted in read_errors) if some item could not be
- * read: its callers cannot refuse the command, so the log says what is
- * left behind. */
+ * Returns -1 (logged) if some item could not be read: SWAPDB is then
+ * refused (hmFilter); a pure-AOF rewrite cannot be, the log says what it
+ * lacks. */
 
 void hmCollectCb(void *priv, const ColdItem *it) {
     hmKeyListPush(priv, RedisModule_CreateString(hm.dctx, it->key, it->klen));
@@ -117,7 +117,6 @@ int hmPromoteAll(void) {
     }
     RedisModule_Free(l.v);
     if (failed) {
-        hm.stats.read_errors++;
         RedisModule_Log(hm.dctx, "warning", "appassist: promoting every cold item failed: "
                         "%zu promoted, %llu left cold (unreadable)", l.n,
                         (unsigned long long)arenaCount(hm.arena));

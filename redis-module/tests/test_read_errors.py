@@ -62,14 +62,32 @@ class ReadErrorTest(ServerTestCase):
         self.assertEqual(c.dbsize(), N + 1)         # counted, not read
         self.assertHealthy(s)
 
-    def test_promote_all_counts(self):
-        """SWAPDB promotes every cold item first; items it cannot read are
-        counted and logged, not silently left behind."""
+    def test_swapdb_fails(self):
+        """SWAPDB promotes every cold item first; when it cannot read them
+        the swap is refused with the error (and logged), not done with the
+        items left behind in the arena."""
         s, c = self.spilled_and_truncated()
-        c.swapdb(0, 1)
-        self.assertGreaterEqual(self.read_errors(c), 1)
+        c.set('hot', 'x')
+        with self.assertRaises(redis.ResponseError) as e:
+            c.swapdb(0, 1)
+        self.assertIn(READ_ERROR, str(e.exception))
+        self.assertEqual(self.read_errors(c), 1)
         with open(s.log) as f:
             self.assertIn('promoting every cold item failed', f.read())
+        self.assertEqual(c.get('hot'), b'x')        # not swapped
+        self.assertHealthy(s)
+
+    def test_get_fails(self):
+        """A command naming an unreadable cold key answers the error, not
+        nil as if the key were missing."""
+        s, c = self.spilled_and_truncated()
+        for cmd in (('GET', 'k1'), ('MGET', 'k2', 'k3'), ('SET', 'k4', 'new'),
+                    ('GETRANGE', 'k5', 0, 3), ('RENAME', 'k6', 'k7')):
+            with self.assertRaises(redis.ResponseError) as e:
+                c.execute_command(*cmd)
+            self.assertIn(READ_ERROR, str(e.exception))
+        self.assertEqual(self.read_errors(c), 5)
+        self.assertIsNone(c.get('nosuchkey'))
         self.assertHealthy(s)
 
 
