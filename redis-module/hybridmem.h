@@ -12,7 +12,8 @@
  *   background.c  who runs the background work and when (timer, bites),
  *                 the expiry sweep of the arena
  *   migrate.c     PREPARE / RESUME / ABORT / STATUS, lazy drop, zero-freed
- *   keyspace.c    KEYS, SCAN, DBSIZE over both tiers, the SCAN log, ISCOLD
+ *   keyspace.c    KEYS, SCAN, DBSIZE over both tiers (with the caller's ACL
+ *                 rights to them), the SCAN log, ISCOLD, UNREADABLE
  *   port.c        the host port (virtio-serial, or a pty/unix socket in tests)
  *   persist.c     RDB aux fields and the pure-AOF rewrite
  *
