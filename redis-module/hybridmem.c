@@ -281,6 +281,15 @@ int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
         RedisModule_Log(ctx, "warning", "appassist: needs Redis >= 7.0");
         return REDISMODULE_ERR;
     }
+    /* keyspace.c's SCAN walk starts RedisModule_Scan at the client's cursor
+     * by writing the first field of 7.0's RedisModuleScanCursor, which is
+     * private to module.c: refuse any other series rather than guess. */
+    int ver = RedisModule_GetServerVersion ? RedisModule_GetServerVersion() : 0;
+    if ((ver >> 8) != 0x0700) {
+        RedisModule_Log(ctx, "warning", "appassist: built and checked for Redis 7.0.x only "
+                        "(this server is %d.%d.%d)", ver >> 16, (ver >> 8) & 0xff, ver & 0xff);
+        return REDISMODULE_ERR;
+    }
     /* HANDLE_IO_ERRORS: a short or corrupt read in aux_load returns an error
      * that auxLoad checks after every load, instead of a panic. */
     RedisModule_SetModuleOptions(ctx, REDISMODULE_OPTION_NO_IMPLICIT_SIGNAL_MODIFIED |
