@@ -1,0 +1,468 @@
+/*
+ * hvmem broker catalogue (see catalog.h for the format and commit protocol).
+ *
+ * Copyright (c) 2026 hybridvm contributors
+ *
+ * SPDX-License-Identifier: GPL-2.0-or-later
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+#include <gio/gio.h>
+
+#include "catalog.h"
+
+static void item_free(gpointer p)
+{
+    HvmItem *it = p;
+
+    g_free(it->name);
+    g_free(it);
+}
+
+HvmRegion *hvm_region_new(const char *name, uint64_t id, uint64_t size,
+                          uint32_t mode, uint32_t uid, uint32_t gid)
+{
+    HvmRegion *r = g_new0(HvmRegion, 1);
+
+    r->name = g_strdup(name);
+    r->id = id;
+    r->size = size;
+    r->mode = mode;
+    r->uid = uid;
+    r->gid = gid;
+    r->items = g_ptr_array_new_with_free_func(item_free);
+    return r;
+}
+
+void hvm_region_free(HvmRegion *r)
+{
+    if (r) {
+        g_ptr_array_free(r->items, TRUE);
+        g_free(r->name);
+        g_free(r);
+    }
+}
+
+HvmCatalog *hvm_catalog_new(void)
+{
+    HvmCatalog *cat = g_new0(HvmCatalog, 1);
+
+    cat->regions = g_hash_table_new(g_str_hash, g_str_equal);
+    cat->next_id = 1;
+    return cat;
+}
+
+void hvm_catalog_free(HvmCatalog *cat)
+{
+    GHashTableIter it;
+    gpointer v;
+
+    if (!cat) {
+        return;
+    }
+    g_hash_table_iter_init(&it, cat->regions);
+    while (g_hash_table_iter_next(&it, NULL, &v)) {
+        hvm_region_free(v);
+    }
+    g_hash_table_destroy(cat->regions);
+    g_free(cat);
+}
+
+uint64_t hvm_region_used(const HvmRegion *r)
+{
+    uint64_t used = 0;
+
+    for (guint i = 0; i < r->items->len; i++) {
+        used += ((HvmItem *)g_ptr_array_index(r->items, i))->size;
+    }
+    return used;
+}
+
+uint64_t hvm_region_items_end(const HvmRegion *r)
+{
+    HvmItem *last;
+
+    if (!r->items->len) {
+        return 0;
+    }
+    last = g_ptr_array_index(r->items, r->items->len - 1);
+    return last->offset + last->size;
+}
+
+HvmItem *hvm_region_find_item(const HvmRegion *r, const char *name)
+{
+    for (guint i = 0; i < r->items->len; i++) {
+        HvmItem *it = g_ptr_array_index(r->items, i);
+
+        if (!strcmp(it->name, name)) {
+            return it;
+        }
+    }
+    return NULL;
+}
+
+HvmItem *hvm_region_alloc_item(HvmRegion *r, const char *name, uint64_t size,
+                               int *err)
+{
+    uint64_t limit = r->size & ~(HVM_ITEM_ALIGN - 1);
+    uint64_t pos = 0;
+    guint i;
+    HvmItem *it;
+
+    if (hvm_region_find_item(r, name)) {
+        *err = -EEXIST;
+        return NULL;
+    }
+    if (r->items->len >= HVM_MAX_ITEMS) {
+        *err = -ENOSPC;
+        return NULL;
+    }
+    if (size == 0 || size > HVM_MAX_SIZE) {
+        *err = -EINVAL;
+        return NULL;
+    }
+    size = (size + HVM_ITEM_ALIGN - 1) & ~(HVM_ITEM_ALIGN - 1);
+    /* Items are sorted by offset: the first gap of @size bytes wins. */
+    for (i = 0; i <= r->items->len; i++) {
+        uint64_t end = limit;
+
+        if (i < r->items->len) {
+            end = ((HvmItem *)g_ptr_array_index(r->items, i))->offset;
+        }
+        if (end >= pos && end - pos >= size) {
+            break;
+        }
+        if (i < r->items->len) {
+            it = g_ptr_array_index(r->items, i);
+            pos = it->offset + it->size;
+        }
+    }
+    if (i > r->items->len) {
+        *err = -ENOSPC;
+        return NULL;
+    }
+    it = g_new0(HvmItem, 1);
+    it->name = g_strdup(name);
+    it->offset = pos;
+    it->size = size;
+    g_ptr_array_insert(r->items, i, it);
+    *err = 0;
+    return it;
+}
+
+void hvm_region_insert_item(HvmRegion *r, const char *name, uint64_t offset,
+                            uint64_t size)
+{
+    HvmItem *it = g_new0(HvmItem, 1);
+    guint i = 0;
+
+    it->name = g_strdup(name);
+    it->offset = offset;
+    it->size = size;
+    while (i < r->items->len &&
+           ((HvmItem *)g_ptr_array_index(r->items, i))->offset < offset) {
+        i++;
+    }
+    g_ptr_array_insert(r->items, i, it);
+}
+
+int hvm_region_free_item(HvmRegion *r, const char *name)
+{
+    HvmItem *it = hvm_region_find_item(r, name);
+
+    if (!it) {
+        return -ENOENT;
+    }
+    g_ptr_array_remove(r->items, it);
+    return 0;
+}
+
+uint32_t hvm_crc32(uint32_t crc, const void *buf, size_t len)
+{
+    static uint32_t table[256];
+    static gsize once;
+    const uint8_t *p = buf;
+
+    if (g_once_init_enter(&once)) {
+        for (uint32_t i = 0; i < 256; i++) {
+            uint32_t c = i;
+
+            for (int k = 0; k < 8; k++) {
+                c = c & 1 ? 0xedb88320u ^ (c >> 1) : c >> 1;
+            }
+            table[i] = c;
+        }
+        g_once_init_leave(&once, 1);
+    }
+    crc = ~crc;
+    while (len--) {
+        crc = table[(crc ^ *p++) & 0xff] ^ (crc >> 8);
+    }
+    return ~crc;
+}
+
+static gint region_by_id(gconstpointer a, gconstpointer b)
+{
+    const HvmRegion *ra = *(HvmRegion *const *)a;
+    const HvmRegion *rb = *(HvmRegion *const *)b;
+
+    return ra->id < rb->id ? -1 : ra->id > rb->id;
+}
+
+GByteArray *hvm_catalog_serialize(const HvmCatalog *cat)
+{
+    GByteArray *body = g_byte_array_new();
+    GByteArray *out = g_byte_array_new();
+    GPtrArray *list = g_ptr_array_new();
+    GHashTableIter hi;
+    gpointer v;
+
+    g_hash_table_iter_init(&hi, cat->regions);
+    while (g_hash_table_iter_next(&hi, NULL, &v)) {
+        g_ptr_array_add(list, v);
+    }
+    /* A stable order makes equal catalogues byte-identical. */
+    g_ptr_array_sort(list, region_by_id);
+    for (guint i = 0; i < list->len; i++) {
+        HvmRegion *r = g_ptr_array_index(list, i);
+
+        hvm_put_u16(body, strlen(r->name));
+        hvm_put_u16(body, r->items->len);
+        hvm_put_u32(body, r->mode);
+        hvm_put_u32(body, r->uid);
+        hvm_put_u32(body, r->gid);
+        hvm_put_u64(body, r->id);
+        hvm_put_u64(body, r->size);
+        g_byte_array_append(body, (const uint8_t *)r->name, strlen(r->name));
+        for (guint j = 0; j < r->items->len; j++) {
+            HvmItem *it = g_ptr_array_index(r->items, j);
+
+            hvm_put_u64(body, it->offset);
+            hvm_put_u64(body, it->size);
+            hvm_put_u16(body, strlen(it->name));
+            hvm_put_u16(body, 0);
+            hvm_put_u32(body, 0);
+            g_byte_array_append(body, (const uint8_t *)it->name, strlen(it->name));
+        }
+    }
+    hvm_put_u64(out, HVM_CAT_MAGIC);
+    hvm_put_u32(out, HVM_CAT_VERSION);
+    hvm_put_u32(out, list->len);
+    hvm_put_u64(out, cat->next_id);
+    hvm_put_u64(out, cat->generation);
+    hvm_put_u32(out, body->len);
+    hvm_put_u32(out, hvm_crc32(0, body->data, body->len));
+    hvm_put_u32(out, hvm_crc32(0, out->data, out->len));
+    hvm_put_u32(out, 0);
+    g_byte_array_append(out, body->data, body->len);
+    g_byte_array_free(body, TRUE);
+    g_ptr_array_free(list, TRUE);
+    return out;
+}
+
+#define BAD(...) do { \
+    g_set_error(errp, G_IO_ERROR, G_IO_ERROR_INVALID_DATA, __VA_ARGS__); \
+    goto fail; \
+} while (0)
+
+static bool read_name(HvmReader *r, uint16_t len, char *dst)
+{
+    const uint8_t *p = hvm_get_bytes(r, len);
+
+    if (!p || hvm_name_check((const char *)p, len)) {
+        return false;
+    }
+    memcpy(dst, p, len);
+    dst[len] = '\0';
+    return true;
+}
+
+HvmCatalog *hvm_catalog_parse(const uint8_t *buf, size_t len, GError **errp)
+{
+    HvmCatalog *cat = hvm_catalog_new();
+    GHashTable *ids = g_hash_table_new(g_int64_hash, g_int64_equal);
+    HvmReader r;
+    uint32_t version, nregions, body_len, body_crc, hdr_crc;
+    char name[HVM_NAME_MAX + 1];
+
+    hvm_reader_init(&r, buf, len);
+    if (len < HVM_CAT_HDR_SIZE) {
+        BAD("catalogue of %zu bytes is shorter than its header", len);
+    }
+    if (hvm_get_u64(&r) != HVM_CAT_MAGIC) {
+        BAD("catalogue has a bad magic");
+    }
+    version = hvm_get_u32(&r);
+    nregions = hvm_get_u32(&r);
+    cat->next_id = hvm_get_u64(&r);
+    cat->generation = hvm_get_u64(&r);
+    body_len = hvm_get_u32(&r);
+    body_crc = hvm_get_u32(&r);
+    hdr_crc = hvm_get_u32(&r);
+    if (hvm_get_u32(&r) != 0) {
+        BAD("catalogue header's reserved field is not 0");
+    }
+    if (hdr_crc != hvm_crc32(0, buf, 40)) {
+        BAD("catalogue header checksum mismatch");
+    }
+    if (version != HVM_CAT_VERSION) {
+        BAD("catalogue version %u (this broker reads %d)", version,
+            HVM_CAT_VERSION);
+    }
+    if (body_len != len - HVM_CAT_HDR_SIZE) {
+        BAD("catalogue body is %zu bytes, header says %u",
+            len - HVM_CAT_HDR_SIZE, body_len);
+    }
+    if (body_crc != hvm_crc32(0, buf + HVM_CAT_HDR_SIZE, body_len)) {
+        BAD("catalogue body checksum mismatch");
+    }
+    if (nregions > HVM_MAX_REGIONS) {
+        BAD("catalogue has %u regions (limit %d)", nregions, HVM_MAX_REGIONS);
+    }
+    for (uint32_t i = 0; i < nregions; i++) {
+        uint16_t nl = hvm_get_u16(&r), nitems = hvm_get_u16(&r);
+        uint32_t mode = hvm_get_u32(&r), uid = hvm_get_u32(&r);
+        uint32_t gid = hvm_get_u32(&r);
+        uint64_t id = hvm_get_u64(&r), size = hvm_get_u64(&r);
+        HvmRegion *reg;
+        uint64_t pos = 0;
+
+        if (!read_name(&r, nl, name)) {
+            BAD("catalogue region %u: truncated record or invalid name", i);
+        }
+        if (mode & ~HVM_MODE_MASK || size == 0 || size > HVM_MAX_SIZE ||
+            id == 0 || id >= cat->next_id || nitems > HVM_MAX_ITEMS) {
+            BAD("catalogue region '%s': mode, size, id or item count out of "
+                "range", name);
+        }
+        if (g_hash_table_contains(cat->regions, name) ||
+            g_hash_table_contains(ids, &id)) {
+            BAD("catalogue region '%s': duplicate name or id", name);
+        }
+        reg = hvm_region_new(name, id, size, mode, uid, gid);
+        g_hash_table_insert(cat->regions, reg->name, reg);
+        g_hash_table_add(ids, &reg->id);
+        for (uint16_t j = 0; j < nitems; j++) {
+            HvmItem *it = g_new0(HvmItem, 1);
+            uint16_t inl;
+
+            it->offset = hvm_get_u64(&r);
+            it->size = hvm_get_u64(&r);
+            inl = hvm_get_u16(&r);
+            hvm_get_u16(&r);
+            hvm_get_u32(&r);
+            g_ptr_array_add(reg->items, it);
+            if (!read_name(&r, inl, name)) {
+                it->name = g_strdup("");
+                BAD("catalogue region '%s' item %u: truncated record or "
+                    "invalid name", reg->name, j);
+            }
+            it->name = g_strdup(name);
+            if (it->offset % HVM_ITEM_ALIGN || it->size % HVM_ITEM_ALIGN ||
+                it->size == 0 || it->offset < pos ||
+                it->size > reg->size || it->offset > reg->size - it->size) {
+                BAD("catalogue region '%s' item '%s': extent out of order, "
+                    "unaligned or outside the region", reg->name, it->name);
+            }
+            for (guint k = 0; k + 1 < reg->items->len; k++) {
+                if (!strcmp(((HvmItem *)reg->items->pdata[k])->name, it->name)) {
+                    BAD("catalogue region '%s': duplicate item '%s'",
+                        reg->name, it->name);
+                }
+            }
+            pos = it->offset + it->size;
+        }
+    }
+    if (r.off != len) {
+        BAD("catalogue has %zu trailing bytes", len - r.off);
+    }
+    g_hash_table_destroy(ids);
+    return cat;
+
+fail:
+    g_hash_table_destroy(ids);
+    hvm_catalog_free(cat);
+    return NULL;
+}
+
+int hvm_catalog_save(HvmCatalog *cat, const char *dir, GError **errp)
+{
+    g_autofree char *tmp = g_build_filename(dir, "catalog.tmp", NULL);
+    g_autofree char *dst = g_build_filename(dir, "catalog", NULL);
+    GByteArray *buf;
+    size_t off = 0;
+    int fd, dfd, ret = 0;
+
+    cat->generation++;
+    buf = hvm_catalog_serialize(cat);
+    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0) {
+        ret = -errno;
+        g_set_error(errp, G_IO_ERROR, g_io_error_from_errno(-ret),
+                    "cannot create %s: %s", tmp, g_strerror(-ret));
+        goto out;
+    }
+    while (off < buf->len) {
+        ssize_t n = write(fd, buf->data + off, buf->len - off);
+
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n <= 0) {
+            ret = n < 0 ? -errno : -EIO;
+            break;
+        }
+        off += n;
+    }
+    if (!ret && fsync(fd) < 0) {
+        ret = -errno;
+    }
+    close(fd);
+    if (!ret && rename(tmp, dst) < 0) {
+        ret = -errno;
+    }
+    if (ret) {
+        g_set_error(errp, G_IO_ERROR, g_io_error_from_errno(-ret),
+                    "cannot write catalogue %s: %s", dst, g_strerror(-ret));
+        unlink(tmp);
+        goto out;
+    }
+    dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0 || fsync(dfd) < 0) {
+        ret = -errno;
+        g_set_error(errp, G_IO_ERROR, g_io_error_from_errno(-ret),
+                    "cannot sync directory %s: %s", dir, g_strerror(-ret));
+    }
+    if (dfd >= 0) {
+        close(dfd);
+    }
+out:
+    g_byte_array_free(buf, TRUE);
+    return ret;
+}
+
+HvmCatalog *hvm_catalog_load(const char *dir, GError **errp)
+{
+    g_autofree char *path = g_build_filename(dir, "catalog", NULL);
+    g_autofree char *data = NULL;
+    gsize len;
+    GError *err = NULL;
+    HvmCatalog *cat;
+
+    if (!g_file_get_contents(path, &data, &len, &err)) {
+        if (g_error_matches(err, G_FILE_ERROR, G_FILE_ERROR_NOENT)) {
+            g_error_free(err);
+            return hvm_catalog_new();
+        }
+        g_propagate_error(errp, err);
+        return NULL;
+    }
+    cat = hvm_catalog_parse((const uint8_t *)data, len, errp);
+    if (!cat) {
+        g_prefix_error(errp, "%s: ", path);
+    }
+    return cat;
+}

@@ -1,0 +1,215 @@
+/*
+ * hvmem: the memory broker's command line for people.
+ *
+ * Copyright (c) 2026 hybridvm contributors
+ *
+ * SPDX-License-Identifier: GPL-2.0-or-later
+ *
+ * hvmem [-s SOCKET] VERB ARGS...; exit status 0 on success, 1 when the
+ * broker refused (its message on stderr), 2 on a usage error.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "client.h"
+
+static const char usage[] =
+    "usage: hvmem [-s SOCKET] VERB ARGS\n"
+    "  create NAME SIZE [--mode OCTAL]   (mode default 0600; SIZE like 64M)\n"
+    "  lookup NAME | destroy NAME | resize NAME SIZE | chmod NAME OCTAL\n"
+    "  alloc REGION ITEM SIZE | item-lookup REGION ITEM | free REGION ITEM\n"
+    "  stat [NAME]   (no NAME: the pool) | list\n"
+    "SOCKET defaults to $HVMEM_SOCKET or /run/hybridvm-broker.sock\n";
+
+static void print_region(const HvmRegionInfo *ri)
+{
+    printf("name=%s id=%" G_GUINT64_FORMAT " size=%" G_GUINT64_FORMAT
+           " used=%" G_GUINT64_FORMAT " mode=%04o uid=%u gid=%u items=%u "
+           "attached=%u leased=%s lease_pid=%u\n",
+           ri->name, ri->id, ri->size, ri->used, ri->mode, ri->uid, ri->gid,
+           ri->nitems, ri->attached,
+           ri->flags & HVM_REGION_LEASED ? "yes" : "no", ri->lease_pid);
+}
+
+static void print_item(const char *region, const HvmItemInfo *ii)
+{
+    printf("region=%s item=%s offset=%" G_GUINT64_FORMAT " size=%"
+           G_GUINT64_FORMAT "\n", region, ii->name, ii->offset, ii->size);
+}
+
+static bool parse_mode(const char *s, uint32_t *mode)
+{
+    char *end;
+    unsigned long v = strtoul(s, &end, 8);
+
+    if (!*s || *end || v & ~HVM_MODE_MASK) {
+        fprintf(stderr, "hvmem: mode %s is not octal within 0666\n", s);
+        return false;
+    }
+    *mode = v;
+    return true;
+}
+
+static bool parse_size(const char *s, uint64_t *size)
+{
+    if (hvm_parse_size(s, size)) {
+        fprintf(stderr, "hvmem: size %s is not a size (e.g. 4096, 64M, 2G)\n", s);
+        return false;
+    }
+    return true;
+}
+
+static int run(HvmClient *c, int argc, char **argv, GError **err)
+{
+    const char *verb = argv[0];
+    HvmRegionInfo ri;
+    HvmItemInfo ii;
+    uint64_t size;
+    uint32_t mode = 0600;
+
+#define NARGS(n) do { if (argc != (n) + 1) { goto bad; } } while (0)
+    if (!strcmp(verb, "create")) {
+        if (argc == 5 && !strcmp(argv[3], "--mode")) {
+            if (!parse_mode(argv[4], &mode)) {
+                return 2;
+            }
+        } else {
+            NARGS(2);
+        }
+        if (!parse_size(argv[2], &size)) {
+            return 2;
+        }
+        if (!hvm_region_create(c, argv[1], size, mode, &ri, err)) {
+            return 1;
+        }
+        print_region(&ri);
+    } else if (!strcmp(verb, "lookup")) {
+        NARGS(1);
+        if (!hvm_region_lookup(c, argv[1], &ri, err)) {
+            return 1;
+        }
+        print_region(&ri);
+    } else if (!strcmp(verb, "destroy")) {
+        NARGS(1);
+        if (!hvm_region_destroy(c, argv[1], err)) {
+            return 1;
+        }
+    } else if (!strcmp(verb, "resize")) {
+        NARGS(2);
+        if (!parse_size(argv[2], &size)) {
+            return 2;
+        }
+        if (!hvm_region_resize(c, argv[1], size, &ri, err)) {
+            return 1;
+        }
+        print_region(&ri);
+    } else if (!strcmp(verb, "chmod")) {
+        NARGS(2);
+        if (!parse_mode(argv[2], &mode)) {
+            return 2;
+        }
+        if (!hvm_region_chmod(c, argv[1], mode, err)) {
+            return 1;
+        }
+    } else if (!strcmp(verb, "alloc")) {
+        NARGS(3);
+        if (!parse_size(argv[3], &size)) {
+            return 2;
+        }
+        if (!hvm_item_alloc(c, argv[1], argv[2], size, &ii, err)) {
+            return 1;
+        }
+        print_item(argv[1], &ii);
+    } else if (!strcmp(verb, "item-lookup")) {
+        NARGS(2);
+        if (!hvm_item_lookup(c, argv[1], argv[2], &ii, err)) {
+            return 1;
+        }
+        print_item(argv[1], &ii);
+    } else if (!strcmp(verb, "free")) {
+        NARGS(2);
+        if (!hvm_item_free(c, argv[1], argv[2], err)) {
+            return 1;
+        }
+    } else if (!strcmp(verb, "stat") && argc == 1) {
+        HvmPoolInfo pi;
+
+        if (!hvm_pool_stat(c, &pi, err)) {
+            return 1;
+        }
+        printf("capacity=%" G_GUINT64_FORMAT " used=%" G_GUINT64_FORMAT
+               " free=%" G_GUINT64_FORMAT " quota=%" G_GUINT64_FORMAT
+               " my_used=%" G_GUINT64_FORMAT " regions=%u conns=%u "
+               "max_conns=%u align=%u item_align=%" G_GUINT64_FORMAT "\n",
+               pi.capacity, pi.used,
+               pi.capacity > pi.used ? pi.capacity - pi.used : 0, pi.quota,
+               pi.caller_used, pi.nregions, pi.nconns, pi.max_conns, pi.align,
+               pi.item_align);
+    } else if (!strcmp(verb, "stat")) {
+        GArray *items;
+
+        NARGS(1);
+        if (!hvm_region_stat(c, argv[1], &ri, &items, err)) {
+            return 1;
+        }
+        print_region(&ri);
+        for (guint i = 0; i < items->len; i++) {
+            print_item(argv[1], &g_array_index(items, HvmItemInfo, i));
+        }
+        g_array_free(items, TRUE);
+    } else if (!strcmp(verb, "list")) {
+        GArray *regions;
+
+        NARGS(0);
+        if (!hvm_region_list(c, &regions, err)) {
+            return 1;
+        }
+        for (guint i = 0; i < regions->len; i++) {
+            print_region(&g_array_index(regions, HvmRegionInfo, i));
+        }
+        g_array_free(regions, TRUE);
+    } else {
+        goto bad;
+    }
+    return 0;
+bad:
+    fputs(usage, stderr);
+    return 2;
+#undef NARGS
+}
+
+int main(int argc, char **argv)
+{
+    const char *sock = hvm_default_socket();
+    GError *err = NULL;
+    HvmClient *c;
+    int ret;
+
+    argv++;
+    argc--;
+    if (argc >= 2 && (!strcmp(argv[0], "-s") || !strcmp(argv[0], "--socket"))) {
+        sock = argv[1];
+        argv += 2;
+        argc -= 2;
+    }
+    if (argc < 1 || !strcmp(argv[0], "-h") || !strcmp(argv[0], "--help")) {
+        fputs(usage, argc < 1 ? stderr : stdout);
+        return argc < 1 ? 2 : 0;
+    }
+    c = hvm_client_connect(sock, &err);
+    if (!c) {
+        fprintf(stderr, "hvmem: %s\n", err->message);
+        g_error_free(err);
+        return 1;
+    }
+    ret = run(c, argc, argv, &err);
+    if (err) {
+        fprintf(stderr, "hvmem: %s: %s (%s)\n", argv[0], err->message,
+                g_strerror(err->code));
+        g_error_free(err);
+    }
+    hvm_client_close(c);
+    return ret;
+}

@@ -1,0 +1,1287 @@
+/*
+ * hvmemd: the memory broker daemon.  Named regions (files in a pool directory
+ * on tmpfs, hugetlbfs or a DAX file system) with owners and mode bits,
+ * 2 MiB-aligned items inside them, one read-write owner lease per region, a
+ * durable catalogue.  Protocol: proto.h; catalogue: catalog.h; prose and the
+ * permission model: docs/broker.md.
+ *
+ * Copyright (c) 2026 hybridvm contributors
+ *
+ * SPDX-License-Identifier: GPL-2.0-or-later
+ *
+ * Single-threaded: one GMainLoop serves the listening socket and every
+ * connection, so no state below needs a lock.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <poll.h>
+#include <pwd.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/un.h>
+#include <sys/vfs.h>
+#include <time.h>
+#include <unistd.h>
+#include <gio/gio.h>
+#include <glib-unix.h>
+
+#include "catalog.h"
+#include "proto.h"
+
+#define HUGETLBFS_MAGIC_     0x958458f6
+#define MAX_GROUPS           256
+#define SEND_TIMEOUT_MS      1000    /* a client that does not read is dropped */
+
+typedef struct Broker {
+    char *pool_dir;
+    char *state_dir;
+    char *sock_path;
+    uint64_t capacity;
+    uint64_t quota;             /* per uid, 0 = none; [quota] overrides */
+    GHashTable *quotas;         /* uid -> uint64_t * */
+    unsigned max_conns;
+    uint32_t align;
+    HvmCatalog *cat;
+    GPtrArray *zombies;         /* destroyed regions still attached */
+    GHashTable *conns;          /* Conn * set */
+    int listen_fd;
+    int reserve_fd;             /* closed to accept() when out of fds */
+    GMainLoop *loop;
+} Broker;
+
+typedef struct Conn {
+    Broker *b;
+    int fd;
+    guint watch;
+    struct ucred cred;
+    gid_t groups[MAX_GROUPS];
+    int ngroups;
+    uint8_t buf[HVM_HDR_SIZE + HVM_MAX_REQ_BODY];
+    size_t have;
+    GHashTable *attached;       /* HvmRegion * this connection mapped */
+} Conn;
+
+static Broker broker;
+
+static char *region_path(Broker *b, uint64_t id)
+{
+    return g_strdup_printf("%s/r-%" G_GUINT64_FORMAT, b->pool_dir, id);
+}
+
+/* ---- accounting ---- */
+
+static void usage_of(Broker *b, uint32_t uid, uint64_t *total, uint64_t *by_uid)
+{
+    GHashTableIter it;
+    gpointer v;
+
+    *total = *by_uid = 0;
+    g_hash_table_iter_init(&it, b->cat->regions);
+    while (g_hash_table_iter_next(&it, NULL, &v)) {
+        HvmRegion *r = v;
+
+        *total += r->size;
+        *by_uid += r->uid == uid ? r->size : 0;
+    }
+    for (guint i = 0; i < b->zombies->len; i++) {
+        HvmRegion *r = g_ptr_array_index(b->zombies, i);
+
+        *total += r->size;
+        *by_uid += r->uid == uid ? r->size : 0;
+    }
+}
+
+static uint64_t quota_of(Broker *b, uint32_t uid)
+{
+    uint64_t *q = g_hash_table_lookup(b->quotas, GUINT_TO_POINTER(uid));
+
+    return q ? *q : b->quota;
+}
+
+/* May @uid take @delta more bytes?  0 or -ENOSPC/-EDQUOT with @msg. */
+static int admit(Broker *b, uint32_t uid, uint64_t delta, char *msg, size_t ml)
+{
+    uint64_t total, mine, quota = quota_of(b, uid);
+
+    usage_of(b, uid, &total, &mine);
+    if (delta > b->capacity - MIN(total, b->capacity)) {
+        snprintf(msg, ml, "pool full: %" G_GUINT64_FORMAT " bytes asked, %"
+                 G_GUINT64_FORMAT " of %" G_GUINT64_FORMAT " free",
+                 delta, b->capacity - MIN(total, b->capacity), b->capacity);
+        return -ENOSPC;
+    }
+    if (quota && delta > quota - MIN(mine, quota)) {
+        snprintf(msg, ml, "quota of uid %u exceeded: %" G_GUINT64_FORMAT
+                 " bytes asked, %" G_GUINT64_FORMAT " of %" G_GUINT64_FORMAT
+                 " used", uid, delta, mine, quota);
+        return -EDQUOT;
+    }
+    return 0;
+}
+
+static uint64_t round_up(uint64_t v, uint64_t a)
+{
+    return (v + a - 1) / a * a;
+}
+
+/* ---- permissions: POSIX rules on the region's mode bits; uid 0 passes ---- */
+
+static bool in_group(Conn *c, uint32_t gid)
+{
+    if (c->cred.gid == gid) {
+        return true;
+    }
+    for (int i = 0; i < c->ngroups; i++) {
+        if (c->groups[i] == gid) {
+            return true;
+        }
+    }
+    return false;
+}
+
+static bool may(Conn *c, HvmRegion *r, unsigned want)
+{
+    unsigned bits;
+
+    if (c->cred.uid == 0) {
+        return true;
+    }
+    if (c->cred.uid == r->uid) {
+        bits = (r->mode >> 6) & 7;
+    } else if (in_group(c, r->gid)) {
+        bits = (r->mode >> 3) & 7;
+    } else {
+        bits = r->mode & 7;
+    }
+    return (bits & want) == want;
+}
+
+static bool is_owner(Conn *c, HvmRegion *r)
+{
+    return c->cred.uid == 0 || c->cred.uid == r->uid;
+}
+
+static void region_info(HvmRegion *r, HvmRegionInfo *ri)
+{
+    memset(ri, 0, sizeof(*ri));
+    ri->size = r->size;
+    ri->used = hvm_region_used(r);
+    ri->id = r->id;
+    ri->mode = r->mode;
+    ri->uid = r->uid;
+    ri->gid = r->gid;
+    ri->nitems = r->items->len;
+    ri->attached = r->attached;
+    ri->flags = (r->lease ? HVM_REGION_LEASED : 0) |
+                (r->destroyed ? HVM_REGION_DESTROYED : 0);
+    ri->lease_pid = r->lease ? r->lease_pid : 0;
+    g_strlcpy(ri->name, r->name, sizeof(ri->name));
+}
+
+static int save(Broker *b, char *msg, size_t ml)
+{
+    GError *err = NULL;
+    int ret = hvm_catalog_save(b->cat, b->state_dir, &err);
+
+    if (ret) {
+        snprintf(msg, ml, "catalogue not saved: %s", err->message);
+        g_warning("%s", err->message);
+        g_error_free(err);
+    }
+    return ret;
+}
+
+/* Free a region that is out of the catalogue and no longer attached. */
+static void region_release_file(Broker *b, HvmRegion *r)
+{
+    g_autofree char *path = region_path(b, r->id);
+
+    if (unlink(path) < 0 && errno != ENOENT) {
+        g_warning("cannot remove %s: %s", path, g_strerror(errno));
+    }
+    g_message("region '%s' (id %" G_GUINT64_FORMAT ") freed", r->name, r->id);
+    hvm_region_free(r);
+}
+
+/* ---- operations ---- */
+
+#define FAIL(code, ...) do { \
+    snprintf(msg, ml, __VA_ARGS__); \
+    return (code); \
+} while (0)
+
+static HvmRegion *get_region(Broker *b, const char *name)
+{
+    return g_hash_table_lookup(b->cat->regions, name);
+}
+
+static int op_create(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
+                     size_t ml)
+{
+    Broker *b = c->b;
+    uint64_t size = round_up(q->size, b->align);
+    g_autofree char *path = NULL;
+    HvmRegionInfo ri;
+    HvmRegion *r;
+    int fd, ret;
+
+    if (get_region(b, q->name)) {
+        FAIL(-EEXIST, "region '%s' exists", q->name);
+    }
+    if (g_hash_table_size(b->cat->regions) + b->zombies->len >= HVM_MAX_REGIONS) {
+        FAIL(-ENOSPC, "too many regions (limit %d)", HVM_MAX_REGIONS);
+    }
+    ret = admit(b, c->cred.uid, size, msg, ml);
+    if (ret) {
+        return ret;
+    }
+    r = hvm_region_new(q->name, b->cat->next_id++, size, q->mode, c->cred.uid,
+                       c->cred.gid);
+    path = region_path(b, r->id);
+    fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0 || ftruncate(fd, size) < 0) {
+        ret = -errno;
+        if (fd >= 0) {
+            close(fd);
+            unlink(path);
+        }
+        hvm_region_free(r);
+        FAIL(ret, "cannot create %s: %s", path, g_strerror(-ret));
+    }
+    close(fd);
+    g_hash_table_insert(b->cat->regions, r->name, r);
+    ret = save(b, msg, ml);
+    if (ret) {
+        g_hash_table_remove(b->cat->regions, r->name);
+        unlink(path);
+        hvm_region_free(r);
+        return ret;
+    }
+    g_message("region '%s' created: %" G_GUINT64_FORMAT " bytes, mode %03o, "
+              "uid %u, by pid %d", r->name, size, r->mode, r->uid, c->cred.pid);
+    region_info(r, &ri);
+    hvm_region_encode(data, &ri);
+    return 0;
+}
+
+/* Find @q->name and check @want (4 read, 2 write) or ownership (want 0). */
+static HvmRegion *checked(Conn *c, HvmRequest *q, unsigned want, int *ret,
+                          char *msg, size_t ml)
+{
+    HvmRegion *r = get_region(c->b, q->name);
+
+    if (!r) {
+        snprintf(msg, ml, "no region '%s'", q->name);
+        *ret = -ENOENT;
+        return NULL;
+    }
+    if (want == 0 && !is_owner(c, r)) {
+        snprintf(msg, ml, "%s of region '%s': uid %u is not its owner (uid %u)",
+                 hvm_op_name(q->op), r->name, c->cred.uid, r->uid);
+        *ret = -EPERM;
+        return NULL;
+    }
+    if (want && !may(c, r, want)) {
+        snprintf(msg, ml, "%s of region '%s': mode %03o gives uid %u gid %u "
+                 "no %s permission", hvm_op_name(q->op), r->name, r->mode,
+                 c->cred.uid, c->cred.gid, want & 2 ? "write" : "read");
+        *ret = -EACCES;
+        return NULL;
+    }
+    *ret = 0;
+    return r;
+}
+
+static int op_lookup(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
+                     size_t ml)
+{
+    HvmRegionInfo ri;
+    int ret;
+    HvmRegion *r = checked(c, q, 4, &ret, msg, ml);
+
+    if (r) {
+        region_info(r, &ri);
+        hvm_region_encode(data, &ri);
+    }
+    return ret;
+}
+
+static int op_destroy(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
+                      size_t ml)
+{
+    Broker *b = c->b;
+    int ret;
+    HvmRegion *r = checked(c, q, 0, &ret, msg, ml);
+
+    if (!r) {
+        return ret;
+    }
+    g_hash_table_remove(b->cat->regions, r->name);
+    ret = save(b, msg, ml);
+    if (ret) {
+        g_hash_table_insert(b->cat->regions, r->name, r);
+        return ret;
+    }
+    r->destroyed = true;
+    if (r->attached) {
+        g_message("region '%s' destroyed; file kept for %u attached "
+                  "connection(s)", r->name, r->attached);
+        g_ptr_array_add(b->zombies, r);
+    } else {
+        region_release_file(b, r);
+    }
+    return 0;
+}
+
+static int op_resize(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
+                     size_t ml)
+{
+    Broker *b = c->b;
+    g_autofree char *path = NULL;
+    uint64_t size = round_up(q->size, b->align), old;
+    HvmRegionInfo ri;
+    int ret;
+    HvmRegion *r = checked(c, q, 0, &ret, msg, ml);
+
+    if (!r) {
+        return ret;
+    }
+    old = r->size;
+    path = region_path(b, r->id);
+    if (size < old) {
+        if (size < hvm_region_items_end(r)) {
+            FAIL(-EBUSY, "region '%s' cannot shrink to %" G_GUINT64_FORMAT
+                 ": its items reach %" G_GUINT64_FORMAT, r->name, size,
+                 hvm_region_items_end(r));
+        }
+        if (r->attached) {
+            FAIL(-EBUSY, "region '%s' cannot shrink while %u connection(s) "
+                 "have it mapped", r->name, r->attached);
+        }
+        /* Shrink: commit first, then cut the file (start-up truncates too). */
+        r->size = size;
+        ret = save(b, msg, ml);
+        if (ret) {
+            r->size = old;
+            return ret;
+        }
+        if (truncate(path, size) < 0) {
+            g_warning("cannot shrink %s: %s", path, g_strerror(errno));
+        }
+    } else if (size > old) {
+        ret = admit(b, r->uid, size - old, msg, ml);
+        if (ret) {
+            return ret;
+        }
+        /* Grow: extend the file first, then commit. */
+        if (truncate(path, size) < 0) {
+            ret = -errno;
+            FAIL(ret, "cannot grow %s: %s", path, g_strerror(-ret));
+        }
+        r->size = size;
+        ret = save(b, msg, ml);
+        if (ret) {
+            r->size = old;
+            if (truncate(path, old) < 0) {
+                g_warning("cannot shrink %s back: %s", path, g_strerror(errno));
+            }
+            return ret;
+        }
+    }
+    region_info(r, &ri);
+    hvm_region_encode(data, &ri);
+    return 0;
+}
+
+static int op_alloc(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
+                    size_t ml)
+{
+    HvmItemInfo ii;
+    HvmItem *it;
+    int ret;
+    HvmRegion *r = checked(c, q, 2, &ret, msg, ml);
+
+    if (!r) {
+        return ret;
+    }
+    it = hvm_region_alloc_item(r, q->item, q->size, &ret);
+    if (!it) {
+        if (ret == -EEXIST) {
+            FAIL(ret, "region '%s' has an item '%s'", r->name, q->item);
+        }
+        FAIL(ret, "region '%s' (%" G_GUINT64_FORMAT " bytes, %u items, %"
+             G_GUINT64_FORMAT " used) has no free 2 MiB-aligned extent of %"
+             G_GUINT64_FORMAT " bytes", r->name, r->size, r->items->len,
+             hvm_region_used(r), q->size);
+    }
+    ret = save(c->b, msg, ml);
+    if (ret) {
+        hvm_region_free_item(r, q->item);
+        return ret;
+    }
+    memset(&ii, 0, sizeof(ii));
+    ii.offset = it->offset;
+    ii.size = it->size;
+    g_strlcpy(ii.name, it->name, sizeof(ii.name));
+    hvm_item_encode(data, &ii);
+    return 0;
+}
+
+static int op_item_lookup(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
+                          size_t ml)
+{
+    HvmItemInfo ii;
+    HvmItem *it;
+    int ret;
+    HvmRegion *r = checked(c, q, 4, &ret, msg, ml);
+
+    if (!r) {
+        return ret;
+    }
+    it = hvm_region_find_item(r, q->item);
+    if (!it) {
+        FAIL(-ENOENT, "region '%s' has no item '%s'", r->name, q->item);
+    }
+    memset(&ii, 0, sizeof(ii));
+    ii.offset = it->offset;
+    ii.size = it->size;
+    g_strlcpy(ii.name, it->name, sizeof(ii.name));
+    hvm_item_encode(data, &ii);
+    return 0;
+}
+
+static int op_free(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
+                   size_t ml)
+{
+    HvmItem *it, saved;
+    int ret;
+    HvmRegion *r = checked(c, q, 2, &ret, msg, ml);
+
+    if (!r) {
+        return ret;
+    }
+    it = hvm_region_find_item(r, q->item);
+    if (!it) {
+        FAIL(-ENOENT, "region '%s' has no item '%s'", r->name, q->item);
+    }
+    saved = *it;
+    saved.name = g_strdup(it->name);
+    hvm_region_free_item(r, q->item);
+    ret = save(c->b, msg, ml);
+    if (ret) {
+        /* The extent is still free: put the item back where it was. */
+        hvm_region_insert_item(r, saved.name, saved.offset, saved.size);
+    }
+    g_free(saved.name);
+    return ret;
+}
+
+static int op_chmod(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
+                    size_t ml)
+{
+    HvmRegionInfo ri;
+    uint32_t old;
+    int ret;
+    HvmRegion *r = checked(c, q, 0, &ret, msg, ml);
+
+    if (!r) {
+        return ret;
+    }
+    old = r->mode;
+    r->mode = q->mode;
+    ret = save(c->b, msg, ml);
+    if (ret) {
+        r->mode = old;
+        return ret;
+    }
+    region_info(r, &ri);
+    hvm_region_encode(data, &ri);
+    return 0;
+}
+
+static int op_stat(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
+                   size_t ml)
+{
+    Broker *b = c->b;
+    HvmRegionInfo ri;
+    HvmRegion *r;
+    int ret;
+
+    if (!q->name[0]) {
+        HvmPoolInfo pi = {
+            .capacity = b->capacity,
+            .quota = quota_of(b, c->cred.uid),
+            .nregions = g_hash_table_size(b->cat->regions),
+            .nconns = g_hash_table_size(b->conns),
+            .max_conns = b->max_conns,
+            .align = b->align,
+            .item_align = HVM_ITEM_ALIGN,
+        };
+
+        usage_of(b, c->cred.uid, &pi.used, &pi.caller_used);
+        hvm_pool_encode(data, &pi);
+        return 0;
+    }
+    r = checked(c, q, 4, &ret, msg, ml);
+    if (!r) {
+        return ret;
+    }
+    region_info(r, &ri);
+    hvm_region_encode(data, &ri);
+    for (guint i = 0; i < r->items->len; i++) {
+        HvmItem *it = g_ptr_array_index(r->items, i);
+        HvmItemInfo ii = { .offset = it->offset, .size = it->size };
+
+        g_strlcpy(ii.name, it->name, sizeof(ii.name));
+        hvm_item_encode(data, &ii);
+    }
+    return 0;
+}
+
+static int op_list(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
+                   size_t ml)
+{
+    GHashTableIter it;
+    gpointer v;
+    uint32_t n = 0;
+    size_t count_at = data->len;
+
+    hvm_put_u32(data, 0);
+    hvm_put_u32(data, 0);
+    g_hash_table_iter_init(&it, c->b->cat->regions);
+    while (g_hash_table_iter_next(&it, NULL, &v)) {
+        HvmRegionInfo ri;
+
+        if (!may(c, v, 4)) {
+            continue;
+        }
+        region_info(v, &ri);
+        hvm_region_encode(data, &ri);
+        n++;
+    }
+    data->data[count_at] = n;
+    data->data[count_at + 1] = n >> 8;
+    data->data[count_at + 2] = n >> 16;
+    data->data[count_at + 3] = n >> 24;
+    return 0;
+}
+
+static int op_map(Conn *c, HvmRequest *q, GByteArray *data, int *fd_out,
+                  char *msg, size_t ml)
+{
+    bool rw = q->flags & HVM_MAP_RW;
+    g_autofree char *path = NULL;
+    HvmRegionInfo ri;
+    int ret, fd;
+    HvmRegion *r = checked(c, q, rw ? 6 : 4, &ret, msg, ml);
+
+    if (!r) {
+        return ret;
+    }
+    if (rw && r->lease && r->lease != c) {
+        FAIL(-EBUSY, "region '%s' already has a read-write owner (pid %u); "
+             "map it read-only or wait until that process lets go",
+             r->name, r->lease_pid);
+    }
+    path = region_path(c->b, r->id);
+    /* A reader gets O_RDONLY: mmap(PROT_WRITE, MAP_SHARED) on it is EACCES. */
+    fd = open(path, (rw ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) {
+        ret = -errno;
+        FAIL(ret, "cannot open %s: %s", path, g_strerror(-ret));
+    }
+    if (!g_hash_table_contains(c->attached, r)) {
+        g_hash_table_add(c->attached, r);
+        r->attached++;
+    }
+    if (rw && !r->lease) {
+        r->lease = c;
+        r->lease_pid = c->cred.pid;
+        g_message("region '%s': read-write lease to pid %d", r->name,
+                  c->cred.pid);
+    }
+    region_info(r, &ri);
+    hvm_region_encode(data, &ri);
+    *fd_out = fd;
+    return 0;
+}
+
+static int op_release(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
+                      size_t ml)
+{
+    int ret;
+    HvmRegion *r = checked(c, q, 4, &ret, msg, ml);
+
+    if (!r) {
+        return ret;
+    }
+    if (r->lease != c) {
+        FAIL(-ENOLCK, "this connection holds no read-write lease on '%s'",
+             r->name);
+    }
+    r->lease = NULL;
+    r->lease_pid = 0;
+    return 0;
+}
+
+static int dispatch(Conn *c, HvmRequest *q, GByteArray *data, int *fd_out,
+                    char *msg, size_t ml)
+{
+    switch (q->op) {
+    case HVM_OP_CREATE:
+        return op_create(c, q, data, msg, ml);
+    case HVM_OP_LOOKUP:
+        return op_lookup(c, q, data, msg, ml);
+    case HVM_OP_DESTROY:
+        return op_destroy(c, q, data, msg, ml);
+    case HVM_OP_RESIZE:
+        return op_resize(c, q, data, msg, ml);
+    case HVM_OP_ALLOC:
+        return op_alloc(c, q, data, msg, ml);
+    case HVM_OP_ITEM_LOOKUP:
+        return op_item_lookup(c, q, data, msg, ml);
+    case HVM_OP_FREE:
+        return op_free(c, q, data, msg, ml);
+    case HVM_OP_CHMOD:
+        return op_chmod(c, q, data, msg, ml);
+    case HVM_OP_STAT:
+        return op_stat(c, q, data, msg, ml);
+    case HVM_OP_LIST:
+        return op_list(c, q, data, msg, ml);
+    case HVM_OP_MAP:
+        return op_map(c, q, data, fd_out, msg, ml);
+    case HVM_OP_RELEASE:
+        return op_release(c, q, data, msg, ml);
+    default:
+        FAIL(-EOPNOTSUPP, "unknown op %u", q->op);
+    }
+}
+
+/* ---- connections ---- */
+
+/* Send all of @buf (with @fd on the first byte, if >= 0) within the timeout. */
+static int send_all(int sock, const uint8_t *buf, size_t len, int fd)
+{
+    gint64 deadline = g_get_monotonic_time() + SEND_TIMEOUT_MS * 1000;
+    size_t off = 0;
+
+    while (off < len) {
+        struct iovec iov = { (void *)(buf + off), len - off };
+        union {
+            char buf[CMSG_SPACE(sizeof(int))];
+            struct cmsghdr align;
+        } u;
+        struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+        ssize_t n;
+
+        if (fd >= 0) {
+            struct cmsghdr *cm;
+
+            memset(&u, 0, sizeof(u));
+            mh.msg_control = u.buf;
+            mh.msg_controllen = sizeof(u.buf);
+            cm = CMSG_FIRSTHDR(&mh);
+            cm->cmsg_level = SOL_SOCKET;
+            cm->cmsg_type = SCM_RIGHTS;
+            cm->cmsg_len = CMSG_LEN(sizeof(int));
+            memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+        }
+        n = sendmsg(sock, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n > 0) {
+            off += n;
+            fd = -1;
+            continue;
+        }
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n < 0 && errno == EAGAIN) {
+            struct pollfd p = { .fd = sock, .events = POLLOUT };
+            gint64 left = (deadline - g_get_monotonic_time()) / 1000;
+
+            if (left <= 0 || poll(&p, 1, left) <= 0) {
+                return -ETIMEDOUT;
+            }
+            continue;
+        }
+        return n < 0 ? -errno : -EIO;
+    }
+    return 0;
+}
+
+static int reply(Conn *c, uint16_t op, uint32_t seq, int status,
+                 const char *msg, GByteArray *data, int fd)
+{
+    GByteArray *out = g_byte_array_new();
+    int ret;
+
+    hvm_reply_encode(out, op, seq, status, status ? msg : NULL,
+                     data ? data->data : NULL, data ? data->len : 0);
+    ret = send_all(c->fd, out->data, out->len, fd);
+    g_byte_array_free(out, TRUE);
+    return ret;
+}
+
+static void conn_close(Conn *c)
+{
+    Broker *b = c->b;
+    GHashTableIter it;
+    gpointer v;
+
+    g_hash_table_iter_init(&it, c->attached);
+    while (g_hash_table_iter_next(&it, &v, NULL)) {
+        HvmRegion *r = v;
+
+        if (r->lease == c) {
+            g_message("region '%s': read-write lease of pid %u released "
+                      "(connection closed)", r->name, r->lease_pid);
+            r->lease = NULL;
+            r->lease_pid = 0;
+        }
+        g_assert(r->attached > 0);
+        if (--r->attached == 0 && r->destroyed) {
+            g_ptr_array_remove_fast(b->zombies, r);
+            region_release_file(b, r);
+        }
+    }
+    g_hash_table_destroy(c->attached);
+    if (c->watch) {
+        g_source_remove(c->watch);
+    }
+    close(c->fd);
+    g_hash_table_remove(b->conns, c);
+    g_free(c);
+}
+
+/* Handle the complete requests in c->buf; false when the connection must go. */
+static bool conn_process(Conn *c)
+{
+    while (c->have >= HVM_HDR_SIZE) {
+        HvmHeader h;
+        HvmRequest q;
+        const char *why;
+        char msg[HVM_MAX_MSG];
+        GByteArray *data;
+        int ret, fd = -1;
+
+        ret = hvm_header_decode(c->buf, &h, false, &why);
+        if (ret) {
+            /* Framing cannot be trusted any more: say why and hang up. */
+            reply(c, 0, 0, ret, why, NULL, -1);
+            return false;
+        }
+        if (c->have < HVM_HDR_SIZE + h.length) {
+            return true;
+        }
+        data = g_byte_array_new();
+        ret = hvm_request_decode(h.op, h.seq, c->buf + HVM_HDR_SIZE, h.length,
+                                 &q, msg, sizeof(msg));
+        if (!ret) {
+            ret = dispatch(c, &q, data, &fd, msg, sizeof(msg));
+        }
+        if (ret) {
+            g_byte_array_set_size(data, 0);
+        }
+        ret = reply(c, h.op, h.seq, ret, msg, data, fd);
+        g_byte_array_free(data, TRUE);
+        if (fd >= 0) {
+            close(fd);
+        }
+        if (ret) {
+            return false;
+        }
+        memmove(c->buf, c->buf + HVM_HDR_SIZE + h.length,
+                c->have - HVM_HDR_SIZE - h.length);
+        c->have -= HVM_HDR_SIZE + h.length;
+    }
+    return true;
+}
+
+static gboolean conn_ready(gint fd, GIOCondition cond, gpointer opaque)
+{
+    Conn *c = opaque;
+    ssize_t n;
+
+    n = recv(fd, c->buf + c->have, sizeof(c->buf) - c->have, MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
+        return G_SOURCE_CONTINUE;
+    }
+    if (n <= 0) {
+        c->watch = 0;
+        conn_close(c);
+        return G_SOURCE_REMOVE;
+    }
+    c->have += n;
+    if (!conn_process(c)) {
+        c->watch = 0;
+        conn_close(c);
+        return G_SOURCE_REMOVE;
+    }
+    return G_SOURCE_CONTINUE;
+}
+
+static void refuse(int fd, int status, const char *msg)
+{
+    GByteArray *out = g_byte_array_new();
+
+    hvm_reply_encode(out, 0, 0, status, msg, NULL, 0);
+    send_all(fd, out->data, out->len, -1);
+    g_byte_array_free(out, TRUE);
+    close(fd);
+}
+
+static gboolean accept_ready(gint lfd, GIOCondition cond, gpointer opaque)
+{
+    Broker *b = opaque;
+    socklen_t len;
+    Conn *c;
+    int fd;
+
+    fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+        if ((errno == EMFILE || errno == ENFILE) && b->reserve_fd >= 0) {
+            /* Out of descriptors: use the reserve to refuse one politely. */
+            close(b->reserve_fd);
+            fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+            if (fd >= 0) {
+                refuse(fd, -EMFILE, "broker out of file descriptors");
+            }
+            b->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+        }
+        return G_SOURCE_CONTINUE;
+    }
+    if (g_hash_table_size(b->conns) >= b->max_conns) {
+        char msg[128];
+
+        snprintf(msg, sizeof(msg), "too many connections (max %u)",
+                 b->max_conns);
+        refuse(fd, -EUSERS, msg);
+        return G_SOURCE_CONTINUE;
+    }
+    c = g_new0(Conn, 1);
+    c->b = b;
+    c->fd = fd;
+    len = sizeof(c->cred);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &c->cred, &len) < 0) {
+        g_free(c);
+        refuse(fd, -EPROTO, "no peer credentials");
+        return G_SOURCE_CONTINUE;
+    }
+    len = sizeof(c->groups);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, c->groups, &len) == 0) {
+        c->ngroups = len / sizeof(gid_t);
+    }
+    c->attached = g_hash_table_new(NULL, NULL);
+    g_hash_table_add(b->conns, c);
+    c->watch = g_unix_fd_add(fd, G_IO_IN | G_IO_HUP | G_IO_ERR, conn_ready, c);
+    return G_SOURCE_CONTINUE;
+}
+
+/* ---- start-up ---- */
+
+static void reconcile(Broker *b, bool *dirty)
+{
+    GHashTable *ids = g_hash_table_new(g_int64_hash, g_int64_equal);
+    GPtrArray *gone = g_ptr_array_new();
+    GHashTableIter it;
+    gpointer v;
+    DIR *d;
+    struct dirent *de;
+
+    g_hash_table_iter_init(&it, b->cat->regions);
+    while (g_hash_table_iter_next(&it, NULL, &v)) {
+        HvmRegion *r = v;
+        g_autofree char *path = region_path(b, r->id);
+        struct stat st;
+
+        if (stat(path, &st) < 0) {
+            g_warning("region '%s' (id %" G_GUINT64_FORMAT "): %s is gone "
+                      "(%s; host rebooted or pool cleared?): dropped from the "
+                      "catalogue", r->name, r->id, path, g_strerror(errno));
+            g_ptr_array_add(gone, r);
+            continue;
+        }
+        if ((uint64_t)st.st_size != r->size) {
+            g_warning("region '%s': file has %lld bytes, catalogue says %"
+                      G_GUINT64_FORMAT ": file set to the catalogue's size",
+                      r->name, (long long)st.st_size, r->size);
+            if (truncate(path, r->size) < 0) {
+                g_warning("cannot resize %s: %s", path, g_strerror(errno));
+            }
+        }
+        g_hash_table_add(ids, &r->id);
+    }
+    for (guint i = 0; i < gone->len; i++) {
+        HvmRegion *r = g_ptr_array_index(gone, i);
+
+        g_hash_table_remove(b->cat->regions, r->name);
+        hvm_region_free(r);
+        *dirty = true;
+    }
+    /* Files no catalogue entry names: a crash between create and commit,
+     * or a destroyed region whose last client was attached at shutdown. */
+    d = opendir(b->pool_dir);
+    while (d && (de = readdir(d))) {
+        guint64 id;
+        char *end;
+
+        if (strncmp(de->d_name, "r-", 2)) {
+            continue;
+        }
+        id = g_ascii_strtoull(de->d_name + 2, &end, 10);
+        if (*end || g_hash_table_contains(ids, &id)) {
+            continue;
+        }
+        g_message("removing %s/%s: in no catalogue entry", b->pool_dir,
+                  de->d_name);
+        unlinkat(dirfd(d), de->d_name, 0);
+    }
+    if (d) {
+        closedir(d);
+    }
+    g_ptr_array_free(gone, TRUE);
+    g_hash_table_destroy(ids);
+}
+
+static bool parse_uid(const char *s, uint32_t *uid, uint32_t *gid)
+{
+    struct passwd *pw;
+    char *end;
+    guint64 v;
+
+    v = g_ascii_strtoull(s, &end, 10);
+    if (*s && !*end && v < UINT32_MAX) {
+        *uid = v;
+        pw = getpwuid(v);
+        *gid = pw ? pw->pw_gid : v;
+        return true;
+    }
+    pw = getpwnam(s);
+    if (!pw) {
+        return false;
+    }
+    *uid = pw->pw_uid;
+    *gid = pw->pw_gid;
+    return true;
+}
+
+static bool parse_gid(const char *s, uint32_t *gid)
+{
+    struct group *gr;
+    char *end;
+    guint64 v = g_ascii_strtoull(s, &end, 10);
+
+    if (*s && !*end && v < UINT32_MAX) {
+        *gid = v;
+        return true;
+    }
+    gr = getgrnam(s);
+    if (gr) {
+        *gid = gr->gr_gid;
+    }
+    return gr != NULL;
+}
+
+/*
+ * Static provisioning: [region NAME] size= mode= owner= group=, and
+ * [quota] UID-or-user=SIZE.  A region the catalogue lacks is created; one
+ * it has keeps its data and size (never shrunk) and takes the file's mode
+ * and owner; a larger size grows it.
+ */
+static bool provision(Broker *b, const char *file, bool *dirty, GError **errp)
+{
+    g_autoptr(GKeyFile) kf = g_key_file_new();
+    g_auto(GStrv) groups = NULL;
+
+    if (!g_key_file_load_from_file(kf, file, G_KEY_FILE_NONE, errp)) {
+        g_prefix_error(errp, "%s: ", file);
+        return false;
+    }
+    groups = g_key_file_get_groups(kf, NULL);
+    for (int i = 0; groups[i]; i++) {
+        const char *g = groups[i];
+
+        if (!strcmp(g, "quota")) {
+            g_auto(GStrv) keys = g_key_file_get_keys(kf, g, NULL, NULL);
+
+            for (int k = 0; keys && keys[k]; k++) {
+                g_autofree char *v = g_key_file_get_value(kf, g, keys[k], NULL);
+                uint32_t uid, gid;
+                uint64_t *q = g_new(uint64_t, 1);
+
+                if (!parse_uid(keys[k], &uid, &gid) || hvm_parse_size(v, q)) {
+                    g_free(q);
+                    g_set_error(errp, G_KEY_FILE_ERROR,
+                                G_KEY_FILE_ERROR_INVALID_VALUE,
+                                "%s: [quota] %s=%s: unknown user or bad size",
+                                file, keys[k], v);
+                    return false;
+                }
+                g_hash_table_insert(b->quotas, GUINT_TO_POINTER(uid), q);
+            }
+        } else if (g_str_has_prefix(g, "region ")) {
+            const char *name = g + 7;
+            g_autofree char *size_s = g_key_file_get_value(kf, g, "size", NULL);
+            g_autofree char *mode_s = g_key_file_get_value(kf, g, "mode", NULL);
+            g_autofree char *owner_s = g_key_file_get_value(kf, g, "owner", NULL);
+            g_autofree char *group_s = g_key_file_get_value(kf, g, "group", NULL);
+            const char *why = hvm_name_check(name, strlen(name));
+            uint32_t uid = 0, gid = 0, mode = 0600;
+            uint64_t size;
+            char *end;
+            HvmRegion *r;
+
+            if (why) {
+                g_set_error(errp, G_KEY_FILE_ERROR, G_KEY_FILE_ERROR_INVALID_VALUE,
+                            "%s: [%s]: %s", file, g, why);
+                return false;
+            }
+            if (!size_s || hvm_parse_size(size_s, &size) || !size ||
+                size > HVM_MAX_SIZE) {
+                g_set_error(errp, G_KEY_FILE_ERROR, G_KEY_FILE_ERROR_INVALID_VALUE,
+                            "%s: [%s]: size= missing or invalid", file, g);
+                return false;
+            }
+            if (mode_s) {
+                mode = strtoul(mode_s, &end, 8);
+                if (!*mode_s || *end || mode & ~HVM_MODE_MASK) {
+                    g_set_error(errp, G_KEY_FILE_ERROR,
+                                G_KEY_FILE_ERROR_INVALID_VALUE,
+                                "%s: [%s]: mode=%s is not octal within 0666",
+                                file, g, mode_s);
+                    return false;
+                }
+            }
+            if ((owner_s && !parse_uid(owner_s, &uid, &gid)) ||
+                (group_s && !parse_gid(group_s, &gid))) {
+                g_set_error(errp, G_KEY_FILE_ERROR, G_KEY_FILE_ERROR_INVALID_VALUE,
+                            "%s: [%s]: unknown owner or group", file, g);
+                return false;
+            }
+            size = round_up(size, b->align);
+            r = g_hash_table_lookup(b->cat->regions, name);
+            if (!r) {
+                g_autofree char *path = NULL;
+                int fd;
+
+                r = hvm_region_new(name, b->cat->next_id++, size, mode, uid, gid);
+                path = region_path(b, r->id);
+                fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+                if (fd < 0 || ftruncate(fd, size) < 0) {
+                    g_set_error(errp, G_IO_ERROR, g_io_error_from_errno(errno),
+                                "%s: cannot create %s: %s", g, path,
+                                g_strerror(errno));
+                    hvm_region_free(r);
+                    return false;
+                }
+                close(fd);
+                g_hash_table_insert(b->cat->regions, r->name, r);
+                g_message("provisioned region '%s': %" G_GUINT64_FORMAT
+                          " bytes, mode %03o, uid %u", name, size, mode, uid);
+            } else {
+                if (size > r->size) {
+                    g_autofree char *path = region_path(b, r->id);
+
+                    if (truncate(path, size) < 0) {
+                        g_set_error(errp, G_IO_ERROR, g_io_error_from_errno(errno),
+                                    "%s: cannot grow %s", g, path);
+                        return false;
+                    }
+                    r->size = size;
+                }
+                r->mode = mode;
+                r->uid = uid;
+                r->gid = gid;
+            }
+            *dirty = true;
+        } else {
+            g_set_error(errp, G_KEY_FILE_ERROR, G_KEY_FILE_ERROR_GROUP_NOT_FOUND,
+                        "%s: unknown group [%s] (expected [region NAME] or "
+                        "[quota])", file, g);
+            return false;
+        }
+    }
+    return true;
+}
+
+static int listen_on(const char *path, unsigned mode, GError **errp)
+{
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    struct stat st;
+    int fd;
+
+    if (strlen(path) >= sizeof(sa.sun_path)) {
+        g_set_error(errp, G_IO_ERROR, G_IO_ERROR_INVALID_ARGUMENT,
+                    "socket path %s longer than %zu bytes", path,
+                    sizeof(sa.sun_path) - 1);
+        return -1;
+    }
+    strcpy(sa.sun_path, path);
+    if (lstat(path, &st) == 0 && S_ISSOCK(st.st_mode)) {
+        unlink(path);
+    }
+    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0 || bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 ||
+        chmod(path, mode) < 0 || listen(fd, 128) < 0) {
+        g_set_error(errp, G_IO_ERROR, g_io_error_from_errno(errno),
+                    "cannot listen on %s: %s", path, g_strerror(errno));
+        if (fd >= 0) {
+            close(fd);
+        }
+        return -1;
+    }
+    return fd;
+}
+
+static gboolean on_signal(gpointer opaque)
+{
+    g_main_loop_quit(opaque);
+    return G_SOURCE_REMOVE;
+}
+
+int main(int argc, char **argv)
+{
+    Broker *b = &broker;
+    g_autofree char *pool = NULL, *state = NULL, *sock = NULL, *config = NULL;
+    g_autofree char *capacity_s = NULL, *quota_s = NULL, *sock_mode_s = NULL;
+    int max_conns = 256;
+    GOptionEntry entries[] = {
+        { "pool", 'p', 0, G_OPTION_ARG_FILENAME, &pool,
+          "pool directory (tmpfs, hugetlbfs or DAX; default /dev/shm/hybridvm-broker)",
+          "DIR" },
+        { "state-dir", 0, 0, G_OPTION_ARG_FILENAME, &state,
+          "where the catalogue lives (default: the pool directory)", "DIR" },
+        { "socket", 's', 0, G_OPTION_ARG_FILENAME, &sock,
+          "unix socket (default /run/hybridvm-broker.sock)", "PATH" },
+        { "socket-mode", 0, 0, G_OPTION_ARG_STRING, &sock_mode_s,
+          "socket file mode (default 0666: mode bits of regions decide)", "OCTAL" },
+        { "config", 'c', 0, G_OPTION_ARG_FILENAME, &config,
+          "static provisioning: [region NAME] size= mode= owner= group=, "
+          "[quota] USER=SIZE", "FILE" },
+        { "capacity", 0, 0, G_OPTION_ARG_STRING, &capacity_s,
+          "bytes the pool may hand out (default: the file system's size)", "SIZE" },
+        { "quota", 0, 0, G_OPTION_ARG_STRING, &quota_s,
+          "default per-uid quota (default: none)", "SIZE" },
+        { "max-conns", 0, 0, G_OPTION_ARG_INT, &max_conns,
+          "maximum client connections (default 256)", "N" },
+        { NULL }
+    };
+    g_autoptr(GOptionContext) ctx = g_option_context_new("- hybridvm memory broker");
+    GError *err = NULL;
+    struct statfs sfs;
+    struct rlimit rl;
+    unsigned sock_mode = 0666;
+    bool dirty = false;
+
+    g_option_context_add_main_entries(ctx, entries, NULL);
+    if (!g_option_context_parse(ctx, &argc, &argv, &err)) {
+        g_printerr("hvmemd: %s\n", err->message);
+        return 2;
+    }
+    b->pool_dir = pool ? g_strdup(pool) : g_strdup("/dev/shm/hybridvm-broker");
+    b->state_dir = state ? g_strdup(state) : g_strdup(b->pool_dir);
+    b->sock_path = sock ? g_strdup(sock) : g_strdup("/run/hybridvm-broker.sock");
+    b->quotas = g_hash_table_new_full(NULL, NULL, NULL, g_free);
+    b->zombies = g_ptr_array_new();
+    b->conns = g_hash_table_new(NULL, NULL);
+    if (max_conns < 1 || max_conns > 65536) {
+        g_printerr("hvmemd: --max-conns %d out of range (1..65536)\n", max_conns);
+        return 2;
+    }
+    b->max_conns = max_conns;
+    if (sock_mode_s) {
+        char *end;
+
+        sock_mode = strtoul(sock_mode_s, &end, 8);
+        if (!*sock_mode_s || *end || sock_mode & ~0777u) {
+            g_printerr("hvmemd: --socket-mode %s is not an octal mode\n",
+                       sock_mode_s);
+            return 2;
+        }
+    }
+    if (quota_s && hvm_parse_size(quota_s, &b->quota)) {
+        g_printerr("hvmemd: --quota %s is not a size\n", quota_s);
+        return 2;
+    }
+    if (g_mkdir_with_parents(b->pool_dir, 0700) < 0 ||
+        g_mkdir_with_parents(b->state_dir, 0700) < 0 ||
+        chmod(b->pool_dir, 0700) < 0) {
+        g_printerr("hvmemd: cannot create %s or %s: %s\n", b->pool_dir,
+                   b->state_dir, g_strerror(errno));
+        return 1;
+    }
+    if (statfs(b->pool_dir, &sfs) < 0) {
+        g_printerr("hvmemd: statfs %s: %s\n", b->pool_dir, g_strerror(errno));
+        return 1;
+    }
+    /* hugetlbfs files grow in huge pages; tmpfs and DAX in base pages. */
+    b->align = sfs.f_type == HUGETLBFS_MAGIC_ ? sfs.f_bsize : sysconf(_SC_PAGESIZE);
+    if (capacity_s) {
+        if (hvm_parse_size(capacity_s, &b->capacity)) {
+            g_printerr("hvmemd: --capacity %s is not a size\n", capacity_s);
+            return 2;
+        }
+    } else {
+        b->capacity = (uint64_t)sfs.f_blocks * sfs.f_bsize;
+    }
+
+    b->cat = hvm_catalog_load(b->state_dir, &err);
+    if (!b->cat) {
+        /* Never start over a catalogue we cannot read: it names live data. */
+        g_printerr("hvmemd: %s\n", err->message);
+        return 1;
+    }
+    reconcile(b, &dirty);
+    if (config && !provision(b, config, &dirty, &err)) {
+        g_printerr("hvmemd: %s\n", err->message);
+        return 1;
+    }
+    if (dirty) {
+        char msg[HVM_MAX_MSG];
+
+        if (save(b, msg, sizeof(msg))) {
+            g_printerr("hvmemd: %s\n", msg);
+            return 1;
+        }
+    }
+
+    /* Every connection is one descriptor; keep a margin for the rest. */
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < b->max_conns + 64) {
+        rl.rlim_cur = MIN(rl.rlim_max, (rlim_t)b->max_conns + 64);
+        setrlimit(RLIMIT_NOFILE, &rl);
+        if (rl.rlim_cur < b->max_conns + 64) {
+            b->max_conns = rl.rlim_cur > 128 ? rl.rlim_cur - 64 : rl.rlim_cur / 2;
+            g_warning("RLIMIT_NOFILE %llu: at most %u connections",
+                      (unsigned long long)rl.rlim_cur, b->max_conns);
+        }
+    }
+    b->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    b->listen_fd = listen_on(b->sock_path, sock_mode, &err);
+    if (b->listen_fd < 0) {
+        g_printerr("hvmemd: %s\n", err->message);
+        return 1;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    b->loop = g_main_loop_new(NULL, FALSE);
+    g_unix_signal_add(SIGTERM, on_signal, b->loop);
+    g_unix_signal_add(SIGINT, on_signal, b->loop);
+    g_unix_fd_add(b->listen_fd, G_IO_IN, accept_ready, b);
+    g_message("ready: socket %s, pool %s (%" G_GUINT64_FORMAT " bytes, "
+              "align %u), %u regions, generation %" G_GUINT64_FORMAT,
+              b->sock_path, b->pool_dir, b->capacity, b->align,
+              g_hash_table_size(b->cat->regions), b->cat->generation);
+    g_main_loop_run(b->loop);
+    unlink(b->sock_path);
+    g_message("stopped");
+    return 0;
+}

@@ -1,0 +1,277 @@
+/*
+ * Unit tests of the broker's request parser, name rules, extent allocator
+ * and catalogue snapshot (../proto.c, ../catalog.c), run under ASan/UBSan.
+ *
+ * Copyright (c) 2026 hybridvm contributors
+ *
+ * SPDX-License-Identifier: GPL-2.0-or-later
+ */
+#include <errno.h>
+#include <string.h>
+#include <glib.h>
+
+#include "../catalog.h"
+#include "../proto.h"
+
+static GByteArray *encode(HvmOp op, const char *name, const char *item,
+                          uint64_t size, uint32_t mode, uint32_t flags)
+{
+    GByteArray *b = g_byte_array_new();
+    HvmRequest q = { .op = op, .seq = 7, .size = size, .mode = mode,
+                     .flags = flags };
+
+    g_strlcpy(q.name, name, sizeof(q.name));
+    g_strlcpy(q.item, item, sizeof(q.item));
+    hvm_request_encode(b, &q);
+    return b;
+}
+
+static int decode(GByteArray *b, HvmRequest *q, char *err)
+{
+    HvmHeader h;
+    const char *why;
+    int ret = hvm_header_decode(b->data, &h, false, &why);
+
+    if (ret) {
+        return ret;
+    }
+    g_assert_cmpuint(h.length, ==, b->len - HVM_HDR_SIZE);
+    return hvm_request_decode(h.op, h.seq, b->data + HVM_HDR_SIZE, h.length,
+                              q, err, 256);
+}
+
+static void test_roundtrip(void)
+{
+    GByteArray *b = encode(HVM_OP_ALLOC, "vm1-ram", "hdr", 4096, 0, 0);
+    HvmRequest q;
+    char err[256];
+
+    g_assert_cmpint(decode(b, &q, err), ==, 0);
+    g_assert_cmpint(q.op, ==, HVM_OP_ALLOC);
+    g_assert_cmpuint(q.seq, ==, 7);
+    g_assert_cmpuint(q.size, ==, 4096);
+    g_assert_cmpstr(q.name, ==, "vm1-ram");
+    g_assert_cmpstr(q.item, ==, "hdr");
+    g_byte_array_free(b, TRUE);
+}
+
+static void test_field_rules(void)
+{
+    struct {
+        HvmOp op;
+        const char *name, *item;
+        uint64_t size;
+        uint32_t mode, flags;
+        int expect;
+    } cases[] = {
+        { HVM_OP_CREATE, "a", "", 1, 0640, 0, 0 },
+        { HVM_OP_CREATE, "a", "", 0, 0640, 0, -EINVAL },        /* no size */
+        { HVM_OP_CREATE, "a", "", HVM_MAX_SIZE + 1, 0, 0, -EINVAL },
+        { HVM_OP_CREATE, "a", "", 1, 0755, 0, -EINVAL },        /* x bits */
+        { HVM_OP_CREATE, "a", "i", 1, 0600, 0, -EINVAL },       /* item */
+        { HVM_OP_CREATE, "", "", 1, 0600, 0, -EINVAL },         /* no name */
+        { HVM_OP_LOOKUP, "a", "", 1, 0, 0, -EINVAL },           /* size */
+        { HVM_OP_LOOKUP, "a", "", 0, 0600, 0, -EINVAL },        /* mode */
+        { HVM_OP_MAP, "a", "", 0, 0, HVM_MAP_RW, 0 },
+        { HVM_OP_MAP, "a", "", 0, 0, 2, -EINVAL },
+        { HVM_OP_LOOKUP, "a", "", 0, 0, HVM_MAP_RW, -EINVAL },  /* flags */
+        { HVM_OP_ALLOC, "a", "", 1, 0, 0, -EINVAL },            /* no item */
+        { HVM_OP_STAT, "", "", 0, 0, 0, 0 },                    /* the pool */
+        { HVM_OP_LIST, "a", "", 0, 0, 0, -EINVAL },
+        { HVM_OP_LIST, "", "", 0, 0, 0, 0 },
+    };
+
+    for (size_t i = 0; i < G_N_ELEMENTS(cases); i++) {
+        GByteArray *b = encode(cases[i].op, cases[i].name, cases[i].item,
+                               cases[i].size, cases[i].mode, cases[i].flags);
+        HvmRequest q;
+        char err[256] = "";
+
+        g_test_message("case %zu: %s", i, hvm_op_name(cases[i].op));
+        g_assert_cmpint(decode(b, &q, err), ==, cases[i].expect);
+        if (cases[i].expect) {
+            g_assert_cmpstr(err, !=, "");
+        }
+        g_byte_array_free(b, TRUE);
+    }
+}
+
+static void test_names(void)
+{
+    char long_name[300];
+
+    g_assert_null(hvm_name_check("vm-1.ram_tier", 13));
+    g_assert_nonnull(hvm_name_check("a/b", 3));
+    g_assert_nonnull(hvm_name_check("..", 2));
+    g_assert_nonnull(hvm_name_check("a..b", 4));
+    g_assert_nonnull(hvm_name_check(".", 1));
+    g_assert_nonnull(hvm_name_check("a b", 3));
+    g_assert_nonnull(hvm_name_check("a\0b", 3));
+    g_assert_nonnull(hvm_name_check("a\x7f", 2));
+    g_assert_nonnull(hvm_name_check("\xc3\xa9", 2));
+    g_assert_nonnull(hvm_name_check("", 0));
+    memset(long_name, 'x', sizeof(long_name));
+    g_assert_null(hvm_name_check(long_name, 255));
+    g_assert_nonnull(hvm_name_check(long_name, 256));
+}
+
+static void test_header(void)
+{
+    GByteArray *b = encode(HVM_OP_LOOKUP, "a", "", 0, 0, 0);
+    HvmRequest q;
+    char err[256];
+    HvmHeader h;
+    const char *why;
+
+    b->data[0] ^= 1;                                /* magic */
+    g_assert_cmpint(decode(b, &q, err), ==, -EPROTO);
+    b->data[0] ^= 1;
+    b->data[4] = 2;                                 /* version */
+    g_assert_cmpint(decode(b, &q, err), ==, -EPROTONOSUPPORT);
+    b->data[4] = 1;
+    b->data[10] = 0x10;                             /* length 1 MiB */
+    g_assert_cmpint(decode(b, &q, err), ==, -EMSGSIZE);
+    b->data[10] = 0;
+    b->data[7] = 0x80;                              /* a reply */
+    g_assert_cmpint(hvm_header_decode(b->data, &h, false, &why), ==, -EPROTO);
+    b->data[7] = 0;
+    b->data[6] = 99;                                /* op */
+    g_assert_cmpint(decode(b, &q, err), ==, -EOPNOTSUPP);
+    b->data[6] = HVM_OP_LOOKUP;
+    /* name_len larger than what follows */
+    b->data[HVM_HDR_SIZE + 16] = 2;
+    g_assert_cmpint(decode(b, &q, err), ==, -EINVAL);
+    b->data[HVM_HDR_SIZE + 16] = 1;
+    b->data[HVM_HDR_SIZE + 20] = 1;                 /* reserved */
+    g_assert_cmpint(decode(b, &q, err), ==, -EINVAL);
+    g_byte_array_free(b, TRUE);
+}
+
+static void test_reply(void)
+{
+    GByteArray *b = g_byte_array_new();
+    HvmRegionInfo ri = { .size = 1 << 21, .mode = 0640, .uid = 5,
+                         .name = "r1" }, back;
+    GByteArray *data = g_byte_array_new();
+    HvmHeader h;
+    HvmReply rep;
+    HvmReader r;
+    const char *why;
+
+    hvm_region_encode(data, &ri);
+    hvm_reply_encode(b, HVM_OP_LOOKUP, 3, 0, NULL, data->data, data->len);
+    g_assert_cmpint(hvm_header_decode(b->data, &h, true, &why), ==, 0);
+    g_assert_cmpuint(h.op, ==, HVM_OP_LOOKUP | HVM_OP_REPLY);
+    g_assert_cmpint(hvm_reply_decode(b->data + HVM_HDR_SIZE, h.length, &rep,
+                                     &why), ==, 0);
+    hvm_reader_init(&r, rep.data, rep.data_len);
+    g_assert_cmpint(hvm_region_decode(&r, &back), ==, 0);
+    g_assert_cmpstr(back.name, ==, "r1");
+    g_assert_cmpuint(back.mode, ==, 0640);
+    g_assert_cmpuint(back.size, ==, 1 << 21);
+    g_byte_array_free(b, TRUE);
+    g_byte_array_free(data, TRUE);
+}
+
+#define MiB (1ull << 20)
+
+static void test_alloc(void)
+{
+    HvmRegion *r = hvm_region_new("r", 1, 9 * MiB, 0600, 0, 0);
+    HvmItem *a, *b, *c, *d;
+    int err;
+
+    /* 9 MiB holds four 2 MiB extents; the tail MiB is never handed out. */
+    a = hvm_region_alloc_item(r, "a", 1, &err);
+    g_assert_nonnull(a);
+    g_assert_cmpuint(a->offset, ==, 0);
+    g_assert_cmpuint(a->size, ==, 2 * MiB);
+    b = hvm_region_alloc_item(r, "b", 3 * MiB, &err);
+    g_assert_cmpuint(b->offset, ==, 2 * MiB);
+    g_assert_cmpuint(b->size, ==, 4 * MiB);
+    g_assert_null(hvm_region_alloc_item(r, "a", 1, &err));
+    g_assert_cmpint(err, ==, -EEXIST);
+    g_assert_null(hvm_region_alloc_item(r, "big", 4 * MiB, &err));
+    g_assert_cmpint(err, ==, -ENOSPC);
+    c = hvm_region_alloc_item(r, "c", 2 * MiB, &err);
+    g_assert_cmpuint(c->offset, ==, 6 * MiB);
+    g_assert_cmpint(hvm_region_free_item(r, "a"), ==, 0);
+    g_assert_cmpint(hvm_region_free_item(r, "a"), ==, -ENOENT);
+    /* first fit: the hole at 0 is reused */
+    d = hvm_region_alloc_item(r, "d", 2 * MiB, &err);
+    g_assert_cmpuint(d->offset, ==, 0);
+    g_assert_cmpuint(hvm_region_used(r), ==, 8 * MiB);
+    g_assert_cmpuint(hvm_region_items_end(r), ==, 8 * MiB);
+    hvm_region_insert_item(r, "e", 8 * MiB, 0);
+    g_assert_cmpstr(((HvmItem *)r->items->pdata[r->items->len - 1])->name, ==, "e");
+    hvm_region_free(r);
+}
+
+static void test_catalog(void)
+{
+    HvmCatalog *cat = hvm_catalog_new(), *back;
+    HvmRegion *r = hvm_region_new("vm1", 1, 64 * MiB, 0640, 1000, 100);
+    GByteArray *buf, *buf2;
+    GError *err = NULL;
+    int e;
+
+    g_hash_table_insert(cat->regions, r->name, r);
+    hvm_region_alloc_item(r, "hdr", 1, &e);
+    hvm_region_alloc_item(r, "data", 10 * MiB, &e);
+    cat->next_id = 2;
+    buf = hvm_catalog_serialize(cat);
+    back = hvm_catalog_parse(buf->data, buf->len, &err);
+    g_assert_no_error(err);
+    buf2 = hvm_catalog_serialize(back);
+    g_assert_cmpmem(buf->data, buf->len, buf2->data, buf2->len);
+    /* every single flipped byte is caught (CRC over header and body) */
+    for (guint i = 0; i < buf->len; i++) {
+        HvmCatalog *bad;
+
+        buf->data[i] ^= 0x5a;
+        bad = hvm_catalog_parse(buf->data, buf->len, &err);
+        g_assert_null(bad);
+        g_assert_nonnull(err);
+        g_clear_error(&err);
+        buf->data[i] ^= 0x5a;
+    }
+    /* truncation at every length */
+    for (guint i = 0; i < buf->len; i++) {
+        g_assert_null(hvm_catalog_parse(buf->data, i, &err));
+        g_clear_error(&err);
+    }
+    g_byte_array_free(buf, TRUE);
+    g_byte_array_free(buf2, TRUE);
+    hvm_catalog_free(cat);
+    hvm_catalog_free(back);
+}
+
+static void test_sizes(void)
+{
+    uint64_t v;
+
+    g_assert_cmpint(hvm_parse_size("4096", &v), ==, 0);
+    g_assert_cmpuint(v, ==, 4096);
+    g_assert_cmpint(hvm_parse_size("64M", &v), ==, 0);
+    g_assert_cmpuint(v, ==, 64 * MiB);
+    g_assert_cmpint(hvm_parse_size("2GiB", &v), ==, 0);
+    g_assert_cmpuint(v, ==, 2048 * MiB);
+    g_assert_cmpint(hvm_parse_size("1x", &v), ==, -EINVAL);
+    g_assert_cmpint(hvm_parse_size("-1", &v), ==, -EINVAL);
+    g_assert_cmpint(hvm_parse_size("99999999999T", &v), ==, -EINVAL);
+    g_assert_cmpint(hvm_parse_size("", &v), ==, -EINVAL);
+}
+
+int main(int argc, char **argv)
+{
+    g_test_init(&argc, &argv, NULL);
+    g_test_add_func("/broker/proto/roundtrip", test_roundtrip);
+    g_test_add_func("/broker/proto/field-rules", test_field_rules);
+    g_test_add_func("/broker/proto/names", test_names);
+    g_test_add_func("/broker/proto/header", test_header);
+    g_test_add_func("/broker/proto/reply", test_reply);
+    g_test_add_func("/broker/catalog/alloc", test_alloc);
+    g_test_add_func("/broker/catalog/snapshot", test_catalog);
+    g_test_add_func("/broker/proto/sizes", test_sizes);
+    return g_test_run();
+}
