@@ -1,0 +1,149 @@
+"""Who may do what with a region, across real processes: data written through
+one process's read-write mapping is read through another's read-only one; a
+read-only descriptor cannot be mapped writable; one read-write owner at a
+time, its lease gone with its process; mode bits refuse other uids;
+only the owner changes permissions or destroys; destroy waits for the last
+attached client before the file goes."""
+
+import errno
+import os
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from brokerlib import LEASED, NOBODY, BrokerTestCase, wait_for  # noqa: E402
+
+MiB = 1 << 20
+
+
+class AccessTest(BrokerTestCase):
+
+    def test_data_crosses_processes(self):
+        """A writer's stores through its RW mapping are visible to a reader's
+        RO mapping in another process, and vice versa the reader sees updates."""
+        self.c.create('shared', 4 * MiB, 0o644)
+        w, r = self.agent(), self.agent()
+        self.assertEqual(w.ok(op='map', name='shared', rw=True)['accmode'], os.O_RDWR)
+        self.assertEqual(r.ok(op='map', name='shared')['accmode'], os.O_RDONLY)
+        w.ok(op='write', name='shared', offset=3 * MiB + 5, hex='deadbeef')
+        self.assertEqual(r.ok(op='read', name='shared', offset=3 * MiB + 5,
+                              len=4)['result'], 'deadbeef')
+        w.ok(op='write', name='shared', offset=3 * MiB + 5, hex='01020304')
+        self.assertEqual(r.ok(op='read', name='shared', offset=3 * MiB + 5,
+                              len=4)['result'], '01020304')
+        self.assertEqual(self.c.lookup('shared')['attached'], 2)
+
+    def test_second_rw_owner_refused_lease_freed_on_kill(self):
+        """While one process holds the read-write lease a second RW map is
+        refused (EBUSY, naming the holder's pid) but RO maps work; SIGKILL of
+        the holder releases the lease and the second process gets it."""
+        self.c.create('r', 2 * MiB, 0o666)
+        a, b = self.agent(), self.agent()
+        a.ok(op='map', name='r', rw=True)
+        info = self.c.lookup('r')
+        self.assertEqual(info['flags'] & LEASED, LEASED)
+        self.assertEqual(info['lease_pid'], a.pid)
+        res = b.do(op='map', name='r', rw=True)
+        self.assertEqual(res['errno'], errno.EBUSY)
+        self.assertIn(f'pid {a.pid}', res['msg'])
+        b.ok(op='map', name='r')
+        a.kill()
+        wait_for(lambda: not self.c.lookup('r')['flags'] & LEASED, what='lease release')
+        self.assertEqual(b.ok(op='map', name='r', rw=True)['result']['lease_pid'], b.pid)
+        self.assertHealthy()
+
+    def test_release_hands_the_lease_on(self):
+        """An explicit release lets another process become the RW owner; a
+        connection without the lease cannot release it."""
+        self.c.create('r', 2 * MiB)
+        other = self.broker.client()
+        _, fd = self.c.map('r', rw=True)
+        os.close(fd)
+        self.assertBrokerError(errno.EBUSY, other.map, 'r', True)
+        self.assertBrokerError(errno.ENOLCK, other.release, 'r')
+        self.c.release('r')
+        _, fd = other.map('r', rw=True)
+        os.close(fd)
+        other.close()
+
+    def test_readonly_descriptor_cannot_write(self):
+        """A read-only client's descriptor is O_RDONLY: mmap(PROT_WRITE,
+        MAP_SHARED) fails with EACCES and, as another uid, reopening it
+        read-write through /proc fails too; the API refuses its writes."""
+        self.c.create('ro', 2 * MiB, 0o644)
+        r = self.agent(NOBODY)
+        self.assertEqual(r.ok(op='map', name='ro')['accmode'], os.O_RDONLY)
+        self.assertEqual(r.do(op='mmap_write', name='ro')['errno'], errno.EACCES)
+        self.assertEqual(r.do(op='reopen_rw', name='ro')['errno'], errno.EACCES)
+        self.assertEqual(r.do(op='map', name='ro', rw=True)['errno'], errno.EACCES)
+        self.assertEqual(r.do(op='call', method='alloc', region='ro', item='i',
+                              size=1)['errno'], errno.EACCES)
+        self.assertEqual(r.do(op='call', method='resize', name='ro',
+                              size=4 * MiB)['errno'], errno.EPERM)
+        self.assertEqual(self.c.stat('ro')[0]['nitems'], 0)
+        self.assertHealthy()
+
+    def test_other_uid_refused_by_mode_bits(self):
+        """Mode 0600 hides a region from another uid (lookup, map, stat
+        refused, list omits it); 0604 lets it read but not write."""
+        self.c.create('private', 2 * MiB, 0o600)
+        n = self.agent(NOBODY)
+        for method in ('lookup', 'stat'):
+            res = n.do(op='call', method=method, name='private')
+            self.assertEqual(res['errno'], errno.EACCES, res)
+            self.assertIn('no read permission', res['msg'])
+        self.assertEqual(n.do(op='map', name='private')['errno'], errno.EACCES)
+        self.assertEqual(n.ok(op='call', method='list')['result'], [])
+        self.c.chmod('private', 0o604)
+        self.assertEqual(n.ok(op='call', method='lookup', name='private')['result']['mode'],
+                         0o604)
+        self.assertEqual(n.do(op='map', name='private', rw=True)['errno'], errno.EACCES)
+        n.ok(op='map', name='private')
+        self.assertHealthy()
+
+    def test_owner_only_chmod_destroy(self):
+        """Only the owner (or root) changes mode bits or destroys, even when
+        the mode gives everyone write permission; an unprivileged owner does."""
+        self.c.create('rootsr', 2 * MiB, 0o666)
+        n = self.agent(NOBODY)
+        for method, kw in (('chmod', dict(mode=0o666)), ('destroy', {})):
+            res = n.do(op='call', method=method, name='rootsr', **kw)
+            self.assertEqual(res['errno'], errno.EPERM, res)
+            self.assertIn('not its owner', res['msg'])
+        self.assertEqual(self.c.lookup('rootsr')['mode'], 0o666)
+        mine = n.ok(op='call', method='create', name='mine', size=MiB)['result']
+        self.assertEqual(mine['uid'], NOBODY)
+        self.assertEqual(mine['mode'], 0o600)
+        n.ok(op='call', method='chmod', name='mine', mode=0o640)
+        n2 = self.agent(NOBODY - 1)
+        self.assertEqual(n2.do(op='call', method='lookup', name='mine')['errno'],
+                         errno.EACCES)
+        self.assertEqual(n2.do(op='call', method='destroy', name='mine')['errno'],
+                         errno.EPERM)
+        n.ok(op='call', method='destroy', name='mine')
+        self.assertHealthy()
+
+    def test_destroy_waits_for_attached_clients(self):
+        """Destroy removes the name at once; the file stays while a client that
+        mapped it is connected (its data still readable) and goes when that
+        client dies; the pool counts it until then."""
+        info = self.c.create('victim', 2 * MiB, 0o644)
+        path = self.broker.region_file(info['id'])
+        a = self.agent()
+        a.ok(op='map', name='victim', rw=True)
+        a.ok(op='write', name='victim', offset=100, hex='cafe')
+        self.c.destroy('victim')
+        self.assertBrokerError(errno.ENOENT, self.c.lookup, 'victim')
+        self.assertTrue(os.path.exists(path))
+        self.assertEqual(self.c.pool()['used'], 2 * MiB)
+        self.assertEqual(a.ok(op='read', name='victim', offset=100, len=2)['result'], 'cafe')
+        # the name is free for a new region at once
+        self.assertNotEqual(self.c.create('victim', MiB)['id'], info['id'])
+        a.kill()
+        wait_for(lambda: not os.path.exists(path), what='delayed free')
+        self.assertEqual(self.c.pool()['used'], MiB)
+        self.assertHealthy()
+
+
+if __name__ == '__main__':
+    unittest.main()
