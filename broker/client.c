@@ -145,8 +145,8 @@ static bool call(HvmClient *c, HvmRequest *q, HvmReply *rep, uint8_t **body,
             continue;
         }
         if (n <= 0) {
-            g_byte_array_free(out, TRUE);
-            return fail(c, errno ? errno : EIO, "send failed", errp);
+            /* Refused at accept?  The broker's reason may still be readable. */
+            break;
         }
         off += n;
     }

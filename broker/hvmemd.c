@@ -840,9 +840,9 @@ static void refuse(int fd, int status, const char *msg)
     close(fd);
 }
 
-static gboolean accept_ready(gint lfd, GIOCondition cond, gpointer opaque)
+/* Accept (or refuse) one pending connection; false when none is pending. */
+static bool accept_one(Broker *b, int lfd)
 {
-    Broker *b = opaque;
     socklen_t len;
     Conn *c;
     int fd;
@@ -857,8 +857,9 @@ static gboolean accept_ready(gint lfd, GIOCondition cond, gpointer opaque)
                 refuse(fd, -EMFILE, "broker out of file descriptors");
             }
             b->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+            return fd >= 0;
         }
-        return G_SOURCE_CONTINUE;
+        return false;
     }
     if (g_hash_table_size(b->conns) >= b->max_conns) {
         char msg[128];
@@ -866,7 +867,7 @@ static gboolean accept_ready(gint lfd, GIOCondition cond, gpointer opaque)
         snprintf(msg, sizeof(msg), "too many connections (max %u)",
                  b->max_conns);
         refuse(fd, -EUSERS, msg);
-        return G_SOURCE_CONTINUE;
+        return true;
     }
     c = g_new0(Conn, 1);
     c->b = b;
@@ -875,7 +876,7 @@ static gboolean accept_ready(gint lfd, GIOCondition cond, gpointer opaque)
     if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &c->cred, &len) < 0) {
         g_free(c);
         refuse(fd, -EPROTO, "no peer credentials");
-        return G_SOURCE_CONTINUE;
+        return true;
     }
     len = sizeof(c->groups);
     if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, c->groups, &len) == 0) {
@@ -884,6 +885,15 @@ static gboolean accept_ready(gint lfd, GIOCondition cond, gpointer opaque)
     c->attached = g_hash_table_new(NULL, NULL);
     g_hash_table_add(b->conns, c);
     c->watch = g_unix_fd_add(fd, G_IO_IN | G_IO_HUP | G_IO_ERR, conn_ready, c);
+    return true;
+}
+
+static gboolean accept_ready(gint lfd, GIOCondition cond, gpointer opaque)
+{
+    /* A bounded batch per wake-up, so that a flood cannot starve clients. */
+    for (int i = 0; i < 64 && accept_one(opaque, lfd); i++) {
+        continue;
+    }
     return G_SOURCE_CONTINUE;
 }
 

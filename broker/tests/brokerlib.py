@@ -119,7 +119,10 @@ class Client:
 
     def call(self, op, **kw):
         self.seq += 1
-        self.sock.sendall(encode(OPS[op], seq=self.seq, **kw))
+        try:
+            self.sock.sendall(encode(OPS[op], seq=self.seq, **kw))
+        except (BrokenPipeError, ConnectionResetError):
+            pass    # refused at accept: the broker's reason is still to read
         rop, seq, status, msg, data, fds = self.read_reply()
         if rop == REPLY:
             for fd in fds:
