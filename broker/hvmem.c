@@ -9,9 +9,12 @@
  * broker refused (its message on stderr), 2 on a usage error.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "client.h"
 
@@ -21,6 +24,9 @@ static const char usage[] =
     "  lookup NAME | destroy NAME | resize NAME SIZE | chmod NAME OCTAL\n"
     "  alloc REGION ITEM SIZE | item-lookup REGION ITEM | free REGION ITEM\n"
     "  stat [NAME]   (no NAME: the pool) | list\n"
+    "  map NAME [--rw] -- COMMAND [ARGS]   run COMMAND with the region's fd in\n"
+    "      $HVMEM_FD (O_RDONLY, or O_RDWR holding the read-write lease until\n"
+    "      COMMAND exits) and its size in $HVMEM_SIZE; exits with its status\n"
     "SOCKET defaults to $HVMEM_SOCKET or /run/hybridvm-broker.sock\n";
 
 static void print_region(const HvmRegionInfo *ri)
@@ -59,6 +65,57 @@ static bool parse_size(const char *s, uint64_t *size)
         return false;
     }
     return true;
+}
+
+/*
+ * map NAME [--rw] -- COMMAND...: the connection (and so the lease) stays
+ * open in this process while COMMAND runs with the descriptor.
+ */
+static int map_and_run(HvmClient *c, int argc, char **argv, GError **err)
+{
+    bool rw = false;
+    int i = 2, fd, status;
+    HvmRegionInfo ri;
+    char buf[32];
+    pid_t pid;
+
+    if (argc > i && !strcmp(argv[i], "--rw")) {
+        rw = true;
+        i++;
+    }
+    if (argc < i + 2 || strcmp(argv[i], "--")) {
+        fputs(usage, stderr);
+        return 2;
+    }
+    fd = hvm_region_map(c, argv[1], rw, &ri, err);
+    if (fd < 0) {
+        return 1;
+    }
+    pid = fork();
+    if (pid < 0) {
+        perror("hvmem: fork");
+        close(fd);
+        return 1;
+    }
+    if (pid == 0) {
+        fcntl(fd, F_SETFD, 0);      /* COMMAND inherits it */
+        snprintf(buf, sizeof(buf), "%d", fd);
+        setenv("HVMEM_FD", buf, 1);
+        snprintf(buf, sizeof(buf), "%" G_GUINT64_FORMAT, ri.size);
+        setenv("HVMEM_SIZE", buf, 1);
+        execvp(argv[i + 1], argv + i + 1);
+        fprintf(stderr, "hvmem: cannot run %s: %s\n", argv[i + 1],
+                g_strerror(errno));
+        _exit(127);
+    }
+    close(fd);
+    while (waitpid(pid, &status, 0) < 0) {
+        if (errno != EINTR) {
+            perror("hvmem: waitpid");
+            return 1;
+        }
+    }
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
 static int run(HvmClient *c, int argc, char **argv, GError **err)
@@ -170,6 +227,8 @@ static int run(HvmClient *c, int argc, char **argv, GError **err)
             print_region(&g_array_index(regions, HvmRegionInfo, i));
         }
         g_array_free(regions, TRUE);
+    } else if (!strcmp(verb, "map")) {
+        return map_and_run(c, argc, argv, err);
     } else {
         goto bad;
     }

@@ -7,11 +7,13 @@ attached client before the file goes."""
 
 import errno
 import os
+import signal
+import subprocess
 import sys
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from brokerlib import LEASED, NOBODY, BrokerTestCase, wait_for  # noqa: E402
+from brokerlib import HVMEM, LEASED, NOBODY, BrokerTestCase, wait_for  # noqa: E402
 
 MiB = 1 << 20
 
@@ -142,6 +144,34 @@ class AccessTest(BrokerTestCase):
         a.kill()
         wait_for(lambda: not os.path.exists(path), what='delayed free')
         self.assertEqual(self.c.pool()['used'], MiB)
+        self.assertHealthy()
+
+    def test_cli_map_runs_a_command_with_the_descriptor(self):
+        """hvmem map NAME [--rw] -- CMD: CMD gets the descriptor in $HVMEM_FD
+        (writable only with --rw) and the size in $HVMEM_SIZE; hvmem holds the
+        lease while CMD runs, and its death releases it."""
+        self.c.create('m', 2 * MiB, 0o644)
+        self.hvmem('map', 'm', '--rw', '--', 'sh', '-c', 'printf hello >&$HVMEM_FD')
+        _, fd = self.c.map('m')
+        self.assertEqual(os.pread(fd, 5, 0), b'hello')
+        os.close(fd)
+        p = self.hvmem('map', 'm', '--', 'sh', '-c', 'printf x >&$HVMEM_FD', check=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.hvmem('map', 'm', '--', 'sh', '-c', 'test "$HVMEM_SIZE" = %d' % (2 * MiB))
+        holder = subprocess.Popen([HVMEM, '-s', self.broker.sock, 'map', 'm', '--rw',
+                                   '--', 'sleep', '60'], start_new_session=True)
+        try:
+            wait_for(lambda: self.c.lookup('m')['lease_pid'] == holder.pid,
+                     what='lease to the hvmem process')
+            p = self.hvmem('map', 'm', '--rw', '--', 'true', check=False)
+            self.assertEqual(p.returncode, 1)
+            self.assertIn('already has a read-write owner', p.stderr)
+            holder.kill()
+            wait_for(lambda: not self.c.lookup('m')['flags'] & LEASED, what='lease release')
+        finally:
+            os.killpg(holder.pid, signal.SIGKILL)
+            holder.wait()
+        self.hvmem('map', 'm', '--rw', '--', 'true')
         self.assertHealthy()
 
 
