@@ -50,6 +50,7 @@ typedef struct Broker {
     uint64_t quota;             /* per uid, 0 = none; [quota] overrides */
     GHashTable *quotas;         /* uid -> uint64_t * */
     unsigned max_conns;
+    unsigned request_timeout;   /* seconds a partial request may wait */
     uint32_t align;
     HvmCatalog *cat;
     GPtrArray *zombies;         /* destroyed regions still attached */
@@ -68,6 +69,7 @@ typedef struct Conn {
     int ngroups;
     uint8_t buf[HVM_HDR_SIZE + HVM_MAX_REQ_BODY];
     size_t have;
+    gint64 partial_since;       /* monotonic us when c->buf became non-empty */
     GHashTable *attached;       /* HvmRegion * this connection mapped */
 } Conn;
 
@@ -803,6 +805,7 @@ static bool conn_process(Conn *c)
         memmove(c->buf, c->buf + HVM_HDR_SIZE + h.length,
                 c->have - HVM_HDR_SIZE - h.length);
         c->have -= HVM_HDR_SIZE + h.length;
+        c->partial_since = g_get_monotonic_time();
     }
     return true;
 }
@@ -821,12 +824,50 @@ static gboolean conn_ready(gint fd, GIOCondition cond, gpointer opaque)
         conn_close(c);
         return G_SOURCE_REMOVE;
     }
+    if (c->have == 0) {
+        c->partial_since = g_get_monotonic_time();
+    }
     c->have += n;
     if (!conn_process(c)) {
         c->watch = 0;
         conn_close(c);
         return G_SOURCE_REMOVE;
     }
+    return G_SOURCE_CONTINUE;
+}
+
+/*
+ * Once a second: a connection sitting on a partial request for longer than
+ * the timeout is dropped, so that slow or stuck senders cannot keep slots.
+ * Idle connections (nothing pending) stay: an idle connection is how a
+ * client holds its lease.
+ */
+static gboolean reap_slow(gpointer opaque)
+{
+    Broker *b = opaque;
+    gint64 limit = g_get_monotonic_time() - (gint64)b->request_timeout * G_USEC_PER_SEC;
+    GPtrArray *slow = g_ptr_array_new();
+    GHashTableIter it;
+    gpointer v;
+
+    g_hash_table_iter_init(&it, b->conns);
+    while (g_hash_table_iter_next(&it, &v, NULL)) {
+        Conn *c = v;
+
+        if (c->have && c->partial_since < limit) {
+            g_ptr_array_add(slow, c);
+        }
+    }
+    for (guint i = 0; i < slow->len; i++) {
+        Conn *c = g_ptr_array_index(slow, i);
+        char msg[96];
+
+        snprintf(msg, sizeof(msg), "request not complete within %u s",
+                 b->request_timeout);
+        reply(c, 0, 0, -ETIMEDOUT, msg, NULL, -1);
+        conn_close(c);
+    }
+    g_ptr_array_free(slow, TRUE);
     return G_SOURCE_CONTINUE;
 }
 
@@ -1165,6 +1206,7 @@ int main(int argc, char **argv)
     g_autofree char *pool = NULL, *state = NULL, *sock = NULL, *config = NULL;
     g_autofree char *capacity_s = NULL, *quota_s = NULL, *sock_mode_s = NULL;
     int max_conns = 256;
+    int request_timeout = 10;
     GOptionEntry entries[] = {
         { "pool", 'p', 0, G_OPTION_ARG_FILENAME, &pool,
           "pool directory (tmpfs, hugetlbfs or DAX; default /dev/shm/hybridvm-broker)",
@@ -1184,6 +1226,8 @@ int main(int argc, char **argv)
           "default per-uid quota (default: none)", "SIZE" },
         { "max-conns", 0, 0, G_OPTION_ARG_INT, &max_conns,
           "maximum client connections (default 256)", "N" },
+        { "request-timeout", 0, 0, G_OPTION_ARG_INT, &request_timeout,
+          "seconds a started request may take to arrive (default 10)", "S" },
         { NULL }
     };
     g_autoptr(GOptionContext) ctx = g_option_context_new("- hybridvm memory broker");
@@ -1209,6 +1253,12 @@ int main(int argc, char **argv)
         return 2;
     }
     b->max_conns = max_conns;
+    if (request_timeout < 1 || request_timeout > 3600) {
+        g_printerr("hvmemd: --request-timeout %d out of range (1..3600)\n",
+                   request_timeout);
+        return 2;
+    }
+    b->request_timeout = request_timeout;
     if (sock_mode_s) {
         char *end;
 
@@ -1286,6 +1336,7 @@ int main(int argc, char **argv)
     g_unix_signal_add(SIGTERM, on_signal, b->loop);
     g_unix_signal_add(SIGINT, on_signal, b->loop);
     g_unix_fd_add(b->listen_fd, G_IO_IN, accept_ready, b);
+    g_timeout_add_seconds(1, reap_slow, b);
     g_message("ready: socket %s, pool %s (%" G_GUINT64_FORMAT " bytes, "
               "align %u), %u regions, generation %" G_GUINT64_FORMAT,
               b->sock_path, b->pool_dir, b->capacity, b->align,

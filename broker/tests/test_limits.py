@@ -138,7 +138,7 @@ def try_connect(path):
 
 
 class ConnectionLimitTest(BrokerTestCase):
-    BROKER_ARGS = ('--max-conns', '32')
+    BROKER_ARGS = ('--max-conns', '32', '--request-timeout', '1')
 
     def test_many_connections_bounded_no_fd_leak(self):
         """With --max-conns 32, 500 connections: the first ones are served, the
@@ -171,6 +171,25 @@ class ConnectionLimitTest(BrokerTestCase):
         wait_for(lambda: fd_count(pid) == before, what='broker fds back to baseline')
         self.assertEqual(self.c.pool()['nconns'], 1)
         self.assertEqual(self.c.lookup('r')['lease_pid'], 0)
+        self.assertHealthy()
+
+    def test_slow_request_dropped_idle_kept(self):
+        """A connection that starts a request and stalls is told ETIMEDOUT and
+        dropped after --request-timeout; an idle one (holding a lease) stays."""
+        self.c.create('r', MiB)
+        holder = self.broker.client()
+        _, fd = holder.map('r', rw=True)
+        os.close(fd)
+        slow = self.broker.client()
+        slow.sock.sendall(encode(OPS['lookup'], name='r')[:10])
+        slow.sock.settimeout(10)
+        op, _, status, msg, _, _ = slow.read_reply()
+        self.assertEqual((op, -status), (REPLY, errno.ETIMEDOUT))
+        self.assertIn('not complete within 1 s', msg)
+        self.assertEqual(slow.sock.recv(1), b'')
+        slow.close()
+        self.assertEqual(holder.lookup('r')['lease_pid'], os.getpid())
+        holder.close()
         self.assertHealthy()
 
 
