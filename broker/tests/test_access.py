@@ -158,6 +158,8 @@ class AccessTest(BrokerTestCase):
         p = self.hvmem('map', 'm', '--', 'sh', '-c', 'printf x >&$HVMEM_FD', check=False)
         self.assertNotEqual(p.returncode, 0)
         self.hvmem('map', 'm', '--', 'sh', '-c', 'test "$HVMEM_SIZE" = %d' % (2 * MiB))
+        # the first hvmem's hang-up reaches the broker asynchronously
+        wait_for(lambda: not self.c.lookup('m')['flags'] & LEASED, what='lease release')
         holder = subprocess.Popen([HVMEM, '-s', self.broker.sock, 'map', 'm', '--rw',
                                    '--', 'sleep', '60'], start_new_session=True)
         try:

@@ -9,7 +9,7 @@ import sys
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from brokerlib import ITEM_ALIGN, BrokerTestCase  # noqa: E402
+from brokerlib import ITEM_ALIGN, BrokerTestCase, wait_for  # noqa: E402
 
 MiB = 1 << 20
 
@@ -80,6 +80,8 @@ class RegionTest(BrokerTestCase):
         os.close(fd)
         self.assertBrokerError(errno.EBUSY, self.c.resize, 'r', MiB)
         other.close()
+        # the broker sees the hang-up asynchronously
+        wait_for(lambda: self.c.lookup('r')['attached'] == 0, what='detach')
         self.assertEqual(self.c.resize('r', MiB)['size'], MiB)
         self.assertHealthy()
 
