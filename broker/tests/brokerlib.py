@@ -79,7 +79,7 @@ def encode(op, name=b'', item=b'', size=0, mode=0, flags=0, seq=1):
 class Client:
     """One connection to the broker; methods raise BrokerError."""
 
-    def __init__(self, path, timeout=10):
+    def __init__(self, path, timeout=30):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         try:
@@ -197,7 +197,7 @@ def fd_count(pid):
     return len(os.listdir(f'/proc/{pid}/fd'))
 
 
-def wait_for(pred, timeout=10, what='condition'):
+def wait_for(pred, timeout=30, what='condition'):
     """Poll pred() until it is true, up to a monotonic deadline."""
     deadline = time.monotonic() + timeout
     while True:
