@@ -5,6 +5,7 @@ beyond the maximum are refused with a message and no descriptor leaks."""
 
 import errno
 import os
+import resource
 import socket
 import struct
 import sys
@@ -15,6 +16,7 @@ from brokerlib import (HDR, MAGIC, NOBODY, OPS, REPLY, VERSION, BrokerError,  # 
                        BrokerTestCase, Client, encode, fd_count, wait_for)
 
 MiB = 1 << 20
+N_CONNS = 2000
 
 
 class CapacityTest(BrokerTestCase):
@@ -141,15 +143,21 @@ class ConnectionLimitTest(BrokerTestCase):
     BROKER_ARGS = ('--max-conns', '32', '--request-timeout', '1')
 
     def test_many_connections_bounded_no_fd_leak(self):
-        """With --max-conns 32, 500 connections: the first ones are served, the
+        """With --max-conns 32, 2000 connections: the first ones are served, the
         rest get EUSERS 'too many connections' and a hang-up; once all close,
         the broker holds exactly the descriptors it held before."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < N_CONNS + 100:
+            if hard < N_CONNS + 100:
+                self.skipTest(f'RLIMIT_NOFILE hard limit {hard} < {N_CONNS + 100}')
+            resource.setrlimit(resource.RLIMIT_NOFILE, (N_CONNS + 100, hard))
+            self.addCleanup(resource.setrlimit, resource.RLIMIT_NOFILE, (soft, hard))
         pid = self.broker.proc.pid
         self.c.pool()       # accepted, and the start-up probe gone
         wait_for(lambda: self.c.pool()['nconns'] == 1, what='one connection')
         before = fd_count(pid)
         conns, refused = [], 0
-        for _ in range(500):
+        for _ in range(N_CONNS):
             # the listen backlog may be full for a moment: retry
             conns.append(wait_for(lambda: try_connect(self.broker.sock),
                                   what='connect'))
@@ -160,7 +168,7 @@ class ConnectionLimitTest(BrokerTestCase):
                 self.assertEqual(e.errno, errno.EUSERS)
                 self.assertIn('too many connections (max 32)', e.msg)
                 refused += 1
-        self.assertEqual(refused, 500 - 31)   # self.c holds one slot
+        self.assertEqual(refused, N_CONNS - 31)   # self.c holds one slot
         self.assertLessEqual(fd_count(pid), before + 31)
         # leases of connections that go away are freed with them
         self.c.create('r', MiB, 0o666)
