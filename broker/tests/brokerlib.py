@@ -263,7 +263,7 @@ class Broker:
 class Agent:
     """A child process acting on the broker on command (see agent_main)."""
 
-    def __init__(self, workdir, sock, uid=None):
+    def __init__(self, workdir, sock, uid=None, groups=()):
         script = os.path.join(workdir, 'brokeragent.py')
         if not os.path.exists(script):
             shutil.copy(os.path.abspath(__file__), script)
@@ -271,7 +271,7 @@ class Agent:
         kw, python = {}, sys.executable
         if uid is not None:
             # Our interpreter may live where another uid cannot run it.
-            kw, python = dict(user=uid, group=uid, extra_groups=[]), SYSTEM_PYTHON
+            kw, python = dict(user=uid, group=uid, extra_groups=list(groups)), SYSTEM_PYTHON
         self.proc = subprocess.Popen([python, script, 'agent', sock],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, cwd=workdir, **kw)
@@ -388,12 +388,12 @@ class BrokerTestCase(unittest.TestCase):
         shutil.rmtree(self.pool, ignore_errors=True)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def agent(self, uid=None):
+    def agent(self, uid=None, groups=()):
         if uid is not None and os.geteuid() != 0:
             self.skipTest('needs root to run an agent under another uid')
         if uid is not None and not os.access(SYSTEM_PYTHON, os.X_OK):
             self.skipTest(f'{SYSTEM_PYTHON} missing (agents under another uid)')
-        a = Agent(self.workdir, self.broker.sock, uid)
+        a = Agent(self.workdir, self.broker.sock, uid, groups)
         self.agents.append(a)
         return a
 

@@ -103,6 +103,19 @@ class AccessTest(BrokerTestCase):
         n.ok(op='map', name='private')
         self.assertHealthy()
 
+    def test_group_class_by_supplementary_group(self):
+        """The group bits apply to a client whose supplementary groups hold
+        the region's gid (SO_PEERGROUPS), not only to its primary gid."""
+        info = self.c.create('grp', 2 * MiB, 0o640)
+        self.assertEqual(info['gid'], os.getgid())
+        outsider = self.agent(NOBODY)
+        member = self.agent(NOBODY, groups=[os.getgid()])
+        self.assertEqual(outsider.do(op='call', method='lookup', name='grp')['errno'],
+                         errno.EACCES)
+        member.ok(op='map', name='grp')
+        self.assertEqual(member.do(op='map', name='grp', rw=True)['errno'], errno.EACCES)
+        self.assertHealthy()
+
     def test_owner_only_chmod_destroy(self):
         """Only the owner (or root) changes mode bits or destroys, even when
         the mode gives everyone write permission; an unprivileged owner does."""
