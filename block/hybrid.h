@@ -29,6 +29,18 @@
 #define HYBRID_MIN_BLOCK_SIZE   4096
 #define HYBRID_MAX_BLOCK_SIZE   (2 * 1024 * 1024)
 #define HYBRID_DEFAULT_BLOCK_SIZE 65536
+
+/* Option names (runtime and creation) */
+#define HYBRID_OPT_RAM_SIZE     "ram-size"
+#define HYBRID_OPT_MODE         "mode"
+#define HYBRID_OPT_DEDUP        "dedup"
+#define HYBRID_OPT_DIRTY_LIMIT  "dirty-limit"
+#define HYBRID_OPT_RESTORE      "restore"
+#define HYBRID_OPT_RAW          "raw"
+#define HYBRID_OPT_BLOCK_SIZE   "block-size"
+#define HYBRID_OPT_PROMOTE_SIZE "promote-size"
+
+#define HYBRID_DEFAULT_DIRTY_LIMIT  (256 * MiB)
 /* Largest virtual size we accept: block indices must fit in 32 bits. */
 #define HYBRID_MAX_VIRTUAL_SIZE (1ULL << 50)
 
@@ -208,6 +220,23 @@ static inline uint64_t hybrid_host_offset(BDRVHybridState *s, uint64_t off)
 {
     return s->data_offset + off;
 }
+
+/* hybrid-header.c */
+void hybrid_header_to_le(const HybridHeader *cpu, HybridHeader *le);
+int hybrid_check_block_size_opt(uint64_t bsz, Error **errp);
+int hybrid_check_ram_blocks(uint64_t blocks, uint64_t ram_size,
+                            uint64_t bsz, Error **errp);
+int hybrid_header_check(const HybridHeader *le, HybridHeader *h,
+                        Error **errp);
+int coroutine_fn GRAPH_RDLOCK
+hybrid_write_header(BDRVHybridState *s, uint64_t flags);
+int coroutine_fn GRAPH_RDLOCK hybrid_mark_dirty(BDRVHybridState *s);
+extern QemuOptsList hybrid_create_opts;
+int coroutine_fn GRAPH_UNLOCKED
+hybrid_co_create(BlockdevCreateOptions *create_options, Error **errp);
+int coroutine_fn GRAPH_UNLOCKED
+hybrid_co_create_opts(BlockDriver *drv, const char *filename, QemuOpts *opts,
+                      Error **errp);
 
 /* hybrid.c */
 extern BlockDriver bdrv_hybrid;
