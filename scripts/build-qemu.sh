@@ -111,7 +111,7 @@ overlay migration/app-assist migration/app-assist
 
 # 5. Configure (only when the configure line changed).
 config=(--target-list=x86_64-softmmu --without-default-features --enable-tcg --enable-kvm
-        --enable-tools --enable-linux-aio --enable-linux-io-uring --enable-slirp --enable-pixman
+        --enable-tools --enable-linux-aio --enable-linux-io-uring --enable-rbd --enable-slirp --enable-pixman
         --enable-fdt=system --disable-docs --disable-install-blobs --disable-download
         --firmwarepath=/usr/share/qemu:/usr/share/seabios:/usr/lib/ipxe/qemu
         --python="$venv/bin/python3" --cc="ccache gcc" --host-cc="ccache gcc")

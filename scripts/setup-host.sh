@@ -39,6 +39,7 @@ $SUDO apt-get install -y -q --no-install-recommends \
     busybox-static cpio e2fsprogs kmod xz-utils zstd \
     redis-server redis-tools libhiredis-dev \
     fio \
+    ceph-mon ceph-osd ceph-common librbd-dev uuid-runtime \
     libvirt-daemon-system libvirt-clients libvirt-daemon-driver-qemu
 
 # Python venv with pinned packages: meson for QEMU's configure, avocado for the functional tests.
