@@ -71,13 +71,14 @@ class QemuIo:
 
     PROMPT = b'qemu-io> '
 
-    def __init__(self, image_opts, extra=()):
+    def __init__(self, image_opts, extra=(), pass_fds=()):
         self.proc = subprocess.Popen([binary('qemu-io'), '-t', 'writeback'] +
                                      list(extra) + ['--image-opts',
                                                     image_opts],
                                      stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT,
+                                     pass_fds=pass_fds)
         self.buf = b''
         self._wait_prompt(30)
 
@@ -127,7 +128,7 @@ class QemuIo:
 class StorageDaemon:
     """qemu-storage-daemon with a QMP socket; events are collected."""
 
-    def __init__(self, tmp, *args, system=False):
+    def __init__(self, tmp, *args, system=False, pass_fds=()):
         """system=True: qemu-system-x86_64 -M none instead (has HMP)."""
         self.sock_path = tmp('qmp.sock')
         self.log = open(tmp('qsd.log'), 'w+')
@@ -139,7 +140,7 @@ class StorageDaemon:
             prog +
             ['--chardev', f'socket,id=qmp,path={self.sock_path},server=on,wait=off',
              '--mon', 'chardev=qmp,mode=control'] + list(args),
-            stdout=self.log, stderr=subprocess.STDOUT)
+            stdout=self.log, stderr=subprocess.STDOUT, pass_fds=pass_fds)
         deadline = time.monotonic() + 30
         while True:
             try:
