@@ -36,6 +36,7 @@ static void hybrid_header_to_cpu(HybridHeader *h)
     h->ram_size = le64_to_cpu(h->ram_size);
     h->block_size = le32_to_cpu(h->block_size);
     h->header_crc = le32_to_cpu(h->header_crc);
+    h->region_token = le64_to_cpu(h->region_token);
 }
 
 /* Convert to disk byte order and compute the checksum. */
@@ -50,9 +51,10 @@ void hybrid_header_to_le(const HybridHeader *cpu, HybridHeader *le)
     le->data_offset = cpu_to_le64(cpu->data_offset);
     le->ram_size = cpu_to_le64(cpu->ram_size);
     le->block_size = cpu_to_le32(cpu->block_size);
+    le->region_token = cpu_to_le64(cpu->region_token);
     le->header_crc = 0;
     le->header_crc = cpu_to_le32(crc32c(0xffffffff, (uint8_t *)le,
-                                        HYBRID_HEADER_SIZE));
+                                        cpu->header_size));
 }
 
 static bool hybrid_block_size_valid(uint64_t bsz)
@@ -107,23 +109,37 @@ int hybrid_header_check(const HybridHeader *le, HybridHeader *h,
                    " is not %d)", h->version, HYBRID_VERSION);
         return -ENOTSUP;
     }
-    if (h->header_size != HYBRID_HEADER_SIZE) {
+    if (h->header_size != HYBRID_HEADER_SIZE &&
+        h->header_size != HYBRID_HEADER_SIZE_EXT) {
         error_setg(errp, "Unsupported hybrid image (header size %" PRIu32
-                   " is not %d)", h->header_size, HYBRID_HEADER_SIZE);
+                   " is not %d or %d)", h->header_size, HYBRID_HEADER_SIZE,
+                   HYBRID_HEADER_SIZE_EXT);
         return -ENOTSUP;
     }
+    if (h->header_size < HYBRID_HEADER_SIZE_EXT) {
+        /* The caller may have read bytes of block 0 there */
+        memset(&tmp.region_token, 0, sizeof(tmp.region_token));
+        h->region_token = 0;
+    }
     tmp.header_crc = 0;
-    crc = crc32c(0xffffffff, (uint8_t *)&tmp, HYBRID_HEADER_SIZE);
+    crc = crc32c(0xffffffff, (uint8_t *)&tmp, h->header_size);
     if (crc != h->header_crc) {
         error_setg(errp, "Corrupt hybrid image (header checksum 0x%08" PRIx32
                    " does not match computed 0x%08" PRIx32 ")",
                    h->header_crc, crc);
         return -EINVAL;
     }
-    if (h->incompat_features) {
+    if (h->incompat_features & ~HYBRID_INCOMPAT_KNOWN) {
         error_setg(errp, "Unsupported hybrid image (incompatible features "
-                   "0x%" PRIx64 ")", h->incompat_features);
+                   "0x%" PRIx64 ")",
+                   (uint64_t)(h->incompat_features & ~HYBRID_INCOMPAT_KNOWN));
         return -ENOTSUP;
+    }
+    if ((h->incompat_features & HYBRID_INCOMPAT_REGION) &&
+        (h->header_size < HYBRID_HEADER_SIZE_EXT || !h->region_token)) {
+        error_setg(errp, "Corrupt hybrid image (region feature without a "
+                   "region token)");
+        return -EINVAL;
     }
     if (h->flags & ~HYBRID_FLAGS_KNOWN) {
         error_setg(errp, "Unsupported hybrid image (unknown flags 0x%" PRIx64
@@ -143,12 +159,13 @@ int hybrid_header_check(const HybridHeader *le, HybridHeader *h,
                    BDRV_SECTOR_SIZE, HYBRID_MAX_VIRTUAL_SIZE);
         return -ENOTSUP;
     }
-    if (h->data_offset < HYBRID_HEADER_SIZE ||
+    if (h->data_offset < h->header_size ||
         h->data_offset % BDRV_SECTOR_SIZE ||
         h->data_offset > HYBRID_MAX_VIRTUAL_SIZE) {
         error_setg(errp, "Corrupt hybrid image (data offset %" PRIu64
-                   " is not a multiple of %llu in [%d, %llu])", h->data_offset,
-                   BDRV_SECTOR_SIZE, HYBRID_HEADER_SIZE,
+                   " is not a multiple of %llu in [%" PRIu32 ", %llu])",
+                   h->data_offset,
+                   BDRV_SECTOR_SIZE, h->header_size,
                    HYBRID_MAX_VIRTUAL_SIZE);
         return -EINVAL;
     }
@@ -160,6 +177,25 @@ int hybrid_header_check(const HybridHeader *le, HybridHeader *h,
     return 0;
 }
 
+/*
+ * Read the header as it is on disk into @le: its extension too when the
+ * persistent tier is long enough to hold one (hybrid_header_check() looks
+ * at header_size and ignores what lies beyond it).  @child_len is the
+ * persistent tier's length, or a negative errno.
+ */
+int GRAPH_RDLOCK hybrid_read_header(BdrvChild *file, int64_t child_len,
+                                    HybridHeader *le)
+{
+    int64_t len;
+
+    if (child_len < 0) {
+        return child_len;
+    }
+    len = MIN(child_len, (int64_t)sizeof(*le));
+    memset(le, 0, sizeof(*le));
+    return bdrv_pread(file, 0, len, le, 0);
+}
+
 int coroutine_fn GRAPH_RDLOCK
 hybrid_write_header(BDRVHybridState *s, uint64_t flags)
 {
@@ -168,7 +204,7 @@ hybrid_write_header(BDRVHybridState *s, uint64_t flags)
 
     s->header.flags = flags;
     hybrid_header_to_le(&s->header, &le);
-    ret = bdrv_co_pwrite(s->bs->file, 0, sizeof(le), &le, 0);
+    ret = bdrv_co_pwrite(s->bs->file, 0, s->header.header_size, &le, 0);
     if (ret < 0) {
         return ret;
     }
@@ -185,6 +221,13 @@ int coroutine_fn GRAPH_RDLOCK hybrid_mark_dirty(BDRVHybridState *s)
     }
     WITH_QEMU_LOCK_GUARD(&s->header_lock) {
         if (!s->header_dirty_on_disk) {
+            if (s->region) {
+                /* Acknowledged writes may now exist only in the region */
+                s->header.incompat_features |= HYBRID_INCOMPAT_REGION;
+            } else {
+                /* Whatever region was bound no longer holds the newest */
+                s->header.region_token = 0;
+            }
             ret = hybrid_write_header(s, s->header.flags | HYBRID_FLAG_DIRTY);
             if (ret == 0) {
                 s->header_dirty_on_disk = true;
@@ -265,7 +308,7 @@ hybrid_co_create(BlockdevCreateOptions *create_options, Error **errp)
     }
     ret = blk_co_pwrite_zeroes(blk, 0, data_offset, 0);
     if (ret == 0) {
-        ret = blk_co_pwrite(blk, 0, sizeof(le), &le, 0);
+        ret = blk_co_pwrite(blk, 0, h.header_size, &le, 0);
     }
     if (ret == 0) {
         ret = blk_co_flush(blk);

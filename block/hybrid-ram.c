@@ -75,7 +75,22 @@ uint64_t hybrid_fingerprint(const uint8_t *buf, size_t len)
     return a ^ len;
 }
 
-int hybrid_ram_init(BDRVHybridState *s, Error **errp)
+/*
+ * Hand back the pages of a zero block: they read as zero afterwards.  A
+ * shared region needs its file's pages freed (MADV_DONTNEED would only
+ * drop this mapping of them).
+ */
+static void hybrid_ram_drop_pages(BDRVHybridState *s, uint8_t *p)
+{
+    if (s->region) {
+        hybrid_region_drop_pages(s, p, s->block_size);
+    } else {
+        qemu_madvise(p, s->block_size, QEMU_MADV_DONTNEED);
+    }
+}
+
+int hybrid_ram_init(BDRVHybridState *s, const char *ram_file, bool writable,
+                    Error **errp)
 {
     size_t bytes;
 
@@ -92,6 +107,15 @@ int hybrid_ram_init(BDRVHybridState *s, Error **errp)
         return -ENOMEM;
     }
 
+    if (ram_file) {
+        int ret = hybrid_region_open(s, ram_file, writable, errp);
+
+        if (ret < 0) {
+            g_free(s->slots);
+            s->slots = NULL;
+        }
+        return ret;
+    }
     if (s->dedup) {
         s->dedup_table = g_hash_table_new(g_int64_hash, g_int64_equal);
         return 0;
@@ -129,7 +153,8 @@ void hybrid_ram_unload_all(BDRVHybridState *s)
         }
         slot->flags = 0;
     }
-    if (s->ram) {
+    /* A region keeps its content: hybrid_region_attach() judges it */
+    if (s->ram && !s->region) {
         qemu_madvise(s->ram, s->ram_blocks * s->block_size,
                      QEMU_MADV_DONTNEED);
     }
@@ -142,7 +167,9 @@ void hybrid_ram_free(BDRVHybridState *s)
     if (s->slots) {
         hybrid_ram_unload_all(s);
     }
-    if (s->ram) {
+    if (s->region) {
+        hybrid_region_close(s);
+    } else if (s->ram) {
         munmap(s->ram, s->ram_blocks * s->block_size);
         s->ram = NULL;
     }
@@ -283,10 +310,11 @@ void hybrid_ram_loaded_plain(BDRVHybridState *s, uint64_t idx)
     s->nb_loaded++;
     if (buffer_is_zero(p, s->block_size)) {
         slot->flags |= HYBRID_SLOT_ZERO;
-        qemu_madvise(p, s->block_size, QEMU_MADV_DONTNEED);
+        hybrid_ram_drop_pages(s, p);
     } else {
         s->nb_nonzero++;
     }
+    hybrid_region_set_valid(s, idx);
 }
 
 /*
@@ -324,12 +352,16 @@ int hybrid_ram_fill(BDRVHybridState *s, uint64_t idx, const uint8_t *buf)
             memcpy(p, buf, s->block_size);
             s->nb_nonzero++;
         } else {
-            qemu_madvise(p, s->block_size, QEMU_MADV_DONTNEED);
+            hybrid_ram_drop_pages(s, p);
             slot->flags |= HYBRID_SLOT_ZERO;
         }
     }
     slot->flags |= HYBRID_SLOT_LOADED;
     s->nb_loaded++;
+    /* Without @buf the caller is about to write the block: it says when */
+    if (buf) {
+        hybrid_region_set_valid(s, idx);
+    }
     return 0;
 }
 
@@ -352,7 +384,7 @@ int hybrid_ram_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
 
         if (!qiov && len == bsz) {
             if (!(slot->flags & HYBRID_SLOT_ZERO)) {
-                qemu_madvise(p, bsz, QEMU_MADV_DONTNEED);
+                hybrid_ram_drop_pages(s, p);
                 slot->flags |= HYBRID_SLOT_ZERO;
                 s->nb_nonzero--;
             }

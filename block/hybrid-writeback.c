@@ -87,6 +87,7 @@ hybrid_writeback_slot(BDRVHybridState *s, HybridSlot *slot, uint8_t *bounce)
     }
     s->flushed_bytes += len;
     if (!(slot->flags & HYBRID_SLOT_DIRTY)) {
+        hybrid_region_clear_dirty(s, idx);
         QTAILQ_REMOVE(&s->dirty_list, slot, dirty_next);
         slot->flags &= ~HYBRID_SLOT_LISTED;
         /* Quiet now: worth hashing for dedup */
@@ -107,6 +108,7 @@ static bool hybrid_flusher_should_run(BDRVHybridState *s)
 {
     if (s->flush_error || QTAILQ_EMPTY(&s->dirty_list)) {
         s->writeback_burst = false;
+        s->writeback_drain = false;
         return false;
     }
     if (!qemu_co_queue_empty(&s->dirty_queue)) {
@@ -115,7 +117,7 @@ static bool hybrid_flusher_should_run(BDRVHybridState *s)
     if (s->quiesced) {
         return false;
     }
-    if (s->mode == HYBRID_MODE_SYNC) {
+    if (s->mode == HYBRID_MODE_SYNC || s->writeback_drain) {
         return true;
     }
     if (s->dirty_bytes >= s->dirty_limit / 2) {

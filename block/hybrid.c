@@ -215,10 +215,13 @@ hybrid_write_ram_block(BDRVHybridState *s, uint64_t idx, uint32_t boff,
             goto out;
         }
     }
+    /* A region must say "dirty" before its copy changes (a crash between) */
+    hybrid_region_set_dirty(s, idx);
     ret = hybrid_ram_write(s, idx, boff, qiov, qoff, len, !sync);
     if (ret < 0) {
         goto out;
     }
+    hybrid_region_set_valid(s, idx);
     s->write_ram++;
 
     if (sync) {
@@ -233,6 +236,8 @@ hybrid_write_ram_block(BDRVHybridState *s, uint64_t idx, uint32_t boff,
         if (ret < 0) {
             /* RAM holds the new data: keep it owed to the child */
             hybrid_slot_set_dirty(s, slot, boff, boff + len);
+        } else if (!(slot->flags & HYBRID_SLOT_DIRTY)) {
+            hybrid_region_clear_dirty(s, idx);
         }
     } else {
         hybrid_slot_set_dirty(s, slot, boff, boff + len);
@@ -448,6 +453,7 @@ static BlockdevOptionsHybrid *hybrid_parse_options(QDict *options,
     qdict_del(options, HYBRID_OPT_RAW);
     qdict_del(options, HYBRID_OPT_BLOCK_SIZE);
     qdict_del(options, HYBRID_OPT_PROMOTE_SIZE);
+    qdict_del(options, HYBRID_OPT_RAM_FILE);
     return ret;
 }
 
@@ -506,13 +512,13 @@ hybrid_read_geometry(BlockDriverState *bs, BlockdevOptionsHybrid *o,
                        "be given with raw=on");
             return -EINVAL;
         }
-        if (child_len < sizeof(le)) {
+        if (child_len < HYBRID_HEADER_SIZE) {
             error_setg(errp, "Image is not in hybrid format (persistent tier "
-                       "has %" PRId64 " bytes, the header needs %zu)",
-                       child_len, sizeof(le));
+                       "has %" PRId64 " bytes, the header needs %d)",
+                       child_len, HYBRID_HEADER_SIZE);
             return -EINVAL;
         }
-        ret = bdrv_pread(bs->file, 0, sizeof(le), &le, 0);
+        ret = hybrid_read_header(bs->file, child_len, &le);
         if (ret < 0) {
             error_setg_errno(errp, -ret, "Could not read the hybrid header");
             return ret;
@@ -533,6 +539,8 @@ hybrid_read_geometry(BlockDriverState *bs, BlockdevOptionsHybrid *o,
 static void hybrid_start_background(BDRVHybridState *s)
 {
     hybrid_restore_kick(s);
+    /* Dirty blocks a region brought back are written back at once */
+    hybrid_flusher_kick(s);
 }
 
 static int hybrid_open(BlockDriverState *bs, QDict *options, int flags,
@@ -578,7 +586,15 @@ static int hybrid_open(BlockDriverState *bs, QDict *options, int flags,
         return ret;
     }
 
-    ret = hybrid_ram_init(s, errp);
+    if ((s->header.incompat_features & HYBRID_INCOMPAT_REGION) &&
+        !o->ram_file && !(flags & BDRV_O_NO_IO)) {
+        error_setg(errp, "The image's newest writes are held in RAM region "
+                   "%016" PRIx64 "; open it with ram-file= naming that "
+                   "region (or an empty one to discard them)",
+                   s->header.region_token);
+        return -EBUSY;
+    }
+    ret = hybrid_ram_init(s, o->ram_file, flags & BDRV_O_RDWR, errp);
     if (ret < 0) {
         return ret;
     }
@@ -595,6 +611,13 @@ static int hybrid_open(BlockDriverState *bs, QDict *options, int flags,
     s->inactive = flags & BDRV_O_INACTIVE;
     qemu_co_mutex_init(&s->header_lock);
     QTAILQ_INIT(&s->dirty_list);
+    if (s->region && !s->inactive) {
+        ret = hybrid_region_attach(s, false, errp);
+        if (ret < 0) {
+            hybrid_ram_free(s);
+            return ret;
+        }
+    }
 
     bs->total_sectors = s->size / BDRV_SECTOR_SIZE;
     bs->supported_zero_flags = BDRV_REQ_MAY_UNMAP;
@@ -624,8 +647,9 @@ static int GRAPH_RDLOCK hybrid_make_clean(BlockDriverState *bs)
         return 0;
     }
     s->header.flags &= ~HYBRID_FLAG_DIRTY;
+    s->header.incompat_features &= ~HYBRID_INCOMPAT_REGION;
     hybrid_header_to_le(&s->header, &le);
-    ret = bdrv_pwrite(bs->file, 0, sizeof(le), &le, 0);
+    ret = bdrv_pwrite(bs->file, 0, s->header.header_size, &le, 0);
     if (ret == 0) {
         ret = bdrv_flush(bs->file->bs);
     }
@@ -677,7 +701,8 @@ hybrid_co_invalidate_cache(BlockDriverState *bs, Error **errp)
      * keeps the node inactive, and so must we.
      */
     if (!s->raw) {
-        ret = bdrv_co_pread(bs->file, 0, sizeof(le), &le, 0);
+        ret = hybrid_read_header(bs->file, bdrv_co_getlength(bs->file->bs),
+                                 &le);
         if (ret < 0) {
             error_setg_errno(errp, -ret, "Could not read the hybrid header");
             return;
@@ -693,9 +718,12 @@ hybrid_co_invalidate_cache(BlockDriverState *bs, Error **errp)
         s->header = h;
         s->header_dirty_on_disk = false;
     }
-    s->inactive = false;
     hybrid_hot_drop_all(s);
     hybrid_ram_unload_all(s);
+    if (s->region && hybrid_region_attach(s, true, errp) < 0) {
+        return;
+    }
+    s->inactive = false;
     s->restore_cursor = 0;
     s->restore_bytes = 0;
     s->restore_done = false;
@@ -877,6 +905,11 @@ hybrid_get_specific_info(BlockDriverState *bs, Error **errp)
         .dedup = s->header.dedup,
         .dirty = !!(s->header.flags & HYBRID_FLAG_DIRTY),
         .raw = s->raw,
+        .has_region_token = !!s->header.region_token,
+        .region_token = s->header.region_token,
+        .has_region_held = !!s->header.region_token,
+        .region_held = !!(s->header.incompat_features &
+                          HYBRID_INCOMPAT_REGION),
     };
     spec->type = IMAGE_INFO_SPECIFIC_KIND_HYBRID;
     spec->u.hybrid.data = h;
@@ -1001,6 +1034,13 @@ HybridInfo *hybrid_get_info(BlockDriverState *bs)
         int64_t end = s->restore_done ? s->restore_end_ns :
                       qemu_clock_get_ns(QEMU_CLOCK_REALTIME);
         info->restore_ms = (end - s->restore_start_ns) / SCALE_MS;
+    }
+    if (s->region) {
+        info->region = g_new0(HybridRegionInfo, 1);
+        info->region->file = g_strdup(s->ram_file);
+        info->region->token = s->header.region_token;
+        info->region->reused = s->region_reused;
+        info->region->dirty_blocks_found = s->region_dirty_found;
     }
     if (s->flush_error) {
         info->error = g_strdup(strerror(-s->flush_error));

@@ -16,6 +16,7 @@
 #ifndef BLOCK_HYBRID_H
 #define BLOCK_HYBRID_H
 
+#include "qemu/bitops.h"
 #include "qemu/queue.h"
 #include "qemu/coroutine.h"
 #include "qapi/qapi-types-block-core.h"
@@ -24,7 +25,8 @@
 
 #define HYBRID_MAGIC            "QHYBRID\0"
 #define HYBRID_VERSION          1
-#define HYBRID_HEADER_SIZE      72      /* bytes covered by header_crc */
+#define HYBRID_HEADER_SIZE      72      /* version 1 base header */
+#define HYBRID_HEADER_SIZE_EXT  80      /* with region_token */
 #define HYBRID_DATA_OFFSET      65536   /* default for new images */
 #define HYBRID_MIN_BLOCK_SIZE   4096
 #define HYBRID_MAX_BLOCK_SIZE   (2 * 1024 * 1024)
@@ -39,6 +41,7 @@
 #define HYBRID_OPT_RAW          "raw"
 #define HYBRID_OPT_BLOCK_SIZE   "block-size"
 #define HYBRID_OPT_PROMOTE_SIZE "promote-size"
+#define HYBRID_OPT_RAM_FILE     "ram-file"
 
 #define HYBRID_DEFAULT_DIRTY_LIMIT  (256 * MiB)
 /* Largest virtual size we accept: block indices must fit in 32 bits. */
@@ -46,6 +49,14 @@
 
 #define HYBRID_FLAG_DIRTY       (1ULL << 0)   /* not cleanly closed */
 #define HYBRID_FLAGS_KNOWN      HYBRID_FLAG_DIRTY
+
+/*
+ * Blocks acknowledged to the guest may be held only in the RAM region
+ * named by region_token (docs/hybrid-format.rst, "The RAM tier in a
+ * region"): a reader without that region would see stale data.
+ */
+#define HYBRID_INCOMPAT_REGION  (1ULL << 0)
+#define HYBRID_INCOMPAT_KNOWN   HYBRID_INCOMPAT_REGION
 
 #define HYBRID_HDR_MODE_SYNC    0
 #define HYBRID_HDR_MODE_ASYNC   1
@@ -63,10 +74,13 @@ typedef struct QEMU_PACKED HybridHeader {
     uint8_t  mode;              /* 60: HYBRID_HDR_MODE_* default */
     uint8_t  dedup;             /* 61: 0 or 1, default for dedup= */
     uint8_t  reserved[6];       /* 62: zero */
-    uint32_t header_crc;        /* 68: crc32c of bytes 0..71, this field 0 */
+    uint32_t header_crc;        /* 68: crc32c of bytes [0, header_size), */
+                                /*     this field 0 */
+    /* header_size >= HYBRID_HEADER_SIZE_EXT only; otherwise read as 0 */
+    uint64_t region_token;      /* 72: the RAM region bound to the image */
 } HybridHeader;
 
-QEMU_BUILD_BUG_ON(sizeof(HybridHeader) != HYBRID_HEADER_SIZE);
+QEMU_BUILD_BUG_ON(sizeof(HybridHeader) != HYBRID_HEADER_SIZE_EXT);
 
 /* ---- RAM tier ---- */
 
@@ -179,6 +193,17 @@ typedef struct BDRVHybridState {
     int64_t restore_start_ns;
     int64_t restore_end_ns;
 
+    /* RAM tier in a shared region (ram-file=), hybrid-region.c */
+    char *ram_file;
+    int region_fd;
+    uint8_t *region;            /* the whole mapping; s->ram points inside */
+    uint64_t region_len;
+    unsigned long *region_valid;    /* bitmaps inside the mapping */
+    unsigned long *region_dirty;
+    bool region_reused;         /* attach found the tier ready */
+    uint64_t region_dirty_found;    /* dirty blocks found at attach */
+    bool writeback_drain;       /* write back all, regardless of watermarks */
+
     /* Statistics */
     uint64_t read_hits, read_misses;        /* block segments */
     uint64_t write_ram, write_through;      /* block segments */
@@ -186,7 +211,8 @@ typedef struct BDRVHybridState {
 } BDRVHybridState;
 
 /* hybrid-ram.c */
-int hybrid_ram_init(BDRVHybridState *s, Error **errp);
+int hybrid_ram_init(BDRVHybridState *s, const char *ram_file, bool writable,
+                    Error **errp);
 void hybrid_ram_free(BDRVHybridState *s);
 const uint8_t *hybrid_ram_peek(BDRVHybridState *s, uint64_t idx);
 uint8_t *hybrid_ram_plain_ptr(BDRVHybridState *s, uint64_t idx);
@@ -200,6 +226,40 @@ void hybrid_ram_unload_all(BDRVHybridState *s);
 uint64_t hybrid_ram_used_bytes(BDRVHybridState *s);
 uint64_t hybrid_ram_metadata_bytes(BDRVHybridState *s);
 uint64_t hybrid_fingerprint(const uint8_t *buf, size_t len);
+
+/* hybrid-region.c */
+int hybrid_region_open(BDRVHybridState *s, const char *filename,
+                       bool writable, Error **errp);
+int GRAPH_RDLOCK hybrid_region_attach(BDRVHybridState *s, bool reset_only,
+                                      Error **errp);
+void hybrid_region_close(BDRVHybridState *s);
+void hybrid_region_drop_pages(BDRVHybridState *s, uint8_t *p, uint64_t len);
+
+/*
+ * The region's per-block bits (no-ops for an anonymous tier).  Dirty is
+ * set before the block's data in the region changes and cleared once the
+ * persistent tier holds it; valid is set once the data is complete.
+ */
+static inline void hybrid_region_set_dirty(BDRVHybridState *s, uint64_t idx)
+{
+    if (s->region) {
+        set_bit(idx, s->region_dirty);
+    }
+}
+
+static inline void hybrid_region_clear_dirty(BDRVHybridState *s, uint64_t idx)
+{
+    if (s->region) {
+        clear_bit(idx, s->region_dirty);
+    }
+}
+
+static inline void hybrid_region_set_valid(BDRVHybridState *s, uint64_t idx)
+{
+    if (s->region) {
+        set_bit(idx, s->region_valid);
+    }
+}
 
 /* ---- helpers shared by the driver's files ---- */
 
@@ -228,6 +288,8 @@ int hybrid_check_ram_blocks(uint64_t blocks, uint64_t ram_size,
                             uint64_t bsz, Error **errp);
 int hybrid_header_check(const HybridHeader *le, HybridHeader *h,
                         Error **errp);
+int GRAPH_RDLOCK hybrid_read_header(BdrvChild *file, int64_t child_len,
+                                    HybridHeader *le);
 int coroutine_fn GRAPH_RDLOCK
 hybrid_write_header(BDRVHybridState *s, uint64_t flags);
 int coroutine_fn GRAPH_RDLOCK hybrid_mark_dirty(BDRVHybridState *s);

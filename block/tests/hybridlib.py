@@ -80,7 +80,8 @@ class QemuIo:
                                      stderr=subprocess.STDOUT,
                                      pass_fds=pass_fds)
         self.buf = b''
-        self._wait_prompt(30)
+        # what it printed before the first prompt (open warnings, traces)
+        self.banner = self._wait_prompt(30)
 
     def _wait_prompt(self, timeout):
         deadline = time.monotonic() + timeout
