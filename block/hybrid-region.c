@@ -39,6 +39,7 @@
 #include "qemu/crc32c.h"
 #include "qemu/error-report.h"
 #include "qemu/madvise.h"
+#include "qemu/timer.h"
 #include "qemu/units.h"
 #include "block/block-io.h"
 #include "block/block_int.h"
@@ -326,7 +327,7 @@ static void region_reset(BDRVHybridState *s)
  * persistent tier was written elsewhere (incoming migration), the region
  * cannot be current.
  */
-int GRAPH_RDLOCK hybrid_region_attach(BDRVHybridState *s, bool reset_only,
+static int GRAPH_RDLOCK region_attach(BDRVHybridState *s, bool reset_only,
                                       Error **errp)
 {
     uint64_t image_token = s->header.region_token, token = 0, blocks = 0;
@@ -403,4 +404,14 @@ int GRAPH_RDLOCK hybrid_region_attach(BDRVHybridState *s, bool reset_only,
     s->region_reused = false;
     trace_hybrid_region_attach(s, false, 0, 0, token);
     return 0;
+}
+
+int GRAPH_RDLOCK hybrid_region_attach(BDRVHybridState *s, bool reset_only,
+                                      Error **errp)
+{
+    int64_t start = qemu_clock_get_ns(QEMU_CLOCK_REALTIME);
+    int ret = region_attach(s, reset_only, errp);
+
+    s->region_attach_ns = qemu_clock_get_ns(QEMU_CLOCK_REALTIME) - start;
+    return ret;
 }

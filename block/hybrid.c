@@ -1041,6 +1041,7 @@ HybridInfo *hybrid_get_info(BlockDriverState *bs)
         info->region->token = s->header.region_token;
         info->region->reused = s->region_reused;
         info->region->dirty_blocks_found = s->region_dirty_found;
+        info->region->attach_us = s->region_attach_ns / SCALE_US;
     }
     if (s->flush_error) {
         info->error = g_strdup(strerror(-s->flush_error));

@@ -202,6 +202,7 @@ typedef struct BDRVHybridState {
     unsigned long *region_dirty;
     bool region_reused;         /* attach found the tier ready */
     uint64_t region_dirty_found;    /* dirty blocks found at attach */
+    int64_t region_attach_ns;   /* time the attach took */
     bool writeback_drain;       /* write back all, regardless of watermarks */
 
     /* Statistics */
