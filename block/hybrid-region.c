@@ -273,7 +273,8 @@ void hybrid_region_close(BDRVHybridState *s)
 /* Take the region's content as the RAM tier: no restore for it. */
 static void region_reuse(BDRVHybridState *s)
 {
-    off_t data = -1;
+    /* [data, hole): the data extent at or after the current block */
+    off_t data = -1, hole = -1;
     uint64_t i;
 
     for (i = 0; i < s->ram_blocks; i++) {
@@ -286,11 +287,15 @@ static void region_reuse(BDRVHybridState *s)
         }
         slot->flags |= HYBRID_SLOT_LOADED;
         s->nb_loaded++;
-        /* A hole is a zero block: cost nothing, as after a restore */
-        if (data < (off_t)start) {
+        /*
+         * A hole is a zero block: it costs nothing, as after a restore.
+         * Two lseek() calls per data extent, not per block.
+         */
+        if (hole <= (off_t)start) {
             data = lseek(s->region_fd, start, SEEK_DATA);
-            if (data < 0) {
-                data = INT64_MAX;
+            hole = data < 0 ? -1 : lseek(s->region_fd, data, SEEK_HOLE);
+            if (data < 0 || hole < 0) {
+                data = hole = INT64_MAX;
             }
         }
         if (data >= (off_t)(start + s->block_size)) {
