@@ -162,6 +162,32 @@ void hybrid_ram_unload_all(BDRVHybridState *s)
     s->nb_nonzero = 0;
 }
 
+/*
+ * Forget block @idx, which holds nothing owed to the persistent tier; the
+ * caller holds BUSY.  Reads go to the persistent tier again.
+ */
+void hybrid_ram_unload(BDRVHybridState *s, uint64_t idx)
+{
+    HybridSlot *slot = &s->slots[idx];
+
+    assert(!(slot->flags & (HYBRID_SLOT_DIRTY | HYBRID_SLOT_LISTED)));
+    if (!(slot->flags & HYBRID_SLOT_LOADED)) {
+        return;
+    }
+    hybrid_region_clear_valid(s, idx);
+    if (s->dedup) {
+        if (slot->chunk) {
+            chunk_unref(s, slot->chunk);
+            slot->chunk = NULL;
+        }
+    } else if (!(slot->flags & HYBRID_SLOT_ZERO)) {
+        hybrid_ram_drop_pages(s, hybrid_ram_plain_ptr(s, idx));
+        s->nb_nonzero--;
+    }
+    slot->flags &= HYBRID_SLOT_BUSY;
+    s->nb_loaded--;
+}
+
 void hybrid_ram_free(BDRVHybridState *s)
 {
     if (s->slots) {

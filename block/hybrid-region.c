@@ -257,6 +257,14 @@ int hybrid_region_open(BDRVHybridState *s, const char *filename,
     return 0;
 }
 
+/* The image was resized: the region's header follows (same blocks). */
+void hybrid_region_resized(BDRVHybridState *s)
+{
+    if (s->region) {
+        region_header_write(s, s->header.region_token);
+    }
+}
+
 void hybrid_region_close(BDRVHybridState *s)
 {
     if (s->region) {

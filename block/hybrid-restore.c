@@ -37,7 +37,7 @@ static void coroutine_fn GRAPH_RDLOCK hybrid_restore_run(BDRVHybridState *s)
             return;
         }
     }
-    while (s->restore_cursor < s->ram_blocks && !s->quiesced &&
+    while (s->restore_cursor < hybrid_ram_end(s) && !s->quiesced &&
            !s->inactive) {
         uint64_t first = s->restore_cursor, n = 0, i, off;
         uint64_t len;
@@ -55,7 +55,7 @@ static void coroutine_fn GRAPH_RDLOCK hybrid_restore_run(BDRVHybridState *s)
             continue;
         }
         n = 1;
-        while (n < per_req && first + n < s->ram_blocks &&
+        while (n < per_req && first + n < hybrid_ram_end(s) &&
                !(s->slots[first + n].flags &
                  (HYBRID_SLOT_LOADED | HYBRID_SLOT_BUSY))) {
             s->slots[first + n].flags |= HYBRID_SLOT_BUSY;
@@ -100,7 +100,7 @@ static void hybrid_restore_stopped(BDRVHybridState *s)
     if (s->restore_done) {
         return;
     }
-    if (s->restore_cursor >= s->ram_blocks || s->restore_error) {
+    if (s->restore_cursor >= hybrid_ram_end(s) || s->restore_error) {
         s->restore_done = true;
         s->restore_end_ns = qemu_clock_get_ns(QEMU_CLOCK_REALTIME);
         trace_hybrid_restore_done(s, s->restore_bytes, s->restore_error);

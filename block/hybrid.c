@@ -1029,7 +1029,7 @@ HybridInfo *hybrid_get_info(BlockDriverState *bs)
     info->restore_active = s->restore_workers > 0;
     info->restore_done = s->restore_done;
     info->restore_bytes = s->restore_bytes;
-    info->restore_total = MIN(s->ram_blocks << s->block_shift, s->size);
+    info->restore_total = MIN(hybrid_ram_end(s) << s->block_shift, s->size);
     if (s->restore_start_ns) {
         int64_t end = s->restore_done ? s->restore_end_ns :
                       qemu_clock_get_ns(QEMU_CLOCK_REALTIME);
@@ -1100,6 +1100,10 @@ BlockDriver bdrv_hybrid = {
     .bdrv_drain_end             = hybrid_drain_end,
     .bdrv_inactivate            = hybrid_inactivate,
     .bdrv_co_invalidate_cache   = hybrid_co_invalidate_cache,
+    .bdrv_co_truncate           = hybrid_co_truncate,
+    .bdrv_measure               = hybrid_measure,
+    .amend_opts                 = &hybrid_amend_opts,
+    .bdrv_amend_options         = hybrid_amend_options,
 
     /* information */
     .bdrv_co_getlength          = hybrid_co_getlength,

@@ -223,6 +223,7 @@ int hybrid_ram_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
 void hybrid_ram_intern(BDRVHybridState *s, uint64_t idx);
 int hybrid_ram_fill(BDRVHybridState *s, uint64_t idx, const uint8_t *buf);
 void hybrid_ram_loaded_plain(BDRVHybridState *s, uint64_t idx);
+void hybrid_ram_unload(BDRVHybridState *s, uint64_t idx);
 void hybrid_ram_unload_all(BDRVHybridState *s);
 uint64_t hybrid_ram_used_bytes(BDRVHybridState *s);
 uint64_t hybrid_ram_metadata_bytes(BDRVHybridState *s);
@@ -234,6 +235,7 @@ int hybrid_region_open(BDRVHybridState *s, const char *filename,
 int GRAPH_RDLOCK hybrid_region_attach(BDRVHybridState *s, bool reset_only,
                                       Error **errp);
 void hybrid_region_close(BDRVHybridState *s);
+void hybrid_region_resized(BDRVHybridState *s);
 void hybrid_region_drop_pages(BDRVHybridState *s, uint8_t *p, uint64_t len);
 
 /*
@@ -259,6 +261,13 @@ static inline void hybrid_region_set_valid(BDRVHybridState *s, uint64_t idx)
 {
     if (s->region) {
         set_bit(idx, s->region_valid);
+    }
+}
+
+static inline void hybrid_region_clear_valid(BDRVHybridState *s, uint64_t idx)
+{
+    if (s->region) {
+        clear_bit(idx, s->region_valid);
     }
 }
 
@@ -307,6 +316,24 @@ void coroutine_fn hybrid_slot_lock(BDRVHybridState *s, HybridSlot *slot);
 void coroutine_fn hybrid_slot_unlock(BDRVHybridState *s, HybridSlot *slot);
 int hybrid_set_mode(BlockDriverState *bs, HybridMode mode, Error **errp);
 HybridInfo *hybrid_get_info(BlockDriverState *bs);
+
+/* hybrid-amend.c */
+int coroutine_fn GRAPH_RDLOCK
+hybrid_co_truncate(BlockDriverState *bs, int64_t offset, bool exact,
+                   PreallocMode prealloc, BdrvRequestFlags flags, Error **errp);
+extern QemuOptsList hybrid_amend_opts;
+int GRAPH_RDLOCK
+hybrid_amend_options(BlockDriverState *bs, QemuOpts *opts,
+                     BlockDriverAmendStatusCB *status_cb, void *cb_opaque,
+                     bool force, Error **errp);
+BlockMeasureInfo *hybrid_measure(QemuOpts *opts, BlockDriverState *in_bs,
+                                 Error **errp);
+
+/* RAM blocks inside the disk (a shrink keeps the tier's geometry) */
+static inline uint64_t hybrid_ram_end(BDRVHybridState *s)
+{
+    return MIN(s->ram_blocks, s->nb_blocks);
+}
 
 /* hybrid-writeback.c */
 void hybrid_slot_set_dirty(BDRVHybridState *s, HybridSlot *slot,
