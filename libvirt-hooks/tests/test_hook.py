@@ -24,7 +24,8 @@ def domain(memory_mib=512, qemu_args=(), emulator=None, disks=()):
             f"<devices>{emu}{dsk}</devices><qemu:commandline>{args}</qemu:commandline></domain>")
 
 
-class HookTest(unittest.TestCase):
+class HookCase(unittest.TestCase):
+    """Set-up and helpers: the hook with its files in a temp dir."""
 
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix='hook-test-')
@@ -79,6 +80,9 @@ class HookTest(unittest.TestCase):
                 '-device', 'virtio-blk-pci,drive=hd0']
 
     # -- admission --
+
+class HookTest(HookCase):
+
     def test_plain_domain_admitted(self):
         """A domain without hybrid disks or app-assist only needs the memory."""
         cp = self.hook('prepare', 'begin', domain())
