@@ -11,6 +11,7 @@ import json
 import mmap
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -79,8 +80,9 @@ class GuestRamInRegion(HybridVMTest):
 
     def test_guest_ram_is_the_region(self):
         """The guest's memory is the region: a marker the guest writes in
-        its RAM is read back through a read-only grant of the region; the
-        broker accounts it and keeps it (with the marker) after QEMU."""
+        its RAM is read back through a read-only grant of the region and by
+        a container that has the region bind-mounted; the broker accounts
+        it and keeps it (with the marker) after QEMU."""
         size = 256 * MiB
         self.c.create('vm-ram', size, 0o640)
         _, fd = self.c.map('vm-ram', rw=True)
@@ -112,6 +114,16 @@ class GuestRamInRegion(HybridVMTest):
                 mmap.mmap(ro, size, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             os.close(ro)
             other.close()
+            # a container (broker/hvmem-container) gets the same memory
+            # bind-mounted read-only while the guest runs
+            find = ("import mmap, os, sys; f = open(os.environ['HVMEM_REGION_PATH'], 'rb'); "
+                    "m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ); "
+                    "print('found' if m.find(sys.argv[1].encode()) >= 0 else 'absent')")
+            r = subprocess.run([os.path.join(REPO, 'broker', 'hvmem-container'), '-s',
+                                self.broker.sock, 'vm-ram', '--', B.SYSTEM_PYTHON, '-c',
+                                find, marker], capture_output=True, text=True,
+                               env=dict(os.environ, HVMEM=B.HVMEM), timeout=60)
+            self.assertEqual(r.stdout.strip(), 'found', r.stdout + r.stderr)
             g.shutdown()
         finally:
             os.close(fd)
