@@ -175,6 +175,7 @@ void hybrid_ram_unload(BDRVHybridState *s, uint64_t idx)
         return;
     }
     hybrid_region_clear_valid(s, idx);
+    hybrid_region_set_zero(s, idx, false);
     if (s->dedup) {
         if (slot->chunk) {
             chunk_unref(s, slot->chunk);
@@ -337,8 +338,10 @@ void hybrid_ram_loaded_plain(BDRVHybridState *s, uint64_t idx)
     if (buffer_is_zero(p, s->block_size)) {
         slot->flags |= HYBRID_SLOT_ZERO;
         hybrid_ram_drop_pages(s, p);
+        hybrid_region_set_zero(s, idx, true);
     } else {
         s->nb_nonzero++;
+        hybrid_region_set_zero(s, idx, false);
     }
     hybrid_region_set_valid(s, idx);
 }
@@ -375,11 +378,13 @@ int hybrid_ram_fill(BDRVHybridState *s, uint64_t idx, const uint8_t *buf)
         uint8_t *p = hybrid_ram_plain_ptr(s, idx);
 
         if (buf && !buffer_is_zero(buf, s->block_size)) {
+            hybrid_region_set_zero(s, idx, false);
             memcpy(p, buf, s->block_size);
             s->nb_nonzero++;
         } else {
             hybrid_ram_drop_pages(s, p);
             slot->flags |= HYBRID_SLOT_ZERO;
+            hybrid_region_set_zero(s, idx, true);
         }
     }
     slot->flags |= HYBRID_SLOT_LOADED;
@@ -412,6 +417,7 @@ int hybrid_ram_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
             if (!(slot->flags & HYBRID_SLOT_ZERO)) {
                 hybrid_ram_drop_pages(s, p);
                 slot->flags |= HYBRID_SLOT_ZERO;
+                hybrid_region_set_zero(s, idx, true);
                 s->nb_nonzero--;
             }
             return 0;
@@ -421,6 +427,7 @@ int hybrid_ram_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
         }
         if (slot->flags & HYBRID_SLOT_ZERO) {
             /* Pages were dropped and read back as zero: just start using */
+            hybrid_region_set_zero(s, idx, false);
             slot->flags &= ~HYBRID_SLOT_ZERO;
             s->nb_nonzero++;
         }

@@ -14,12 +14,15 @@
  *   0        region header (HybridRegionHeader, little endian)
  *   4096     valid bitmap: block N's content is in the region
  *            dirty bitmap: block N may differ from the persistent tier
+ *            zero bitmap: block N is all zero, its pages freed
  *   data_off blocks, block N at data_off + N * block_size (2 MiB aligned)
  *
  * The bits are kept so that a process killed at any instruction leaves
  * them true: a block's dirty bit is set before its data in the region
  * changes, and cleared only after the persistent tier holds that data;
- * a block's valid bit is set only once its data is complete.  So when the
+ * a block's valid bit is set only once its data is complete; its zero bit
+ * is set after its pages were freed and cleared before data is written
+ * into them (only a valid block's bits count).  So when the
  * header (token and geometry) matches the image at the next open, valid
  * blocks need no restore and dirty ones are written back: a QEMU crash
  * loses no acknowledged write, even in async mode.
@@ -75,7 +78,7 @@ static uint64_t region_bitmap_bytes(uint64_t blocks)
 
 static uint64_t region_data_offset(uint64_t blocks)
 {
-    return ROUND_UP(HYBRID_REGION_BITMAPS + 2 * region_bitmap_bytes(blocks),
+    return ROUND_UP(HYBRID_REGION_BITMAPS + 3 * region_bitmap_bytes(blocks),
                     HYBRID_REGION_ALIGN);
 }
 
@@ -253,6 +256,7 @@ int hybrid_region_open(BDRVHybridState *s, const char *filename,
     s->region_len = st.st_size;
     s->region_valid = (unsigned long *)(s->region + HYBRID_REGION_BITMAPS);
     s->region_dirty = s->region_valid + BITS_TO_LONGS(s->ram_blocks);
+    s->region_zero = s->region_dirty + BITS_TO_LONGS(s->ram_blocks);
     s->ram = s->region + need;
     return 0;
 }
@@ -272,7 +276,7 @@ void hybrid_region_close(BDRVHybridState *s)
         qemu_close(s->region_fd);
         s->region = NULL;
         s->ram = NULL;
-        s->region_valid = s->region_dirty = NULL;
+        s->region_valid = s->region_dirty = s->region_zero = NULL;
     }
     g_free(s->ram_file);
     s->ram_file = NULL;
@@ -281,13 +285,10 @@ void hybrid_region_close(BDRVHybridState *s)
 /* Take the region's content as the RAM tier: no restore for it. */
 static void region_reuse(BDRVHybridState *s)
 {
-    /* [data, hole): the data extent at or after the current block */
-    off_t data = -1, hole = -1;
     uint64_t i;
 
     for (i = 0; i < s->ram_blocks; i++) {
         HybridSlot *slot = &s->slots[i];
-        uint64_t start = s->ram + (i << s->block_shift) - s->region;
 
         if (!test_bit(i, s->region_valid)) {
             clear_bit(i, s->region_dirty);
@@ -295,18 +296,7 @@ static void region_reuse(BDRVHybridState *s)
         }
         slot->flags |= HYBRID_SLOT_LOADED;
         s->nb_loaded++;
-        /*
-         * A hole is a zero block: it costs nothing, as after a restore.
-         * Two lseek() calls per data extent, not per block.
-         */
-        if (hole <= (off_t)start) {
-            data = lseek(s->region_fd, start, SEEK_DATA);
-            hole = data < 0 ? -1 : lseek(s->region_fd, data, SEEK_HOLE);
-            if (data < 0 || hole < 0) {
-                data = hole = INT64_MAX;
-            }
-        }
-        if (data >= (off_t)(start + s->block_size)) {
+        if (test_bit(i, s->region_zero)) {
             slot->flags |= HYBRID_SLOT_ZERO;
         } else {
             s->nb_nonzero++;
@@ -326,7 +316,7 @@ static void region_reuse(BDRVHybridState *s)
 static void region_reset(BDRVHybridState *s)
 {
     memset(s->region, 0, sizeof(HybridRegionHeader));
-    memset(s->region_valid, 0, 2 * region_bitmap_bytes(s->ram_blocks));
+    memset(s->region_valid, 0, 3 * region_bitmap_bytes(s->ram_blocks));
     hybrid_region_drop_pages(s, s->ram,
                              s->region_len - (s->ram - s->region));
 }

@@ -200,6 +200,7 @@ typedef struct BDRVHybridState {
     uint64_t region_len;
     unsigned long *region_valid;    /* bitmaps inside the mapping */
     unsigned long *region_dirty;
+    unsigned long *region_zero;
     bool region_reused;         /* attach found the tier ready */
     uint64_t region_dirty_found;    /* dirty blocks found at attach */
     int64_t region_attach_ns;   /* time the attach took */
@@ -268,6 +269,19 @@ static inline void hybrid_region_clear_valid(BDRVHybridState *s, uint64_t idx)
 {
     if (s->region) {
         clear_bit(idx, s->region_valid);
+    }
+}
+
+/* Set after the block's pages were freed, cleared before data goes in. */
+static inline void hybrid_region_set_zero(BDRVHybridState *s, uint64_t idx,
+                                          bool zero)
+{
+    if (s->region) {
+        if (zero) {
+            set_bit(idx, s->region_zero);
+        } else {
+            clear_bit(idx, s->region_zero);
+        }
     }
 }
 
