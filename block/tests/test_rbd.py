@@ -1,0 +1,247 @@
+"""Ceph RBD as the distributed store (issue 19, part 1), against a real
+single-node cluster (scripts/ceph-cluster.sh: one monitor, one OSD on
+file-backed BlueStore, cephx on), started once for the class.
+
+- QEMU's rbd driver with our build, as client.qemu (profile rbd);
+- cephx enforced: an unknown key, and a key whose caps are for another
+  pool, are refused;
+- the hybrid format over RBD: an RBD image as the persistent tier
+  (file.driver=rbd, created by qemu-img), and raw=on over an existing RBD
+  image; restore from RBD; async crash consistency with RBD as the tier
+  (SIGKILL, flushed writes survive);
+- the store going away: the OSD stopped under a running QEMU turns into an
+  I/O error after the configured timeout (not a hang), and the data is
+  there when it comes back.
+Skips, with the reason, where Ceph or QEMU's rbd driver is missing."""
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, '..', '..', 'tests'))
+import hybridlib as H   # noqa: E402
+from hvlib.ceph import CephCluster, unavailable   # noqa: E402
+
+MiB = 1024 * 1024
+OP_TIMEOUT = 5
+
+
+class RbdTest(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        if not H.have_binaries():
+            raise unittest.SkipTest(f'QEMU tools not built in {H.BIN}')
+        why = unavailable(H.binary('qemu-img'))
+        if why:
+            raise unittest.SkipTest(why)
+        # BlueStore needs O_DIRECT: the build directory, not /tmp (tmpfs?)
+        cls.dir = tempfile.mkdtemp(prefix='ceph-', dir=H.BUILD)
+        cls.ceph = CephCluster(cls.dir, port=3301 + os.getpid() % 500,
+                               op_timeout=OP_TIMEOUT)
+        t0 = time.monotonic()
+        try:
+            cls.ceph.start()
+        except Exception:
+            cls.ceph.purge()
+            shutil.rmtree(cls.dir, ignore_errors=True)
+            raise
+        print(f'ceph cluster up in {time.monotonic() - t0:.1f} s',
+              file=sys.stderr)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.ceph.purge()
+        shutil.rmtree(cls.dir, ignore_errors=True)
+
+    def setUp(self):
+        self.tmp = H.TempDir()
+        self.procs = []
+
+    def tearDown(self):
+        for p in self.procs:
+            p.kill()
+        self.tmp.cleanup()
+
+    def qemu_io(self, opts, *cmds, check=True, env=None):
+        args = [H.binary('qemu-io'), '--image-opts', opts]
+        for c in cmds:
+            args += ['-c', c]
+        r = subprocess.run(args, capture_output=True, text=True, timeout=180,
+                           env=env or self.ceph.env)
+        out = r.stdout + r.stderr
+        if check:
+            self.assertEqual(r.returncode, 0, out)
+            self.assertNotIn('failed', out)
+        return out
+
+    def image(self, name, size='64M'):
+        self.ceph.rbd('create', '--size', size, f'rbd/{name}')
+        return name
+
+    # -- the rbd driver and cephx --
+
+    def test_rbd_blockdev_as_qemu_user(self):
+        img = self.image('plain')
+        self.qemu_io(self.ceph.blockdev(img), f'write -P 0x5c 0 {4 * MiB}',
+                     f'read -P 0x5c 0 {4 * MiB}', f'read -P 0 {4 * MiB} {MiB}')
+        # the admin sees what QEMU wrote
+        r = subprocess.run(['rbd', 'export', f'rbd/{img}', self.tmp('exp')],
+                           env=self.ceph.env, capture_output=True, timeout=60)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(self.tmp('exp'), 'rb') as f:
+            self.assertEqual(f.read(4 * MiB), b'\x5c' * 4 * MiB)
+
+    def test_cephx_refuses_unknown_and_unauthorized_clients(self):
+        img = self.image('guarded')
+        # a key the monitors never saw
+        evil = self.tmp('client.evil.keyring')
+        subprocess.run(['ceph-authtool', '--create-keyring', evil,
+                        '--gen-key', '-n', 'client.evil'], check=True,
+                       capture_output=True)
+        env = dict(self.ceph.env)
+        conf = self.tmp('evil.conf')
+        with open(self.ceph.conf) as src, open(conf, 'w') as dst:
+            dst.write(src.read().replace(
+                f'keyring = {self.ceph.path}/$name.keyring', f'keyring = {evil}'))
+        out = self.qemu_io(f'driver=rbd,pool=rbd,image={img},conf={conf},'
+                           'user=evil', 'read 0 4k', check=False, env=env)
+        self.assertRegex(out, r'(?i)permission denied|operation not permitted|'
+                         r'error connecting|could not')
+        # a real key, but its caps are for another pool
+        self.ceph.ceph('auth', 'get-or-create', 'client.other', 'mon',
+                       'profile rbd', 'osd', 'profile rbd pool=other', '-o',
+                       os.path.join(self.ceph.path, 'client.other.keyring'))
+        out = self.qemu_io(self.ceph.blockdev(img, user='other'),
+                           'write -P 1 0 4k', check=False)
+        self.assertRegex(out, r'(?i)permission denied|operation not permitted')
+        self.assertNotIn('wrote 4096', out)
+
+    # -- hybrid over RBD --
+
+    def hybrid_opts(self, img, extra=''):
+        return (f'driver=hybrid,{self.ceph.blockdev(img, prefix="file.")}'
+                f'{extra}')
+
+    def test_hybrid_on_rbd_created_by_qemu_img(self):
+        H.qemu_img('create', '-q', '-f', 'hybrid', '-o', 'mode=async',
+                   self.ceph.filename('hyb1'), '64M')
+        info = self.ceph.rbd('info', 'rbd/hyb1').stdout
+        self.assertIn('size 64 MiB', info)
+        self.qemu_io(self.hybrid_opts('hyb1'), f'write -P 0x21 0 {8 * MiB}',
+                     f'write -P 0x22 {60 * MiB} {4 * MiB}', 'flush')
+        # restore from RBD at the next open, then the data
+        q = H.StorageDaemon(self.tmp, '--blockdev',
+                            self.hybrid_opts('hyb1', ',node-name=hy'))
+        self.procs.append(q)
+        deadline = time.monotonic() + 120
+        while not q.cmd('query-hybrid')[0]['restore-done']:
+            self.assertLess(time.monotonic(), deadline, 'restore from RBD hung')
+            time.sleep(0.05)
+        info = q.cmd('query-hybrid')[0]
+        q.stop()
+        self.procs.remove(q)
+        self.assertEqual(info['restore-bytes'], 64 * MiB)
+        self.assertNotIn('error', info)
+        self.qemu_io(self.hybrid_opts('hyb1'), f'read -P 0x21 0 {8 * MiB}',
+                     f'read -P 0 {8 * MiB} {MiB}',
+                     f'read -P 0x22 {60 * MiB} {4 * MiB}')
+        r = H.qemu_img('check', '--image-opts', self.hybrid_opts('hyb1'),
+                       check=False)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+
+    def test_hybrid_raw_over_existing_rbd_image(self):
+        src = self.tmp('src.raw')
+        with open(src, 'wb') as f:
+            f.write(b'\x7a' * (4 * MiB) + bytes(28 * MiB))
+        self.ceph.rbd('import', src, 'rbd/existing')
+        self.qemu_io(self.hybrid_opts('existing', ',raw=on,mode=sync'),
+                     f'read -P 0x7a 0 {4 * MiB}', f'write -P 0x7b {4 * MiB} {MiB}')
+        self.ceph.rbd('export', 'rbd/existing', self.tmp('out.raw'))
+        with open(self.tmp('out.raw'), 'rb') as f:
+            data = f.read()
+        self.assertEqual(len(data), 32 * MiB)
+        self.assertEqual(data[:4 * MiB], b'\x7a' * (4 * MiB))
+        self.assertEqual(data[4 * MiB:5 * MiB], b'\x7b' * MiB)
+
+    def test_hybrid_async_sigkill_on_rbd(self):
+        """Async mode over RBD: what a completed flush covered survives a
+        SIGKILL of QEMU, round after round."""
+        H.qemu_img('create', '-q', '-f', 'hybrid', '-o', 'mode=async,ram-size=8M',
+                   self.ceph.filename('crash'), '16M')
+        rnd = random.Random(19)
+        slot, nslots = 4096, 16 * MiB // 4096
+        accepted = {}
+        for rnd_no in range(3 if not H.LONG else 10):
+            io = H.QemuIo(self.hybrid_opts('crash', ',dirty-limit=256k'))
+            self.procs.append(io)
+            pending = {}
+            for _ in range(rnd.randint(20, 60)):
+                if rnd.random() < 0.15:
+                    self.assertNotIn('failed', io.cmd('flush'))
+                    accepted.update({s: {v} for s, v in pending.items()})
+                    pending.clear()
+                    continue
+                s, v = rnd.randrange(nslots), rnd.randint(1, 255)
+                self.assertNotIn('failed', io.cmd(f'write -P {v} {s * slot} {slot}'))
+                accepted.setdefault(s, {0}).add(v)
+                pending[s] = v
+            io.kill()
+            self.procs.remove(io)
+            raw = self.tmp('state.raw')
+            H.qemu_img('convert', '--image-opts', self.hybrid_opts('crash'), '-O',
+                       'raw', raw)
+            with open(raw, 'rb') as f:
+                data = f.read()
+            for s, ok in accepted.items():
+                blk = data[s * slot:(s + 1) * slot]
+                self.assertEqual(blk, bytes([blk[0]]) * slot, f'slot {s} torn')
+                self.assertIn(blk[0], ok, f'round {rnd_no} slot {s}: a flushed '
+                              'write was lost')
+                accepted[s] = {blk[0]}
+
+    def test_store_unreachable_then_back(self):
+        """The OSD stops under a running QEMU: I/O fails within the op
+        timeout instead of hanging; with the OSD back the data is there."""
+        img = self.image('flaky')
+        io = H.QemuIo(self.ceph.blockdev(img))
+        self.procs.append(io)
+        self.assertNotIn('failed', io.cmd(f'write -P 0x31 0 {MiB}'))
+        self.assertNotIn('failed', io.cmd('flush'))
+        os.kill(self.ceph.pid('osd.0'), signal.SIGKILL)
+        try:
+            t0 = time.monotonic()
+            # librbd's write-back cache may take the write: the flush cannot
+            out = io.cmd(f'write -P 0x32 {MiB} 64k', timeout=OP_TIMEOUT * 6)
+            if 'failed' not in out:
+                out += io.cmd('flush', timeout=OP_TIMEOUT * 6)
+            waited = time.monotonic() - t0
+            self.assertIn('failed', out)
+            self.assertLess(waited, OP_TIMEOUT * 4)
+            print(f'write with the OSD down failed after {waited:.1f} s: '
+                  f'{out.strip()[:120]}', file=sys.stderr)
+        finally:
+            io.kill()
+            self.procs.remove(io)
+            self.ceph.start()          # restarts the stopped daemon
+        # the monitor notices the new OSD within a few seconds
+        deadline = time.monotonic() + 90
+        while True:
+            out = self.qemu_io(self.ceph.blockdev(img), f'read -P 0x31 0 {MiB}',
+                               check=False)
+            if 'read 1048576/1048576' in out and 'failed' not in out:
+                break
+            self.assertLess(time.monotonic(), deadline, out)
+            time.sleep(1)
+
+
+if __name__ == '__main__':
+    unittest.main()
