@@ -199,26 +199,7 @@ QemuOptsList hybrid_amend_opts = {
     .name = "hybrid-amend-opts",
     .head = QTAILQ_HEAD_INITIALIZER(hybrid_amend_opts.head),
     .desc = {
-        {
-            .name = HYBRID_OPT_MODE,
-            .type = QEMU_OPT_STRING,
-            .help = "Default write mode stored in the header (sync, async)",
-        },
-        {
-            .name = HYBRID_OPT_DEDUP,
-            .type = QEMU_OPT_BOOL,
-            .help = "Default for inline dedup stored in the header",
-        },
-        {
-            .name = HYBRID_OPT_RAM_SIZE,
-            .type = QEMU_OPT_SIZE,
-            .help = "Default RAM tier size stored in the header",
-        },
-        {
-            .name = HYBRID_OPT_BLOCK_SIZE,
-            .type = QEMU_OPT_SIZE,
-            .help = "Block size (cannot change in place)",
-        },
+        HYBRID_HEADER_OPTIONS,
         { /* end of list */ }
     },
 };

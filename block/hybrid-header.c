@@ -331,26 +331,7 @@ QemuOptsList hybrid_create_opts = {
             .type = QEMU_OPT_SIZE,
             .help = "Virtual disk size"
         },
-        {
-            .name = HYBRID_OPT_BLOCK_SIZE,
-            .type = QEMU_OPT_SIZE,
-            .help = "Block size (power of two, 4k..2M, default 64k)"
-        },
-        {
-            .name = HYBRID_OPT_RAM_SIZE,
-            .type = QEMU_OPT_SIZE,
-            .help = "Default RAM tier size (default: the virtual size)"
-        },
-        {
-            .name = HYBRID_OPT_MODE,
-            .type = QEMU_OPT_STRING,
-            .help = "Default write mode (sync, async)"
-        },
-        {
-            .name = HYBRID_OPT_DEDUP,
-            .type = QEMU_OPT_BOOL,
-            .help = "Default for inline dedup of the RAM tier"
-        },
+        HYBRID_HEADER_OPTIONS,
         { /* end of list */ }
     }
 };

@@ -43,6 +43,30 @@
 #define HYBRID_OPT_PROMOTE_SIZE "promote-size"
 #define HYBRID_OPT_RAM_FILE     "ram-file"
 
+/* The header's stored settings: creation options, and amend options */
+#define HYBRID_HEADER_OPTIONS                                           \
+    {                                                                   \
+        .name = HYBRID_OPT_BLOCK_SIZE,                                  \
+        .type = QEMU_OPT_SIZE,                                          \
+        .help = "Block size (power of two, 4k..2M, default 64k; "       \
+                "cannot change once created)",                          \
+    },                                                                  \
+    {                                                                   \
+        .name = HYBRID_OPT_RAM_SIZE,                                    \
+        .type = QEMU_OPT_SIZE,                                          \
+        .help = "Default RAM tier size (default: the virtual size)",    \
+    },                                                                  \
+    {                                                                   \
+        .name = HYBRID_OPT_MODE,                                        \
+        .type = QEMU_OPT_STRING,                                        \
+        .help = "Default write mode (sync, async)",                     \
+    },                                                                  \
+    {                                                                   \
+        .name = HYBRID_OPT_DEDUP,                                       \
+        .type = QEMU_OPT_BOOL,                                          \
+        .help = "Default for inline dedup of the RAM tier",             \
+    }
+
 #define HYBRID_DEFAULT_DIRTY_LIMIT  (256 * MiB)
 /* Largest virtual size we accept: block indices must fit in 32 bits. */
 #define HYBRID_MAX_VIRTUAL_SIZE (1ULL << 50)
