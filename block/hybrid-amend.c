@@ -19,6 +19,8 @@
 #include "qemu/cutils.h"
 #include "qemu/error-report.h"
 #include "qemu/option.h"
+#include "qapi/util.h"
+#include "qapi/qapi-visit-block-core.h"
 #include "block/block-io.h"
 #include "block/block_int.h"
 #include "hybrid.h"
@@ -205,58 +207,48 @@ QemuOptsList hybrid_amend_opts = {
 };
 
 /*
- * qemu-img amend: the header's stored defaults.  Everything is checked
- * before anything is written; the header write is one sector.
+ * Change the header's stored defaults: what was given in @new (has_*).
+ * Everything is checked before anything is written; the header is one
+ * write.  The node may be in use (x-blockdev-amend): the DIRTY flag this
+ * open set is kept, a DIRTY flag found at open (an unclean shutdown) is
+ * refused.
  */
-int GRAPH_RDLOCK
-hybrid_amend_options(BlockDriverState *bs, QemuOpts *opts,
-                     BlockDriverAmendStatusCB *status_cb, void *cb_opaque,
-                     bool force, Error **errp)
+static int GRAPH_RDLOCK
+hybrid_amend(BlockDriverState *bs, BlockdevAmendOptionsHybrid *new,
+             Error **errp)
 {
     BDRVHybridState *s = bs->opaque;
     HybridHeader h = s->header, le;
-    const char *mode;
     int ret;
 
     if (s->raw) {
         error_setg(errp, "A raw=on hybrid node has no header to amend");
         return -ENOTSUP;
     }
-    if ((s->header.flags & HYBRID_FLAG_DIRTY) ||
-        (s->header.incompat_features & HYBRID_INCOMPAT_REGION)) {
+    if (!s->header_dirty_on_disk &&
+        ((s->header.flags & HYBRID_FLAG_DIRTY) ||
+         (s->header.incompat_features & HYBRID_INCOMPAT_REGION))) {
         error_setg(errp, "The image was not closed cleanly (or its newest "
                    "writes are in a RAM region): open it read-write and "
                    "close it cleanly, or run 'qemu-img check -r all', first");
         return -EBUSY;
     }
-    if (qemu_opt_find(opts, HYBRID_OPT_BLOCK_SIZE) &&
-        qemu_opt_get_size(opts, HYBRID_OPT_BLOCK_SIZE, 0) != s->block_size) {
-        error_setg(errp, "block-size cannot change in place (every block "
-                   "would move): convert the image with -o block-size=...");
-        return -ENOTSUP;
+    if (new->has_mode) {
+        h.mode = new->mode == HYBRID_MODE_ASYNC ? HYBRID_HDR_MODE_ASYNC
+                                                : HYBRID_HDR_MODE_SYNC;
     }
-    mode = qemu_opt_get(opts, HYBRID_OPT_MODE);
-    if (mode) {
-        if (!strcmp(mode, "sync")) {
-            h.mode = HYBRID_HDR_MODE_SYNC;
-        } else if (!strcmp(mode, "async")) {
-            h.mode = HYBRID_HDR_MODE_ASYNC;
-        } else {
-            error_setg(errp, "Invalid mode '%s' (sync or async)", mode);
-            return -EINVAL;
-        }
+    if (new->has_dedup) {
+        h.dedup = new->dedup;
     }
-    if (qemu_opt_find(opts, HYBRID_OPT_DEDUP)) {
-        h.dedup = qemu_opt_get_bool(opts, HYBRID_OPT_DEDUP, false);
-    }
-    if (qemu_opt_find(opts, HYBRID_OPT_RAM_SIZE)) {
-        h.ram_size = qemu_opt_get_size(opts, HYBRID_OPT_RAM_SIZE, 0);
+    if (new->has_ram_size) {
+        h.ram_size = new->ram_size;
         ret = hybrid_check_ram_blocks(h.ram_size >> s->block_shift,
                                       h.ram_size, s->block_size, errp);
         if (ret < 0) {
             return ret;
         }
     }
+    h.flags = s->header.flags;
     hybrid_header_to_le(&h, &le);
     ret = bdrv_pwrite(bs->file, 0, h.header_size, &le, 0);
     if (ret == 0) {
@@ -267,10 +259,65 @@ hybrid_amend_options(BlockDriverState *bs, QemuOpts *opts,
         return ret;
     }
     s->header = h;
-    if (status_cb) {
+    return 0;
+}
+
+/* qemu-img amend -o mode=...,dedup=...,ram-size=... */
+int GRAPH_RDLOCK
+hybrid_amend_options(BlockDriverState *bs, QemuOpts *opts,
+                     BlockDriverAmendStatusCB *status_cb, void *cb_opaque,
+                     bool force, Error **errp)
+{
+    BDRVHybridState *s = bs->opaque;
+    BlockdevAmendOptionsHybrid new = { 0 };
+    const char *mode;
+    int ret;
+
+    if (qemu_opt_find(opts, HYBRID_OPT_BLOCK_SIZE) &&
+        qemu_opt_get_size(opts, HYBRID_OPT_BLOCK_SIZE, 0) != s->block_size) {
+        error_setg(errp, "block-size cannot change in place (every block "
+                   "would move): convert the image with -o block-size=...");
+        return -ENOTSUP;
+    }
+    mode = qemu_opt_get(opts, HYBRID_OPT_MODE);
+    if (mode) {
+        int m = qapi_enum_parse(&HybridMode_lookup, mode, -1, NULL);
+
+        if (m < 0) {
+            error_setg(errp, "Invalid mode '%s' (sync or async)", mode);
+            return -EINVAL;
+        }
+        new.has_mode = true;
+        new.mode = m;
+    }
+    if (qemu_opt_find(opts, HYBRID_OPT_DEDUP)) {
+        new.has_dedup = true;
+        new.dedup = qemu_opt_get_bool(opts, HYBRID_OPT_DEDUP, false);
+    }
+    if (qemu_opt_find(opts, HYBRID_OPT_RAM_SIZE)) {
+        new.has_ram_size = true;
+        new.ram_size = qemu_opt_get_size(opts, HYBRID_OPT_RAM_SIZE, 0);
+    }
+    ret = hybrid_amend(bs, &new, errp);
+    if (ret == 0 && status_cb) {
         status_cb(bs, 1, 1, cb_opaque);
     }
-    return 0;
+    return ret;
+}
+
+/* x-blockdev-amend, the node possibly in use */
+int coroutine_fn GRAPH_RDLOCK
+hybrid_co_amend(BlockDriverState *bs, BlockdevAmendOptions *opts, bool force,
+                Error **errp)
+{
+    BDRVHybridState *s = bs->opaque;
+    int ret;
+
+    assert(opts->driver == BLOCKDEV_DRIVER_HYBRID);
+    qemu_co_mutex_lock(&s->header_lock);
+    ret = hybrid_amend(bs, &opts->u.hybrid, errp);
+    qemu_co_mutex_unlock(&s->header_lock);
+    return ret;
 }
 
 /* ---- measure ---- */

@@ -1104,6 +1104,7 @@ BlockDriver bdrv_hybrid = {
     .bdrv_measure               = hybrid_measure,
     .amend_opts                 = &hybrid_amend_opts,
     .bdrv_amend_options         = hybrid_amend_options,
+    .bdrv_co_amend              = hybrid_co_amend,
 
     /* information */
     .bdrv_co_getlength          = hybrid_co_getlength,

@@ -364,6 +364,9 @@ int GRAPH_RDLOCK
 hybrid_amend_options(BlockDriverState *bs, QemuOpts *opts,
                      BlockDriverAmendStatusCB *status_cb, void *cb_opaque,
                      bool force, Error **errp);
+int coroutine_fn GRAPH_RDLOCK
+hybrid_co_amend(BlockDriverState *bs, BlockdevAmendOptions *opts, bool force,
+                Error **errp);
 BlockMeasureInfo *hybrid_measure(QemuOpts *opts, BlockDriverState *in_bs,
                                  Error **errp);
 

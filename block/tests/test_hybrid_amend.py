@@ -219,6 +219,32 @@ class AmendMeasureTest(unittest.TestCase):
         self.assertIn('not closed cleanly', r.stderr)
         self.assertEqual(self.spec()['mode'], 'async')
 
+    def test_x_blockdev_amend_on_a_node_in_use(self):
+        """QMP x-blockdev-amend changes the stored defaults of a node that
+        is open and written; the running mode does not change."""
+        q = H.StorageDaemon(self.tmp, '--blockdev',
+                            f'driver=hybrid,node-name=hy,file.driver=file,'
+                            f'file.filename={self.img}')
+        try:
+            q.cmd('x-blockdev-amend', **{'job-id': 'am', 'node-name': 'hy',
+                                         'options': {'driver': 'hybrid',
+                                                     'mode': 'async',
+                                                     'ram-size': 8 * MiB}})
+            deadline = time.monotonic() + 30
+            while True:
+                jobs = q.cmd('query-jobs')
+                if jobs and jobs[0]['status'] == 'concluded':
+                    break
+                self.assertLess(time.monotonic(), deadline, jobs)
+                time.sleep(0.05)
+            self.assertNotIn('error', jobs[0])
+            q.cmd('job-dismiss', id='am')
+            self.assertEqual(q.cmd('query-hybrid')[0]['mode'], 'sync')
+        finally:
+            q.stop()
+        d = self.spec()
+        self.assertEqual((d['mode'], d['ram-size']), ('async', 8 * MiB))
+
     def measure(self, *args):
         r = H.qemu_img('measure', '--output=json', '-O', 'hybrid', *args)
         return json.loads(r.stdout)
