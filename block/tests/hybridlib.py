@@ -228,3 +228,72 @@ class StorageDaemon:
         self.proc.wait()
         self.sock.close()
         self.log.close()
+
+
+class WriteModel:
+    """Random 4 KiB pattern writes through a QemuIo, and what a read of each
+    slot may return after the writer is killed.
+
+    durable='flush': only what a completed flush covered must survive (async
+    mode); durable='ack': every acknowledged write must (the RAM tier in a
+    region).  A write sent but not waited for may or may not have happened."""
+
+    SLOT = 4096
+
+    def __init__(self, nslots, rnd, durable):
+        assert durable in ('flush', 'ack')
+        self.nslots, self.rnd, self.durable = nslots, rnd, durable
+        self.accepted = {}      # slot -> values a read may return
+        self.pending = {}       # durable='flush': written since the last flush
+        self.lost = 0           # unflushed writes the kills took (allowed)
+
+    def run(self, io, ops, flush_p=0.0, hot=16):
+        """`ops` commands: writes (half to a small hot set) and, with
+        probability flush_p, flushes.  Raises AssertionError on a failure."""
+        hot_set = [self.rnd.randrange(self.nslots) for _ in range(hot)]
+        self.pending = {}
+        for _ in range(ops):
+            if self.rnd.random() < flush_p:
+                out = io.cmd('flush')
+                if 'failed' in out:
+                    raise AssertionError(f'flush failed: {out}')
+                self.accepted.update({s: {v} for s, v in self.pending.items()})
+                self.pending.clear()
+                continue
+            slot = self.rnd.choice(hot_set) if self.rnd.random() < 0.5 else \
+                self.rnd.randrange(self.nslots)
+            val = self.rnd.randint(1, 255)
+            out = io.cmd(f'write -P {val} {slot * self.SLOT} {self.SLOT}')
+            if 'failed' in out:
+                raise AssertionError(f'write failed: {out}')
+            if self.durable == 'ack':
+                self.accepted[slot] = {val}
+            else:
+                self.accepted.setdefault(slot, {0}).add(val)
+                self.pending[slot] = val
+
+    def send_unacked(self, io, n):
+        """n writes sent without waiting: the kill may come before them."""
+        for _ in range(n):
+            slot = self.rnd.randrange(self.nslots)
+            val = self.rnd.randint(1, 255)
+            self.accepted.setdefault(slot, {0}).add(val)
+            io.send(f'write -P {val} {slot * self.SLOT} {self.SLOT}')
+
+    def check(self, data, what=''):
+        """Every slot holds one whole value it may hold; then what survived
+        becomes the only truth for the next round."""
+        for slot, ok in self.accepted.items():
+            blk = data[slot * self.SLOT:(slot + 1) * self.SLOT]
+            if blk != bytes([blk[0]]) * self.SLOT:
+                raise AssertionError(f'{what}slot {slot}: torn block')
+            if blk[0] not in ok:
+                raise AssertionError(
+                    f'{what}slot {slot}: {blk[0]} not in {sorted(ok)}: '
+                    f'{"an acknowledged" if self.durable == "ack" else "a flushed"}'
+                    ' write was lost')
+        for slot in self.accepted:
+            v = data[slot * self.SLOT]
+            if slot in self.pending and v != self.pending[slot]:
+                self.lost += 1
+            self.accepted[slot] = {v}

@@ -32,18 +32,13 @@ class HybridCrashTest(unittest.TestCase):
             p.kill()
         self.tmp.cleanup()
 
-    def verify(self, img, accepted):
+    def verify(self, img, model):
         raw = self.tmp('verify.raw')
         H.qemu_img('convert', '-f', 'hybrid', '-O', 'raw', img, raw)
         with open(raw, 'rb') as f:
             data = f.read()
         os.unlink(raw)
-        for slot, ok in accepted.items():
-            blk = data[slot * SLOT:(slot + 1) * SLOT]
-            self.assertEqual(blk, bytes([blk[0]]) * SLOT,
-                             f'slot {slot}: torn block')
-            self.assertIn(blk[0], ok, f'slot {slot}: value {blk[0]} not in '
-                          f'{sorted(ok)} (a flushed write was lost)')
+        model.check(data)
         r = H.qemu_img('check', '-f', 'hybrid', img, check=False)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
 
@@ -54,58 +49,25 @@ class HybridCrashTest(unittest.TestCase):
                    'ram-size=16M,mode=async', img, str(SIZE))
         rnd = random.Random(int(os.environ.get('HYBRID_SEED', '4242')))
         rounds = 40 if H.LONG else 5
-        nslots = SIZE // SLOT
-        # slot -> values a read may legitimately return
-        accepted = {}
+        model = H.WriteModel(SIZE // SLOT, rnd, durable='flush')
         # A throttled persistent tier keeps the flusher behind the writers,
         # so flushes really have work to do when the process is killed.
         opts = (f'driver=hybrid,dirty-limit=512k,file.driver=throttle,'
                 f'file.throttle-group=tg0,file.file.driver=file,'
                 f'file.file.filename={img}')
         obj = ['--object', 'throttle-group,id=tg0,x-iops-write=300']
-        lost = 0
         for rnd_no in range(rounds):
             io = H.QemuIo(opts, obj)
             self.procs.append(io)
-            pending = {}
-            # hot set: a few slots rewritten often, plus random ones
-            hot = [rnd.randrange(nslots) for _ in range(16)]
-            for _ in range(rnd.randint(30, 120)):
-                if rnd.random() < 0.12:
-                    out = io.cmd('flush')
-                    self.assertNotIn('failed', out)
-                    for slot, val in pending.items():
-                        accepted[slot] = {val}
-                    pending.clear()
-                    continue
-                slot = rnd.choice(hot) if rnd.random() < 0.5 else \
-                    rnd.randrange(nslots)
-                val = rnd.randint(1, 255)
-                out = io.cmd(f'write -P {val} {slot * SLOT} {SLOT}')
-                self.assertNotIn('failed', out)
-                accepted.setdefault(slot, {0}).add(val)
-                pending[slot] = val
+            model.run(io, rnd.randint(30, 120), flush_p=0.12)
             # a few writes that may or may not have happened at the kill
-            for _ in range(rnd.randint(0, 8)):
-                slot = rnd.randrange(nslots)
-                val = rnd.randint(1, 255)
-                accepted.setdefault(slot, {0}).add(val)
-                io.send(f'write -P {val} {slot * SLOT} {SLOT}')
+            model.send_unacked(io, rnd.randint(0, 8))
             io.kill()
             self.procs.remove(io)
-            self.verify(img, accepted)
-            # what survived is now the only truth for the next round
-            raw = self.tmp('state.raw')
-            H.qemu_img('convert', '-f', 'hybrid', '-O', 'raw', img, raw)
-            with open(raw, 'rb') as f:
-                data = f.read()
-            os.unlink(raw)
-            for slot in accepted:
-                if slot in pending and data[slot * SLOT] != pending[slot]:
-                    lost += 1
-                accepted[slot] = {data[slot * SLOT]}
+            self.verify(img, model)
         # Informational: unflushed writes lost to the kills (allowed)
-        print(f'{rounds} kills, {lost} unflushed writes lost', file=sys.stderr)
+        print(f'{rounds} kills, {model.lost} unflushed writes lost',
+              file=sys.stderr)
 
 
 @unittest.skipUnless(H.have_binaries(), f'QEMU tools not built in {H.BIN}')

@@ -153,8 +153,7 @@ class RegionTest(unittest.TestCase):
         img = self.image('crash.hyb', ram='16M')
         rnd = random.Random(int(os.environ.get('HYBRID_SEED', '2020')))
         rounds = 30 if H.LONG else 6
-        nslots = SIZE // SLOT
-        accepted = {}
+        model = H.WriteModel(SIZE // SLOT, rnd, durable='ack')
         # a slow persistent tier and a small dirty limit keep write-back
         # in flight at the kill; half of the rounds never flush at all
         opts = (f'driver=hybrid,ram-file=/proc/self/fd/{fd},'
@@ -166,38 +165,16 @@ class RegionTest(unittest.TestCase):
         for rnd_no in range(rounds):
             io = H.QemuIo(opts, obj + TRACE, pass_fds=[fd])
             self.procs.append(io)
-            flushes = rnd_no % 2
-            hot = [rnd.randrange(nslots) for _ in range(16)]
-            for _ in range(rnd.randint(40, 150)):
-                if flushes and rnd.random() < 0.05:
-                    self.assertNotIn('failed', io.cmd('flush'))
-                    continue
-                slot = rnd.choice(hot) if rnd.random() < 0.5 else \
-                    rnd.randrange(nslots)
-                val = rnd.randint(1, 255)
-                out = io.cmd(f'write -P {val} {slot * SLOT} {SLOT}')
-                self.assertNotIn('failed', out)
-                accepted[slot] = {val}      # acknowledged: must survive
-            for _ in range(rnd.randint(0, 6)):
-                slot = rnd.randrange(nslots)
-                val = rnd.randint(1, 255)
-                accepted.setdefault(slot, {0}).add(val)
-                io.send(f'write -P {val} {slot * SLOT} {SLOT}')
+            model.run(io, rnd.randint(40, 150),
+                      flush_p=0.05 if rnd_no % 2 else 0.0)
+            model.send_unacked(io, rnd.randint(0, 6))
             io.kill()
             self.procs.remove(io)
             # the next open takes the region as it is and writes back
             reused, _, dirty = self.close_cleanly(img, fd)
             self.assertTrue(reused, 'the region was not reused after a kill')
             found.append(dirty)
-            data = self.image_bytes(img)
-            for slot, ok in accepted.items():
-                blk = data[slot * SLOT:(slot + 1) * SLOT]
-                self.assertEqual(blk, bytes([blk[0]]) * SLOT,
-                                 f'round {rnd_no} slot {slot}: torn')
-                self.assertIn(blk[0], ok, f'round {rnd_no} slot {slot}: '
-                              f'{blk[0]} not in {sorted(ok)}: an '
-                              'acknowledged write was lost')
-                accepted[slot] = {blk[0]}
+            model.check(self.image_bytes(img), f'round {rnd_no}: ')
             r = H.qemu_img('check', '-f', 'hybrid', img, check=False)
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
         self.assertTrue(all(found), 'a round left no dirty blocks in the '

@@ -178,35 +178,18 @@ class RbdTest(unittest.TestCase):
         H.qemu_img('create', '-q', '-f', 'hybrid', '-o', 'mode=async,ram-size=8M',
                    self.ceph.filename('crash'), '16M')
         rnd = random.Random(19)
-        slot, nslots = 4096, 16 * MiB // 4096
-        accepted = {}
+        model = H.WriteModel(16 * MiB // H.WriteModel.SLOT, rnd, durable='flush')
         for rnd_no in range(3 if not H.LONG else 10):
             io = H.QemuIo(self.hybrid_opts('crash', ',dirty-limit=256k'))
             self.procs.append(io)
-            pending = {}
-            for _ in range(rnd.randint(20, 60)):
-                if rnd.random() < 0.15:
-                    self.assertNotIn('failed', io.cmd('flush'))
-                    accepted.update({s: {v} for s, v in pending.items()})
-                    pending.clear()
-                    continue
-                s, v = rnd.randrange(nslots), rnd.randint(1, 255)
-                self.assertNotIn('failed', io.cmd(f'write -P {v} {s * slot} {slot}'))
-                accepted.setdefault(s, {0}).add(v)
-                pending[s] = v
+            model.run(io, rnd.randint(20, 60), flush_p=0.15)
             io.kill()
             self.procs.remove(io)
             raw = self.tmp('state.raw')
             H.qemu_img('convert', '--image-opts', self.hybrid_opts('crash'), '-O',
                        'raw', raw)
             with open(raw, 'rb') as f:
-                data = f.read()
-            for s, ok in accepted.items():
-                blk = data[s * slot:(s + 1) * slot]
-                self.assertEqual(blk, bytes([blk[0]]) * slot, f'slot {s} torn')
-                self.assertIn(blk[0], ok, f'round {rnd_no} slot {s}: a flushed '
-                              'write was lost')
-                accepted[s] = {blk[0]}
+                model.check(f.read(), f'round {rnd_no}: ')
 
     def test_store_unreachable_then_back(self):
         """The OSD stops under a running QEMU: I/O fails within the op
