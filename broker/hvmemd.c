@@ -405,10 +405,18 @@ static int op_resize(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
     return 0;
 }
 
+/* An item record for the reply */
+static void item_reply(GByteArray *data, const HvmItem *it)
+{
+    HvmItemInfo ii = { .offset = it->offset, .size = it->size };
+
+    g_strlcpy(ii.name, it->name, sizeof(ii.name));
+    hvm_item_encode(data, &ii);
+}
+
 static int op_alloc(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
                     size_t ml)
 {
-    HvmItemInfo ii;
     HvmItem *it;
     int ret;
     HvmRegion *r = checked(c, q, 2, &ret, msg, ml);
@@ -431,18 +439,13 @@ static int op_alloc(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
         hvm_region_free_item(r, q->item);
         return ret;
     }
-    memset(&ii, 0, sizeof(ii));
-    ii.offset = it->offset;
-    ii.size = it->size;
-    g_strlcpy(ii.name, it->name, sizeof(ii.name));
-    hvm_item_encode(data, &ii);
+    item_reply(data, it);
     return 0;
 }
 
 static int op_item_lookup(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
                           size_t ml)
 {
-    HvmItemInfo ii;
     HvmItem *it;
     int ret;
     HvmRegion *r = checked(c, q, 4, &ret, msg, ml);
@@ -454,11 +457,7 @@ static int op_item_lookup(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
     if (!it) {
         FAIL(-ENOENT, "region '%s' has no item '%s'", r->name, q->item);
     }
-    memset(&ii, 0, sizeof(ii));
-    ii.offset = it->offset;
-    ii.size = it->size;
-    g_strlcpy(ii.name, it->name, sizeof(ii.name));
-    hvm_item_encode(data, &ii);
+    item_reply(data, it);
     return 0;
 }
 
@@ -541,11 +540,7 @@ static int op_stat(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
     region_info(r, &ri);
     hvm_region_encode(data, &ri);
     for (guint i = 0; i < r->items->len; i++) {
-        HvmItem *it = g_ptr_array_index(r->items, i);
-        HvmItemInfo ii = { .offset = it->offset, .size = it->size };
-
-        g_strlcpy(ii.name, it->name, sizeof(ii.name));
-        hvm_item_encode(data, &ii);
+        item_reply(data, g_ptr_array_index(r->items, i));
     }
     return 0;
 }
