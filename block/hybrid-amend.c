@@ -37,6 +37,23 @@ static int coroutine_fn GRAPH_RDLOCK hybrid_update_header(BDRVHybridState *s)
     return ret;
 }
 
+/* The header's virtual size, written and flushed; unchanged on failure. */
+static int coroutine_fn GRAPH_RDLOCK
+hybrid_write_size(BDRVHybridState *s, uint64_t size, Error **errp)
+{
+    uint64_t old = s->header.virtual_size;
+    int ret;
+
+    s->header.virtual_size = size;
+    ret = hybrid_update_header(s);
+    if (ret < 0) {
+        s->header.virtual_size = old;
+        error_setg_errno(errp, -ret, "Could not write the new size to the "
+                         "header");
+    }
+    return ret;
+}
+
 /*
  * Bytes of the new last block past @size read as zero in both tiers (a
  * later grow exposes them).  The caller holds nothing; the block layer
@@ -129,12 +146,8 @@ hybrid_co_truncate(BlockDriverState *bs, int64_t offset, bool exact,
                 return ret;
             }
         }
-        s->header.virtual_size = new_size;
-        ret = hybrid_update_header(s);
+        ret = hybrid_write_size(s, new_size, errp);
         if (ret < 0) {
-            s->header.virtual_size = old_size;
-            error_setg_errno(errp, -ret, "Could not write the new size to "
-                             "the header");
             return ret;
         }
     } else {
@@ -170,12 +183,8 @@ hybrid_co_truncate(BlockDriverState *bs, int64_t offset, bool exact,
         if (s->hot) {
             hybrid_hot_invalidate(s, new_size, old_size - new_size);
         }
-        s->header.virtual_size = new_size;
-        ret = hybrid_update_header(s);
+        ret = hybrid_write_size(s, new_size, errp);
         if (ret < 0) {
-            s->header.virtual_size = old_size;
-            error_setg_errno(errp, -ret, "Could not write the new size to "
-                             "the header");
             return ret;
         }
         /* The header is the truth now: a longer tier is harmless */
