@@ -20,6 +20,7 @@
 #include "qemu/queue.h"
 #include "qemu/coroutine.h"
 #include "qapi/qapi-types-block-core.h"
+#include "hybrid-fp.h"
 
 /* ---- On-disk header (little endian, see docs/hybrid-format.rst) ---- */
 
@@ -252,7 +253,6 @@ void hybrid_ram_unload(BDRVHybridState *s, uint64_t idx);
 void hybrid_ram_unload_all(BDRVHybridState *s);
 uint64_t hybrid_ram_used_bytes(BDRVHybridState *s);
 uint64_t hybrid_ram_metadata_bytes(BDRVHybridState *s);
-uint64_t hybrid_fingerprint(const uint8_t *buf, size_t len);
 
 /* hybrid-region.c */
 int hybrid_region_open(BDRVHybridState *s, const char *filename,

@@ -1,0 +1,809 @@
+/*
+ * Clone cache: the store's index, 2Q eviction and filler
+ *
+ * Copyright (c) 2026 The hybridvm authors
+ *
+ * This work is licensed under the terms of the GNU GPL, version 2 or later.
+ * See the COPYING file in the top-level directory.
+ *
+ * The whole index lives in memory under one mutex: (base, block) entries
+ * point at slots, slots hold content once (found by fingerprint, confirmed
+ * byte by byte), and 2Q queues order the slots for eviction.  One filler
+ * coroutine writes what the nodes read from their bases, in batches whose
+ * write order keeps every record on disk true (docs/clone-cache.rst).
+ */
+
+#include "qemu/osdep.h"
+#include "qemu/crc32c.h"
+#include "qemu/error-report.h"
+#include "qemu/guest-random.h"
+#include "qemu/main-loop.h"
+#include "qemu/memalign.h"
+#include "qemu/units.h"
+#include "qapi/error.h"
+#include "block/aio-wait.h"
+#include "block/block-global-state.h"
+#include "system/block-backend.h"
+#include "hybrid-fp.h"
+#include "clone-cache.h"
+#include "trace.h"
+
+#define CC_BATCH            64
+
+/* ---- 2Q queues and the ghost list ---- */
+
+static CloneCacheSlotList *cc_queue(CloneCacheStore *s, uint8_t q,
+                                    uint64_t **count)
+{
+    switch (q) {
+    case CC_Q_A1IN:
+        *count = &s->nb_a1in;
+        return &s->a1in;
+    case CC_Q_AM:
+        *count = &s->nb_am;
+        return &s->am;
+    case CC_Q_FREE:
+        *count = &s->nb_free;
+        return &s->free_slots;
+    default:
+        *count = q == CC_Q_PINNED ? &s->nb_pinned : NULL;
+        return NULL;
+    }
+}
+
+static void cc_queue_remove(CloneCacheStore *s, CloneCacheSlot *sl)
+{
+    uint64_t *count;
+    CloneCacheSlotList *list = cc_queue(s, sl->queue, &count);
+
+    if (list) {
+        QTAILQ_REMOVE(list, sl, link);
+    }
+    if (count) {
+        (*count)--;
+    }
+    sl->queue = CC_Q_NONE;
+}
+
+void cc_queue_add(CloneCacheStore *s, CloneCacheSlot *sl, uint8_t q)
+{
+    uint64_t *count;
+    CloneCacheSlotList *list = cc_queue(s, q, &count);
+
+    assert(sl->queue == CC_Q_NONE);
+    if (list) {
+        QTAILQ_INSERT_TAIL(list, sl, link);
+    }
+    if (count) {
+        (*count)++;
+    }
+    sl->queue = q;
+}
+
+/* A hit: an Am slot becomes the most recently used; A1in stays FIFO */
+static void cc_touch(CloneCacheStore *s, CloneCacheSlot *sl)
+{
+    if (sl->queue == CC_Q_AM) {
+        QTAILQ_REMOVE(&s->am, sl, link);
+        QTAILQ_INSERT_TAIL(&s->am, sl, link);
+    }
+}
+
+static void cc_ghost_add(CloneCacheStore *s, uint64_t key)
+{
+    uint64_t *k;
+
+    if (g_hash_table_contains(s->ghost, &key)) {
+        return;
+    }
+    while (g_queue_get_length(&s->ghost_fifo) >= MAX(s->nb_slots / 2, 1)) {
+        k = g_queue_pop_head(&s->ghost_fifo);
+        g_hash_table_remove(s->ghost, k);
+        g_free(k);
+    }
+    k = g_new(uint64_t, 1);
+    *k = key;
+    g_queue_push_tail(&s->ghost_fifo, k);
+    g_hash_table_add(s->ghost, k);
+}
+
+/* ---- index ---- */
+
+void cc_fp_insert(CloneCacheStore *s, uint32_t i)
+{
+    CloneCacheSlot *sl = &s->slots[i];
+    gpointer first = g_hash_table_lookup(s->fps, &sl->fp);
+
+    sl->fp_next = first ? GPOINTER_TO_UINT(first) - 1 : CC_NONE;
+    g_hash_table_insert(s->fps, &sl->fp, GUINT_TO_POINTER(i + 1));
+}
+
+static void cc_fp_remove(CloneCacheStore *s, uint32_t i)
+{
+    CloneCacheSlot *sl = &s->slots[i];
+    uint32_t first = GPOINTER_TO_UINT(g_hash_table_lookup(s->fps, &sl->fp));
+    uint32_t *pp, j;
+
+    assert(first);
+    if (first - 1 == i) {
+        g_hash_table_remove(s->fps, &sl->fp);
+        if (sl->fp_next != CC_NONE) {
+            CloneCacheSlot *n = &s->slots[sl->fp_next];
+            g_hash_table_insert(s->fps, &n->fp,
+                                GUINT_TO_POINTER(sl->fp_next + 1));
+        }
+        return;
+    }
+    for (j = first - 1; s->slots[j].fp_next != i; j = s->slots[j].fp_next) {
+        assert(s->slots[j].fp_next != CC_NONE);
+    }
+    pp = &s->slots[j].fp_next;
+    *pp = sl->fp_next;
+}
+
+static void cc_entry_free(CloneCacheStore *s, uint32_t e)
+{
+    CloneCacheEntry *en = &s->entries[e];
+    int b = en->key >> CC_BLOCK_BITS;
+
+    g_hash_table_remove(s->map, &en->key);
+    en->used = false;
+    s->bases[b].nb_entries--;
+    s->free_entries[s->nb_free_entries++] = e;
+}
+
+/*
+ * Take a slot out of service: its entries go, and so does the slot.  Its
+ * on-disk record may still say valid (STALE), so it is invalidated on disk
+ * before new data goes in.  @ghost: remember the keys for 2Q admission.
+ */
+static void cc_slot_drop(CloneCacheStore *s, uint32_t i, bool ghost)
+{
+    CloneCacheSlot *sl = &s->slots[i];
+    uint32_t e, next;
+
+    assert(sl->state == CC_SLOT_VALID);
+    for (e = sl->first_entry; e != CC_NONE; e = next) {
+        next = s->entries[e].next;
+        if (ghost) {
+            cc_ghost_add(s, s->entries[e].key);
+        }
+        cc_entry_free(s, e);
+    }
+    sl->first_entry = CC_NONE;
+    sl->refcnt = 0;
+    cc_fp_remove(s, i);
+    cc_queue_remove(s, sl);
+    sl->pinned = false;
+    sl->state = CC_SLOT_STALE;
+    cc_queue_add(s, sl, CC_Q_FREE);
+}
+
+/* Drop one entry; its slot goes when nothing else points at it */
+static void cc_entry_drop(CloneCacheStore *s, uint32_t e)
+{
+    CloneCacheEntry *en = &s->entries[e];
+    CloneCacheSlot *sl = &s->slots[en->slot];
+    uint32_t *pp;
+
+    for (pp = &sl->first_entry; *pp != e; pp = &s->entries[*pp].next) {
+        assert(*pp != CC_NONE);
+    }
+    *pp = en->next;
+    cc_entry_free(s, e);
+    if (--sl->refcnt == 0) {
+        cc_slot_drop(s, sl - s->slots, false);
+    }
+}
+
+static CloneCacheSlot *cc_victim(CloneCacheSlotList *list)
+{
+    CloneCacheSlot *sl;
+
+    QTAILQ_FOREACH(sl, list, link) {
+        if (!sl->readers) {
+            return sl;
+        }
+    }
+    return NULL;
+}
+
+/* 2Q: evict from A1in while it holds more than its quarter, else from Am */
+static bool cc_evict_one(CloneCacheStore *s)
+{
+    CloneCacheSlot *sl = NULL;
+    bool from_a1in = s->nb_a1in > s->nb_slots / 4 || !s->nb_am;
+
+    sl = cc_victim(from_a1in ? &s->a1in : &s->am);
+    if (!sl) {
+        from_a1in = !from_a1in;
+        sl = cc_victim(from_a1in ? &s->a1in : &s->am);
+    }
+    if (!sl) {
+        return false;
+    }
+    trace_clone_cache_evict(s, sl - s->slots, from_a1in, sl->refcnt);
+    cc_slot_drop(s, sl - s->slots, from_a1in);
+    s->evictions++;
+    return true;
+}
+
+static uint32_t cc_alloc_entry(CloneCacheStore *s)
+{
+    if (!s->nb_free_entries && !cc_evict_one(s)) {
+        return CC_NONE;
+    }
+    return s->free_entries[--s->nb_free_entries];
+}
+
+/* A slot for new data, and whether its record must be invalidated first */
+static uint32_t cc_alloc_slot(CloneCacheStore *s, bool *stale)
+{
+    CloneCacheSlot *sl;
+
+    if (!s->nb_free && !cc_evict_one(s)) {
+        return CC_NONE;
+    }
+    sl = QTAILQ_FIRST(&s->free_slots);
+    cc_queue_remove(s, sl);
+    *stale = sl->state == CC_SLOT_STALE;
+    sl->state = CC_SLOT_FILLING;
+    return sl - s->slots;
+}
+
+uint32_t clone_cache_lookup(CloneCacheStore *s, int base, uint64_t block)
+{
+    uint64_t key = clone_cache_key(base, block);
+    CloneCacheEntry *en = g_hash_table_lookup(s->map, &key);
+    CloneCacheSlot *sl;
+
+    if (!en) {
+        return CC_NONE;
+    }
+    sl = &s->slots[en->slot];
+    assert(sl->state == CC_SLOT_VALID);
+    cc_touch(s, sl);
+    sl->readers++;
+    return en->slot;
+}
+
+/*
+ * Read a slot that clone_cache_lookup() returned (and so holds a reader
+ * reference on), check its data against the slot's CRC, and release it.
+ * -EIO when the data cannot be trusted: the slot is dropped and the caller
+ * reads the base instead.
+ */
+int coroutine_fn clone_cache_read_slot(CloneCacheStore *s, int base,
+                                       uint32_t slot, uint8_t *buf)
+{
+    CloneCacheSlot *sl = &s->slots[slot];
+    uint64_t seq;
+    uint32_t len;
+    int ret;
+
+    qemu_mutex_lock(&s->lock);
+    seq = sl->seq;
+    len = sl->len;
+    qemu_mutex_unlock(&s->lock);
+
+    ret = blk_co_pread(s->blk, s->data_off + (uint64_t)slot * s->block_size,
+                       len, buf, 0);
+    if (ret == 0 && cc_crc(buf, len) != sl->data_crc) {
+        ret = -EIO;
+        error_report("clone-cache '%s': block in slot %" PRIu32 " fails its "
+                     "checksum; it is discarded and read from the base",
+                     s->filename, slot);
+    }
+    qemu_mutex_lock(&s->lock);
+    sl->readers--;
+    if (ret < 0) {
+        s->checksum_errors++;
+        trace_clone_cache_bad_slot(s, slot, ret);
+        if (sl->state == CC_SLOT_VALID && sl->seq == seq) {
+            cc_slot_drop(s, slot, false);
+        }
+    } else {
+        s->bases[base].st.cache_read_bytes += len;
+    }
+    qemu_mutex_unlock(&s->lock);
+    return ret;
+}
+
+/* ---- pinning ---- */
+
+void coroutine_fn clone_cache_pin(CloneCacheStore *s, uint32_t slot,
+                                  bool pin)
+{
+    CloneCacheSlot *sl = &s->slots[slot];
+    bool write = false;
+
+    qemu_mutex_lock(&s->lock);
+    if (pin && !sl->pinned && s->nb_pinned < s->nb_slots / 2) {
+        cc_queue_remove(s, sl);
+        sl->pinned = true;
+        cc_queue_add(s, sl, CC_Q_PINNED);
+        write = true;
+    }
+    qemu_mutex_unlock(&s->lock);
+    if (write) {
+        /* the reader reference keeps the slot's content while we write */
+        cc_write_slot_rec(s, slot, true);
+    }
+    qemu_mutex_lock(&s->lock);
+    sl->readers--;
+    qemu_mutex_unlock(&s->lock);
+}
+
+void clone_cache_unpin_base(CloneCacheStore *s, int base)
+{
+    g_autoptr(GArray) done = g_array_new(false, false, sizeof(uint32_t));
+    CloneCacheSlotRec r;
+    uint32_t i, e;
+
+    qemu_mutex_lock(&s->lock);
+    for (i = 0; i < s->nb_slots; i++) {
+        CloneCacheSlot *sl = &s->slots[i];
+
+        if (!sl->pinned) {
+            continue;
+        }
+        for (e = sl->first_entry; e != CC_NONE; e = s->entries[e].next) {
+            if (s->entries[e].key >> CC_BLOCK_BITS == base) {
+                break;
+            }
+        }
+        if (e == CC_NONE) {
+            continue;
+        }
+        cc_queue_remove(s, sl);
+        sl->pinned = false;
+        cc_queue_add(s, sl, CC_Q_AM);
+        g_array_append_val(done, i);
+    }
+    for (i = 0; i < done->len; i++) {
+        s->slots[g_array_index(done, uint32_t, i)].readers++;
+    }
+    qemu_mutex_unlock(&s->lock);
+
+    /* reader references keep the slots' content while the records go */
+    for (i = 0; i < done->len; i++) {
+        uint32_t slot = g_array_index(done, uint32_t, i);
+
+        qemu_mutex_lock(&s->lock);
+        cc_slot_rec(s, slot, true, &r);
+        qemu_mutex_unlock(&s->lock);
+        blk_pwrite(s->blk, s->slot_off + (uint64_t)slot * CC_REC_SIZE,
+                   sizeof(r), &r, 0);
+        qemu_mutex_lock(&s->lock);
+        s->slots[slot].readers--;
+        qemu_mutex_unlock(&s->lock);
+    }
+}
+
+/* ---- the filler ---- */
+
+static void coroutine_fn cc_filler(void *opaque);
+
+void clone_cache_queue_fill(CloneCacheStore *s, int base, uint64_t block,
+                            const uint8_t *data, uint32_t len, bool pin)
+{
+    CloneCacheBase *b = &s->bases[base];
+    CloneCacheFill *f;
+    bool start = false;
+
+    qemu_mutex_lock(&s->lock);
+    if (s->fill_pending + len > s->fill_limit || !s->blk) {
+        b->st.fills_dropped++;
+        qemu_mutex_unlock(&s->lock);
+        trace_clone_cache_fill_dropped(s, base, block);
+        return;
+    }
+    f = g_new0(CloneCacheFill, 1);
+    f->key = clone_cache_key(base, block);
+    f->nonce = b->nonce;
+    f->len = len;
+    f->pin = pin;
+    f->data = qemu_blockalign(blk_bs(s->blk), len);
+    memcpy(f->data, data, len);
+    QSIMPLEQ_INSERT_TAIL(&s->fills, f, next);
+    s->fill_pending += len;
+    if (!s->filler_running) {
+        s->filler_running = true;
+        start = true;
+    }
+    qemu_mutex_unlock(&s->lock);
+
+    if (start) {
+        aio_co_enter(qemu_get_aio_context(),
+                     qemu_coroutine_create(cc_filler, s));
+    }
+}
+
+static void cc_fill_free(CloneCacheFill *f)
+{
+    qemu_vfree(f->data);
+    g_free(f);
+}
+
+/* What the filler decided for one fill of a batch */
+typedef struct CloneCacheFillPlan {
+    uint32_t entry;             /* entry it will take */
+    uint64_t seq;               /* seq of the slot it points to */
+    bool ok;
+    bool held;                  /* holds a reader on a slot in service */
+} CloneCacheFillPlan;
+
+/*
+ * Choose where a fill goes.  Content already in the cache (same
+ * fingerprint, length and bytes: a fingerprint is never trusted alone) is
+ * shared; else a new slot.  Returns false to drop the fill.
+ */
+static bool coroutine_fn cc_fill_prepare(CloneCacheStore *s,
+                                         CloneCacheFill **batch, int n,
+                                         CloneCacheFillPlan *plan,
+                                         bool *stale)
+{
+    CloneCacheFill *f = batch[n];
+    uint64_t fp = hybrid_fingerprint(f->data, f->len) & s->fp_mask;
+    int b = f->key >> CC_BLOCK_BITS;
+    uint8_t *buf = NULL;
+    uint32_t i, first;
+    int k;
+
+    *stale = false;
+    f->slot = CC_NONE;
+    f->shared = false;
+    qemu_mutex_lock(&s->lock);
+    if (s->bases[b].nonce != f->nonce ||
+        g_hash_table_contains(s->map, &f->key)) {
+        goto fail;
+    }
+    /* the same content earlier in this batch */
+    for (k = 0; k < n; k++) {
+        CloneCacheFill *g = batch[k];
+
+        if (g->slot != CC_NONE && !g->shared && s->slots[g->slot].fp == fp &&
+            g->len == f->len && !memcmp(g->data, f->data, f->len)) {
+            f->slot = g->slot;
+            f->shared = true;
+            plan->seq = s->slots[f->slot].seq;
+            goto entry;
+        }
+    }
+    /* the same content in the cache: read it back and compare */
+    first = GPOINTER_TO_UINT(g_hash_table_lookup(s->fps, &fp));
+    for (i = first ? first - 1 : CC_NONE; i != CC_NONE;
+         i = s->slots[i].fp_next) {
+        CloneCacheSlot *sl = &s->slots[i];
+        uint64_t seq = sl->seq;
+        bool same;
+
+        if (sl->len != f->len) {
+            continue;
+        }
+        sl->readers++;
+        qemu_mutex_unlock(&s->lock);
+        buf = buf ? buf : qemu_blockalign(blk_bs(s->blk), f->len);
+        same = blk_co_pread(s->blk,
+                            s->data_off + (uint64_t)i * s->block_size,
+                            f->len, buf, 0) == 0 &&
+               cc_crc(buf, f->len) == sl->data_crc &&
+               !memcmp(buf, f->data, f->len);
+        qemu_mutex_lock(&s->lock);
+        if (same && sl->state == CC_SLOT_VALID && sl->seq == seq) {
+            f->slot = i;
+            f->shared = true;
+            plan->seq = seq;
+            plan->held = true;      /* the reader is kept until published */
+            goto entry;
+        }
+        sl->readers--;
+        trace_clone_cache_fp_clash(s, i, fp);
+        if (sl->state != CC_SLOT_VALID) {
+            break;                  /* dropped meanwhile: chain changed */
+        }
+    }
+    /* only the filler fills: no other coroutine can take this content */
+    f->slot = cc_alloc_slot(s, stale);
+    if (f->slot == CC_NONE) {
+        goto fail;
+    }
+    s->slots[f->slot].fp = fp;
+    s->slots[f->slot].len = f->len;
+    s->slots[f->slot].data_crc = cc_crc(f->data, f->len);
+    s->slots[f->slot].seq = ++s->seq;
+    /* decided now: the slot's record, written before publishing, says it */
+    s->slots[f->slot].pinned = f->pin && s->nb_pinned < s->nb_slots / 2;
+    plan->seq = s->slots[f->slot].seq;
+
+entry:
+    plan->entry = cc_alloc_entry(s);
+    if (plan->entry != CC_NONE) {
+        qemu_mutex_unlock(&s->lock);
+        qemu_vfree(buf);
+        return true;
+    }
+    if (plan->held) {
+        s->slots[f->slot].readers--;
+        plan->held = false;
+    } else if (!f->shared) {
+        s->slots[f->slot].state = *stale ? CC_SLOT_STALE : CC_SLOT_FREE;
+        cc_queue_add(s, &s->slots[f->slot], CC_Q_FREE);
+        *stale = false;
+    }
+    f->slot = CC_NONE;
+fail:
+    s->bases[b].st.fills_dropped++;
+    qemu_mutex_unlock(&s->lock);
+    qemu_vfree(buf);
+    return false;
+}
+
+/* Put a prepared fill in service, or give back what it took (lock held) */
+static void cc_fill_publish(CloneCacheStore *s, CloneCacheFill *f,
+                            CloneCacheFillPlan *plan)
+{
+    CloneCacheSlot *sl = &s->slots[f->slot];
+    CloneCacheBase *base = &s->bases[f->key >> CC_BLOCK_BITS];
+    CloneCacheEntry *en = &s->entries[plan->entry];
+    bool ok;
+
+    if (plan->held) {
+        sl->readers--;
+    }
+    ok = plan->ok && base->nonce == f->nonce && sl->seq == plan->seq &&
+         !g_hash_table_contains(s->map, &f->key) &&
+         sl->state == (f->shared ? CC_SLOT_VALID : CC_SLOT_FILLING);
+    if (!ok) {
+        if (!f->shared && sl->state == CC_SLOT_FILLING) {
+            /* its data or record may have reached the disk */
+            sl->state = CC_SLOT_STALE;
+            sl->pinned = false;
+            cc_queue_add(s, sl, CC_Q_FREE);
+        }
+        s->free_entries[s->nb_free_entries++] = plan->entry;
+        base->st.fills_dropped++;
+        return;
+    }
+    if (!f->shared) {
+        sl->state = CC_SLOT_VALID;
+        sl->refcnt = 0;
+        sl->first_entry = CC_NONE;
+        cc_fp_insert(s, f->slot);
+        if (sl->pinned) {
+            cc_queue_add(s, sl, CC_Q_PINNED);
+        } else {
+            cc_queue_add(s, sl, g_hash_table_contains(s->ghost, &f->key)
+                                ? CC_Q_AM : CC_Q_A1IN);
+        }
+        base->st.fills++;
+        base->st.fill_bytes += f->len;
+    } else {
+        s->dedup_shared++;
+        cc_touch(s, sl);
+    }
+    en->key = f->key;
+    en->slot = f->slot;
+    en->used = true;
+    en->next = sl->first_entry;
+    sl->first_entry = plan->entry;
+    sl->refcnt++;
+    base->nb_entries++;
+    g_hash_table_insert(s->map, &en->key, en);
+    trace_clone_cache_fill(s, f->key >> CC_BLOCK_BITS,
+                           f->key & ((1ULL << CC_BLOCK_BITS) - 1), f->slot,
+                           f->shared);
+}
+
+/*
+ * Write one batch.  Order (docs/clone-cache.rst): records of reused slots
+ * invalidated and flushed; data written and flushed; then slot and entry
+ * records.  A slot record on disk therefore always describes data that is
+ * on disk, and an entry only counts when its slot record's seq matches.
+ */
+static void coroutine_fn cc_fill_batch(CloneCacheStore *s,
+                                       CloneCacheFill **batch, int n)
+{
+    CloneCacheFillPlan plan[CC_BATCH] = {};
+    bool stale, any_stale = false, any_data = false;
+    int i, ret = 0;
+
+    for (i = 0; i < n; i++) {
+        plan[i].ok = cc_fill_prepare(s, batch, i, &plan[i], &stale);
+        if (stale) {
+            any_stale = true;
+            if (cc_write_slot_rec(s, batch[i]->slot, false) < 0) {
+                plan[i].ok = false;
+            }
+        }
+        any_data |= plan[i].ok && !batch[i]->shared;
+    }
+    if (any_stale) {
+        ret = blk_co_flush(s->blk);
+    }
+    for (i = 0; i < n && ret == 0; i++) {
+        if (plan[i].ok && !batch[i]->shared) {
+            plan[i].ok = blk_co_pwrite(s->blk, s->data_off +
+                                       (uint64_t)batch[i]->slot *
+                                       s->block_size, batch[i]->len,
+                                       batch[i]->data, 0) == 0;
+        }
+    }
+    if (any_data && ret == 0) {
+        ret = blk_co_flush(s->blk);
+    }
+    for (i = 0; i < n; i++) {
+        CloneCacheFill *f = batch[i];
+
+        if (f->slot == CC_NONE) {
+            continue;
+        }
+        plan[i].ok = plan[i].ok && ret == 0 &&
+                     (f->shared || cc_write_slot_rec(s, f->slot, true) == 0);
+        if (plan[i].ok) {
+            /* an entry record that fails to land is a miss after restart */
+            cc_write_entry_rec(s, plan[i].entry, f->key, f->nonce, f->slot,
+                               plan[i].seq);
+        }
+    }
+
+    qemu_mutex_lock(&s->lock);
+    for (i = 0; i < n; i++) {
+        if (batch[i]->slot == CC_NONE) {
+            continue;
+        }
+        if (!plan[i].ok) {
+            s->fill_errors++;
+        }
+        cc_fill_publish(s, batch[i], &plan[i]);
+    }
+    qemu_mutex_unlock(&s->lock);
+    if (s->fill_errors && !s->fill_error_reported) {
+        s->fill_error_reported = true;
+        warn_report("clone-cache '%s': writing the cache failed (%s); reads "
+                    "are served from the base while it fails", s->filename,
+                    ret < 0 ? strerror(-ret) : "a write failed");
+    }
+}
+
+static void coroutine_fn cc_filler(void *opaque)
+{
+    CloneCacheStore *s = opaque;
+    CloneCacheFill *batch[CC_BATCH];
+    int n, i;
+
+    for (;;) {
+        qemu_mutex_lock(&s->lock);
+        for (n = 0; n < CC_BATCH && !QSIMPLEQ_EMPTY(&s->fills); n++) {
+            batch[n] = QSIMPLEQ_FIRST(&s->fills);
+            QSIMPLEQ_REMOVE_HEAD(&s->fills, next);
+        }
+        if (!n) {
+            s->filler_running = false;
+            qemu_mutex_unlock(&s->lock);
+            aio_wait_kick();
+            return;
+        }
+        qemu_mutex_unlock(&s->lock);
+
+        cc_fill_batch(s, batch, n);
+
+        qemu_mutex_lock(&s->lock);
+        for (i = 0; i < n; i++) {
+            s->fill_pending -= batch[i]->len;
+            cc_fill_free(batch[i]);
+        }
+        qemu_mutex_unlock(&s->lock);
+    }
+}
+
+/* Drop the fills not started and wait for the filler (main loop) */
+void clone_cache_quiesce(CloneCacheStore *s)
+{
+    CloneCacheFill *f;
+
+    qemu_mutex_lock(&s->lock);
+    while ((f = QSIMPLEQ_FIRST(&s->fills))) {
+        QSIMPLEQ_REMOVE_HEAD(&s->fills, next);
+        s->fill_pending -= f->len;
+        cc_fill_free(f);
+    }
+    qemu_mutex_unlock(&s->lock);
+    AIO_WAIT_WHILE_UNLOCKED(NULL, qatomic_read(&s->filler_running));
+}
+
+/* ---- bases ---- */
+
+static void cc_base_forget(CloneCacheStore *s, int b)
+{
+    uint32_t e;
+
+    for (e = 0; e < s->nb_entries && s->bases[b].nb_entries; e++) {
+        if (s->entries[e].used && s->entries[e].key >> CC_BLOCK_BITS == b) {
+            cc_entry_drop(s, e);
+        }
+    }
+}
+
+int clone_cache_attach(CloneCacheStore *s, const char *base_id,
+                       uint64_t generation, const char *node_name,
+                       Error **errp)
+{
+    CloneCacheBase *base;
+    int b, free_b = -1, victim = -1;
+
+    if (!s->blk) {
+        error_setg(errp, "clone-cache '%s' is not open", s->filename);
+        return -EINVAL;
+    }
+    if (!*base_id || strlen(base_id) > CC_BASE_ID_MAX) {
+        error_setg(errp, "base-id must be 1 to %d bytes", CC_BASE_ID_MAX);
+        return -EINVAL;
+    }
+    qemu_mutex_lock(&s->lock);
+    for (b = 0; b < CC_MAX_BASES; b++) {
+        base = &s->bases[b];
+        if (!base->id) {
+            free_b = free_b < 0 ? b : free_b;
+        } else if (!strcmp(base->id, base_id)) {
+            break;
+        } else if (!base->users && (victim < 0 ||
+                   base->nb_entries < s->bases[victim].nb_entries)) {
+            victim = b;
+        }
+    }
+    if (b == CC_MAX_BASES) {
+        b = free_b >= 0 ? free_b : victim;
+        if (b < 0) {
+            qemu_mutex_unlock(&s->lock);
+            error_setg(errp, "clone-cache '%s' already serves %d bases",
+                       s->filename, CC_MAX_BASES);
+            return -ENOSPC;
+        }
+        base = &s->bases[b];
+        if (base->id) {
+            cc_base_forget(s, b);
+            g_free(base->id);
+        }
+        base->id = g_strdup(base_id);
+        base->nonce = 0;
+    }
+    base = &s->bases[b];
+    if (base->nonce && base->generation != generation) {
+        info_report("clone-cache '%s': base '%s' changed (generation %" PRIu64
+                    " -> %" PRIu64 "); its %" PRIu64 " cached blocks are "
+                    "dropped", s->filename, base_id, base->generation,
+                    generation, base->nb_entries);
+        cc_base_forget(s, b);
+        base->nonce = 0;
+    }
+    if (!base->nonce) {
+        do {
+            qemu_guest_getrandom_nofail(&base->nonce, sizeof(base->nonce));
+        } while (!base->nonce);
+        base->generation = generation;
+        memset(&base->st, 0, sizeof(base->st));
+        qemu_mutex_unlock(&s->lock);
+        /* entries carry the nonce: ones written before this are void */
+        if (cc_write_base_rec(s, b) < 0 || blk_flush(s->blk) < 0) {
+            warn_report("clone-cache '%s': cannot record base '%s'; it is "
+                        "cached for this run only", s->filename, base_id);
+        }
+        qemu_mutex_lock(&s->lock);
+    }
+    base->users++;
+    g_free(base->node_name);
+    base->node_name = g_strdup(node_name);
+    qemu_mutex_unlock(&s->lock);
+    trace_clone_cache_attach(s, b, base_id, generation);
+    return b;
+}
+
+void clone_cache_detach(CloneCacheStore *s, int b)
+{
+    qemu_mutex_lock(&s->lock);
+    assert(s->bases[b].users > 0);
+    s->bases[b].users--;
+    qemu_mutex_unlock(&s->lock);
+}
+

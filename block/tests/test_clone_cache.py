@@ -1,0 +1,529 @@
+"""The clone cache (issue 19, part 2): a real qemu-storage-daemon holds a
+clone-cache object and exports each base read-only over NBD on a unix
+socket, as on a host; clients (qemu-img, qemu-io, a qcow2 overlay) read
+through the export.
+
+- every byte read through the cache equals the base's, cold, warm, after a
+  clean restart, after SIGKILL in the middle of fills, after the cache
+  file's data, index records or superblock are damaged (discarded, counted,
+  never served);
+- misses fill in the background; concurrent misses on a block are one base
+  read (merged); identical blocks of two bases are stored once; forced
+  fingerprint clashes (x-fingerprint-bits) never return another block;
+- 2Q: a sequential scan does not flush a re-read hot set; pinning keeps a
+  prewarmed boot set; record/prewarm through QMP;
+- a base that changed (generation, or a rewritten file) loses its entries;
+  a full cache file system (ENOSPC) leaves reads served from the base; a
+  base read error reaches the client; hostile traces and options are
+  refused with a clear message; a file that is not a cache is never
+  overwritten; the cache file is created 0600; the overlay's writes never
+  reach the base or the cache."""
+
+import os
+import random
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import hybridlib as H   # noqa: E402
+
+KiB = 1024
+MiB = 1024 * KiB
+BS = 64 * KiB
+
+
+def rand_bytes(rnd, n):
+    return rnd.getrandbits(8 * n).to_bytes(n, 'little')
+
+
+class CloneCacheTest(unittest.TestCase):
+
+    def setUp(self):
+        if not H.have_binaries():
+            self.skipTest(f'QEMU tools not built in {H.BIN}')
+        self.tmp = H.TempDir()
+        self.qsd = None
+        self.rnd = random.Random(19)
+        self.cache = self.tmp('clone.cache')
+
+    def tearDown(self):
+        if self.qsd:
+            self.qsd.kill()
+        self.tmp.cleanup()
+
+    # -- helpers --
+
+    def make_base(self, name, size=8 * MiB, data=None):
+        path = self.tmp(name)
+        with open(path, 'wb') as f:
+            f.write(data if data is not None else rand_bytes(self.rnd, size))
+        return path
+
+    def start(self, bases, cache_opts='', throttle=None, system=False,
+              size=16 * MiB):
+        """bases: list of (name, path, extra node options)."""
+        args = ['--object', f'clone-cache,id=cc0,filename={self.cache},'
+                f'size={size}{cache_opts}']
+        if throttle:
+            args += ['--object', 'throttle-group,id=tg,'
+                     f'x-bps-read={throttle}']
+        if not system:
+            args += ['--nbd-server',
+                     f'addr.type=unix,addr.path={self.tmp("nbd.sock")}']
+        for name, path, extra in bases:
+            child = f'f-{name}'
+            args += ['--blockdev', f'file,node-name={child},filename={path},'
+                     'read-only=on']
+            if throttle:
+                args += ['--blockdev', f'throttle,node-name=t-{name},'
+                         f'throttle-group=tg,file={child},read-only=on']
+                child = f't-{name}'
+            args += ['--blockdev', f'clone-cache,node-name={name},store=cc0,'
+                     f'file={child},read-only=on{extra}']
+            if not system:
+                args += ['--export', f'nbd,id=e-{name},node-name={name}']
+        self.qsd = H.StorageDaemon(self.tmp, *args, system=system)
+        return self.qsd
+
+    def uri(self, name):
+        return f'nbd+unix:///{name}?socket={self.tmp("nbd.sock")}'
+
+    def read_all(self, name):
+        out = self.tmp(f'{name}.read')
+        H.qemu_img('convert', '-f', 'raw', '-O', 'raw', self.uri(name), out)
+        with open(out, 'rb') as f:
+            data = f.read()
+        os.unlink(out)
+        return data
+
+    def io(self, name, *cmds, check=True):
+        args = ['-r', '-f', 'raw']
+        for c in cmds:
+            args += ['-c', c]
+        r = subprocess.run([H.binary('qemu-io')] + args + [self.uri(name)],
+                           capture_output=True, text=True, timeout=120)
+        out = r.stdout + r.stderr
+        if check:
+            self.assertEqual(r.returncode, 0, out)
+            self.assertNotIn('failed', out)
+        return out
+
+    def info(self):
+        [c] = self.qsd.cmd('query-clone-cache')
+        return c
+
+    def base(self, base_id):
+        [b] = [b for b in self.info()['bases'] if b['base-id'] == base_id]
+        return b
+
+    def settle(self, timeout=30):
+        deadline = time.monotonic() + timeout
+        while self.info()['fill-pending']:
+            self.assertLess(time.monotonic(), deadline, 'fills never ended')
+            time.sleep(0.05)
+        time.sleep(0.1)     # the last batch is published after it is written
+        return self.info()
+
+    def restart(self, *args, **kw):
+        self.qsd.stop()
+        return self.start(*args, **kw)
+
+    # -- reading through the cache --
+
+    def test_cold_then_warm_then_restart(self):
+        path = self.make_base('base.img')
+        want = open(path, 'rb').read()
+        bases = [('b0', path, ',base-id=gold')]
+        self.start(bases)
+        self.assertEqual(self.read_all('b0'), want)
+        c = self.settle()
+        b = self.base('gold')
+        nblocks = len(want) // BS
+        self.assertEqual(b['misses'], nblocks)
+        self.assertEqual(b['fills'], nblocks)
+        self.assertEqual(b['entries'], nblocks)
+        self.assertEqual(b['base-read-bytes'], len(want))
+        self.assertEqual(c['used'], nblocks)
+        self.assertTrue(b['open'])
+        self.assertEqual(b['node-name'], 'b0')
+
+        self.assertEqual(self.read_all('b0'), want)
+        b = self.base('gold')
+        self.assertEqual(b['hits'], nblocks)
+        self.assertEqual(b['base-read-bytes'], len(want))   # not one more
+
+        # warm after a clean restart: nothing read from the base
+        self.restart(bases)
+        self.assertEqual(self.base('gold')['entries'], nblocks)
+        self.assertEqual(self.read_all('b0'), want)
+        b = self.base('gold')
+        self.assertEqual((b['hits'], b['misses'], b['base-read-bytes']),
+                         (nblocks, 0, 0))
+        self.assertEqual(stat.S_IMODE(os.stat(self.cache).st_mode), 0o600)
+
+    def test_unaligned_reads_and_partial_last_block(self):
+        size = 3 * MiB + 5 * 512            # the last block is partial
+        path = self.make_base('odd.img', size=size)
+        want = open(path, 'rb').read()
+        self.start([('b0', path, '')])
+        for _ in range(2):                  # cold, then warm
+            for off, ln in [(0, 512), (BS - 512, 1024), (size - 2560, 2560),
+                            (7 * 512, 3 * BS + 512), (size - BS - 512, BS)]:
+                out = self.io('b0', f'read -v {off} {ln}')
+                got = b''.join(
+                    bytes.fromhex(m.group(1)) for m in
+                    (re.match(r'^[0-9a-f]{8}:  ((?:[0-9a-f]{2} )+)', line)
+                     for line in out.splitlines()) if m)
+                self.assertEqual(got, want[off:off + ln], (off, ln))
+            self.settle()
+        self.assertEqual(self.read_all('b0'), want)
+        self.assertGreater(self.info()['bases'][0]['hits'], 0)
+
+    def test_concurrent_misses_merge_into_one_base_read(self):
+        path = self.make_base('base.img', size=1 * MiB)
+        # a slow base (4 MiB/s) so that the reads overlap
+        self.start([('b0', path, ',base-id=slow')], throttle=4 * MiB)
+        self.io('b0', *[f'aio_read {(i % 4) * BS} {BS}' for i in range(16)],
+                'aio_flush')
+        b = self.base('slow')
+        self.assertGreater(b['merged-misses'], 0, b)
+        self.assertEqual(b['misses'] + b['merged-misses'] + b['hits'], 16)
+        # a block comes from the base once per miss, never per merged miss
+        self.assertEqual(b['base-read-bytes'], b['misses'] * BS)
+
+    def test_identical_blocks_of_two_bases_stored_once(self):
+        data = rand_bytes(self.rnd, 4 * MiB)
+        a = self.make_base('a.img', data=data)
+        # a full clone: same content, another image
+        b = self.make_base('b.img', data=data[:2 * MiB] +
+                           rand_bytes(self.rnd, 2 * MiB))
+        self.start([('a', a, ',base-id=A'), ('b', b, ',base-id=B')])
+        self.assertEqual(self.read_all('a'), data)
+        self.settle()
+        self.assertEqual(self.read_all('b'), open(b, 'rb').read())
+        c = self.settle()
+        self.assertEqual(c['dedup-shared'], 2 * MiB // BS)
+        self.assertEqual(c['used'], 6 * MiB // BS)     # not 8
+        self.assertEqual(self.base('B')['entries'], 4 * MiB // BS)
+        # both still read right from the shared slots, after a restart too
+        self.restart([('a', a, ',base-id=A'), ('b', b, ',base-id=B')])
+        self.assertEqual(self.read_all('b'), open(b, 'rb').read())
+        self.assertEqual(self.read_all('a'), data)
+        self.assertEqual(self.base('B')['misses'], 0)
+
+    def test_fingerprint_clashes_never_return_another_block(self):
+        # 2 bits of fingerprint: nearly every block clashes with another
+        bases = []
+        for i in range(2):
+            bases.append((f'b{i}', self.make_base(f'{i}.img', size=2 * MiB),
+                          f',base-id=B{i}'))
+        opts = ',x-fingerprint-bits=2'
+        self.start(bases, cache_opts=opts)
+        for name, path, _ in bases:
+            self.assertEqual(self.read_all(name), open(path, 'rb').read())
+            self.settle()
+        c = self.info()
+        self.assertEqual(c['dedup-shared'], 0)
+        self.assertEqual(c['used'], 4 * MiB // BS)
+        self.restart(bases, cache_opts=opts)
+        for name, path, _ in bases:
+            self.assertEqual(self.read_all(name), open(path, 'rb').read())
+        self.assertEqual(sum(b['misses'] for b in self.info()['bases']), 0)
+
+    # -- eviction --
+
+    def test_sequential_scan_does_not_flush_the_hot_set(self):
+        # a 1 MiB cache of 4 KiB blocks (~217 slots) against 4 MiB scans
+        path = self.make_base('base.img', size=10 * MiB)
+        self.start([('b0', path, ',base-id=S')], size=1 * MiB,
+                   cache_opts=',block-size=4096')
+        slots = self.info()['slots']
+        hot = [f'read {i * 4096} 4096' for i in range(16)]
+        # the hot set is read between chunks of a scan: evicted from A1in
+        # once, it comes back while remembered (A1out) and enters Am
+        for i in range(8):
+            self.io('b0', *hot)
+            self.io('b0', f'read {1 * MiB + i * 256 * KiB} {256 * KiB}')
+            self.settle()
+        # then one long scan, four times the cache
+        self.io('b0', f'read {4 * MiB} {4 * MiB}')
+        c = self.settle()
+        self.assertGreater(4 * MiB // 4096, 4 * slots)
+        self.assertGreater(c['evictions'], 4 * MiB // 4096 - slots)
+        before = self.base('S')['hits']
+        self.io('b0', *hot)
+        self.assertEqual(self.base('S')['hits'] - before, 16)
+
+    def test_record_prewarm_and_pin_a_boot_set(self):
+        path = self.make_base('base.img')
+        bases = [('b0', path, ',base-id=boot')]
+        self.start(bases)
+        self.qsd.cmd('clone-cache-record', **{'node-name': 'b0'})
+        boot = [3, 1, 7, 100, 3, 64]
+        self.io('b0', *[f'read {b * BS} 512' for b in boot])
+        trace = self.tmp('boot.trace')
+        r = self.qsd.cmd('clone-cache-record-stop', filename=trace,
+                         **{'node-name': 'b0'})
+        self.assertEqual(r['blocks'], 5)           # first reads, no repeats
+        self.assertEqual(stat.S_IMODE(os.stat(trace).st_mode), 0o600)
+        # a fresh cache, prewarmed and pinned from the trace
+        self.qsd.stop()
+        os.unlink(self.cache)
+        self.start(bases)
+        self.qsd.cmd('clone-cache-prewarm', filename=trace, pin=True,
+                     **{'node-name': 'b0'})
+        deadline = time.monotonic() + 30
+        while self.base('boot')['entries'] < 5:
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.05)
+        self.assertEqual(self.settle()['pinned'], 5)
+        self.io('b0', *[f'read {b * BS} 512' for b in boot])
+        b = self.base('boot')
+        self.assertEqual((b['hits'], b['misses']), (6, 5))
+        # pinned survives a restart, and unpin releases it
+        self.restart(bases)
+        self.assertEqual(self.info()['pinned'], 5)
+        self.qsd.cmd('clone-cache-unpin', **{'node-name': 'b0'})
+        self.assertEqual(self.info()['pinned'], 0)
+
+    def test_hostile_traces_are_refused(self):
+        path = self.make_base('base.img', size=1 * MiB)
+        self.start([('b0', path, '')])
+        cases = {
+            'garbage': b'\x00\xff' * 100,
+            'wrong-geometry': b'clone-cache-trace 1 4096 256\n1\n',
+            'out-of-range': b'clone-cache-trace 1 65536 16\n3\n16\n',
+            'not-a-number': b'clone-cache-trace 1 65536 16\n3\nx\n',
+            'negative': b'clone-cache-trace 1 65536 16\n-1\n',
+        }
+        for name, text in cases.items():
+            p = self.tmp(name)
+            with open(p, 'wb') as f:
+                f.write(text)
+            r = self.qsd.qmp('clone-cache-prewarm', filename=p,
+                             **{'node-name': 'b0'})
+            self.assertIn('error', r, name)
+            self.assertRegex(r['error']['desc'],
+                             'not a clone-cache trace|block size|line',
+                             name)
+        r = self.qsd.qmp('clone-cache-prewarm', filename=self.tmp('none'),
+                         **{'node-name': 'b0'})
+        self.assertIn('Cannot read trace', r['error']['desc'])
+        r = self.qsd.qmp('clone-cache-record-stop', filename=self.tmp('t'),
+                         **{'node-name': 'b0'})
+        self.assertIn('not recording', r['error']['desc'])
+        r = self.qsd.qmp('clone-cache-record', **{'node-name': 'f-b0'})
+        self.assertIn('not a clone-cache node', r['error']['desc'])
+
+    # -- faults --
+
+    def test_sigkill_during_fills_never_serves_wrong_data(self):
+        path = self.make_base('base.img', size=8 * MiB)
+        want = open(path, 'rb').read()
+        bases = [('b0', path, ',base-id=K')]
+        for i in range(4):
+            self.start(bases)
+            p = subprocess.Popen(
+                [H.binary('qemu-img'), 'convert', '-f', 'raw', '-O', 'raw',
+                 self.uri('b0'), self.tmp('sink')],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.05 + 0.1 * i)
+            self.qsd.proc.send_signal(signal.SIGKILL)
+            p.wait(60)
+            self.qsd.kill()
+            self.qsd = None
+            self.start(bases)
+            self.assertEqual(self.read_all('b0'), want, f'round {i}')
+            self.settle()
+            self.qsd.stop()
+            self.qsd = None
+
+    def corrupt(self, offset, n=16):
+        with open(self.cache, 'r+b') as f:
+            f.seek(offset)
+            old = f.read(n)
+            f.seek(offset)
+            f.write(bytes(b ^ 0x5a for b in old))
+
+    def layout(self):
+        """Offsets from the superblock (docs/clone-cache.rst)."""
+        import struct
+        with open(self.cache, 'rb') as f:
+            sb = f.read(80)
+        (magic, version, bsz, nslots, nent, base_off, slot_off, entry_off,
+         data_off) = struct.unpack('<8sIIQQQQQQ', sb[:64])
+        self.assertEqual(magic, b'QCLNCCH1')
+        return dict(bsz=bsz, nslots=nslots, slot_off=slot_off,
+                    entry_off=entry_off, data_off=data_off)
+
+    def test_damaged_data_and_records_are_discarded_not_served(self):
+        path = self.make_base('base.img', size=4 * MiB)
+        want = open(path, 'rb').read()
+        bases = [('b0', path, ',base-id=D')]
+        self.start(bases)
+        self.read_all('b0')
+        self.settle()
+        self.qsd.stop()
+        L = self.layout()
+        self.corrupt(L['data_off'] + 3 * L['bsz'] + 100)      # data of slot 3
+        self.corrupt(L['slot_off'] + 5 * 32 + 4, 4)           # slot 5's record
+        self.corrupt(L['entry_off'] + 9 * 32 + 8, 4)          # an entry
+        self.start(bases)
+        c = self.info()
+        self.assertEqual(c['discarded-records'], 2)
+        self.assertEqual(self.read_all('b0'), want)
+        c = self.settle()
+        self.assertEqual(c['checksum-errors'], 1)
+        b = self.base('D')
+        self.assertEqual(b['misses'], 3)                       # 3 blocks lost
+        self.assertEqual(b['hits'], 4 * MiB // BS - 3)
+        self.qsd.stop()
+        self.assertIn('discarded', open(self.tmp('qsd.log')).read())
+
+    def test_damaged_superblock_starts_empty(self):
+        path = self.make_base('base.img', size=1 * MiB)
+        bases = [('b0', path, '')]
+        self.start(bases)
+        self.read_all('b0')
+        self.settle()
+        self.qsd.stop()
+        self.corrupt(20, 4)
+        self.start(bases)
+        self.assertEqual(self.info()['used'], 0)
+        self.assertEqual(self.read_all('b0'), open(path, 'rb').read())
+        self.qsd.stop()
+        self.assertIn('superblock is damaged', open(self.tmp('qsd.log')).read())
+
+    def test_a_file_that_is_not_a_cache_is_never_overwritten(self):
+        victim = self.tmp('precious')
+        with open(victim, 'wb') as f:
+            f.write(b'precious data' * 1000)
+        with self.assertRaisesRegex(RuntimeError, 'not a clone cache file'):
+            self.cache = victim
+            self.start([('b0', self.make_base('b.img', size=1 * MiB), '')])
+        self.qsd = None
+        self.assertEqual(open(victim, 'rb').read(), b'precious data' * 1000)
+
+    def refused(self, *args):
+        """qemu-storage-daemon exits at once with an error: its message."""
+        r = subprocess.run([H.binary('qemu-storage-daemon')] + list(args),
+                           capture_output=True, text=True, timeout=60)
+        self.assertNotEqual(r.returncode, 0, r.stdout)
+        return r.stderr
+
+    def test_bad_options_are_refused(self):
+        path = self.make_base('base.img', size=1 * MiB)
+        obj = f'clone-cache,id=c,filename={self.cache},size=16M'
+        for opts, msg in [(',block-size=3000', 'power of two'),
+                          (',block-size=4M', 'power of two'),
+                          (',x-fingerprint-bits=0', 'x-fingerprint-bits'),
+                          (',fill-limit=1', 'fill-limit'),
+                          (',size=64K', 'holds fewer than 16')]:
+            self.assertIn(msg, self.refused('--object', obj + opts))
+        base = ['--blockdev', f'file,node-name=f,filename={path},'
+                'read-only=on']
+        self.assertIn("No clone-cache object with id 'nope'", self.refused(
+            *base, '--blockdev',
+            'clone-cache,node-name=b,store=nope,file=f,read-only=on'))
+        self.assertIn('clone-cache nodes are read-only', self.refused(
+            '--object', obj, *base, '--blockdev',
+            'clone-cache,node-name=b,store=c,file=f'))
+        self.assertIn('base-id must be 1 to 488 bytes', self.refused(
+            '--object', obj, *base, '--blockdev',
+            'clone-cache,node-name=b,store=c,file=f,read-only=on,'
+            'base-id=' + 'x' * 489))
+
+    def test_generation_change_drops_the_base_entries(self):
+        path = self.make_base('base.img', size=1 * MiB)
+        self.start([('b0', path, ',base-id=G,generation=1')])
+        self.read_all('b0')
+        self.assertEqual(self.settle()['used'], 16)
+        self.restart([('b0', path, ',base-id=G,generation=2')])
+        self.assertEqual(self.base('G')['entries'], 0)
+        self.assertEqual(self.base('G')['generation'], 2)
+        # a file base without generation=: rewriting it voids its entries
+        self.restart([('b0', path, '')])
+        self.read_all('b0')
+        self.settle()
+        self.qsd.stop()
+        new = rand_bytes(self.rnd, 1 * MiB)
+        with open(path, 'wb') as f:
+            f.write(new)
+        self.start([('b0', path, '')])
+        self.assertEqual(self.read_all('b0'), new)
+
+    def test_full_cache_file_system_reads_from_the_base(self):
+        mnt = self.tmp('small')
+        os.mkdir(mnt)
+        r = subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=1m', 'tmpfs',
+                            mnt], capture_output=True, text=True)
+        if r.returncode:
+            self.skipTest(f'cannot mount a small tmpfs: {r.stderr.strip()}')
+        try:
+            self.cache = os.path.join(mnt, 'c.cache')
+            path = self.make_base('base.img', size=4 * MiB)
+            want = open(path, 'rb').read()
+            self.start([('b0', path, ',base-id=F')])
+            for _ in range(2):
+                self.assertEqual(self.read_all('b0'), want)
+                c = self.settle()
+            self.assertGreater(c['fill-errors'], 0)
+            self.qsd.stop()
+            self.assertIn('writing the cache failed',
+                          open(self.tmp('qsd.log')).read())
+            self.qsd = None
+        finally:
+            if self.qsd:
+                self.qsd.kill()
+                self.qsd = None
+            subprocess.run(['umount', '-l', mnt])
+
+    def test_base_read_error_reaches_the_client(self):
+        path = self.make_base('base.img', size=1 * MiB)
+        args = ['--object', f'clone-cache,id=cc0,filename={self.cache},'
+                'size=16M', '--nbd-server',
+                f'addr.type=unix,addr.path={self.tmp("nbd.sock")}',
+                '--blockdev', f'file,node-name=f,filename={path},'
+                'read-only=on',
+                '--blockdev', '{"driver":"blkdebug","node-name":"dbg",'
+                '"read-only":true,"image":"f","inject-error":'
+                '[{"event":"read_aio","errno":5}]}',
+                '--blockdev', 'clone-cache,node-name=b0,store=cc0,file=dbg,'
+                'read-only=on', '--export', 'nbd,id=e,node-name=b0']
+        self.qsd = H.StorageDaemon(self.tmp, *args)
+        out = self.io('b0', 'read 0 4k', check=False)
+        self.assertIn('Input/output error', out)
+        self.assertEqual(self.info()['used'], 0)
+
+    # -- users --
+
+    def test_qcow2_overlay_on_the_export_keeps_writes_local(self):
+        path = self.make_base('base.img', size=4 * MiB)
+        want = open(path, 'rb').read()
+        self.start([('b0', path, ',base-id=O')])
+        ov = self.tmp('vm1.qcow2')
+        H.qemu_img('create', '-f', 'qcow2', '-b', self.uri('b0'), '-F',
+                   'raw', ov)
+        H.qemu_io('-f', 'qcow2', '-c', 'write -P 0xab 64k 4k', ov)
+        out = H.qemu_io('-f', 'qcow2', '-c', 'read -P 0xab 64k 4k', ov)
+        self.assertNotIn('fail', out.stdout + out.stderr)
+        self.assertEqual(open(path, 'rb').read(), want)
+        self.assertEqual(self.read_all('b0'), want)
+
+    def test_hmp_info_clone_cache(self):
+        path = self.make_base('base.img', size=1 * MiB)
+        self.start([('b0', path, ',base-id=hmp-base')], system=True)
+        out = self.qsd.cmd('human-monitor-command',
+                           **{'command-line': 'info clone-cache'})
+        self.assertIn('cc0:', out)
+        self.assertRegex(out, r'base hmp-base \(generation \d+\) open as b0: ')
+
+
+if __name__ == '__main__':
+    unittest.main()
