@@ -622,6 +622,45 @@ typedef struct CloneCachePrewarm {
     bool pin;
 } CloneCachePrewarm;
 
+/* Cache (and pin) one block; the graph lock only while it is read */
+static int coroutine_fn cc_prewarm_one(BlockDriverState *bs, uint64_t block,
+                                       bool pin)
+{
+    BDRVCloneCacheState *s = bs->opaque;
+    CloneCacheStore *store = s->store;
+    CloneCacheInflight *f;
+    uint32_t slot;
+    int ret;
+
+    GRAPH_RDLOCK_GUARD();
+    qemu_mutex_lock(&store->lock);
+    slot = clone_cache_lookup(store, s->base, block);
+    if (slot != CC_NONE) {
+        qemu_mutex_unlock(&store->lock);
+        clone_cache_pin(store, slot, pin);
+        return 0;
+    }
+    if (!cc_is_miss(s, block)) {
+        qemu_mutex_unlock(&store->lock);
+        return 0;               /* a guest read has it in flight */
+    }
+    f = g_new0(CloneCacheInflight, 1);
+    f->first = block;
+    f->nb = 1;
+    f->refs = 1;
+    f->buf = qemu_try_blockalign(bs->file->bs, store->block_size);
+    if (!f->buf) {
+        g_free(f);
+        qemu_mutex_unlock(&store->lock);
+        return -ENOMEM;
+    }
+    qemu_co_queue_init(&f->waiters);
+    ret = cc_read_base(bs, f, pin);
+    cc_inflight_unref(f);
+    qemu_mutex_unlock(&store->lock);
+    return ret;
+}
+
 /*
  * Read the trace's blocks through the miss path, one block at a time (a
  * boot set is small; the fills are what matter), pinning those cached
@@ -632,45 +671,16 @@ static void coroutine_fn cc_prewarm_co(void *opaque)
     CloneCachePrewarm *p = opaque;
     BlockDriverState *bs = p->bs;
     BDRVCloneCacheState *s = bs->opaque;
-    CloneCacheStore *store = s->store;
     uint64_t i;
 
-    bdrv_graph_co_rdlock();
     for (i = 0; i < p->blocks->len; i++) {
         uint64_t block = g_array_index(p->blocks, uint64_t, i);
-        CloneCacheInflight *f;
-        uint32_t slot;
 
-        if (qatomic_read(&bs->quiesce_counter)) {
+        if (qatomic_read(&bs->quiesce_counter) ||
+            cc_prewarm_one(bs, block, p->pin) < 0) {
             break;
         }
-        qemu_mutex_lock(&store->lock);
-        slot = clone_cache_lookup(store, s->base, block);
-        if (slot != CC_NONE) {
-            qemu_mutex_unlock(&store->lock);
-            clone_cache_pin(store, slot, p->pin);
-            continue;
-        }
-        if (!cc_is_miss(s, block)) {
-            qemu_mutex_unlock(&store->lock);
-            continue;           /* a guest read has it in flight */
-        }
-        f = g_new0(CloneCacheInflight, 1);
-        f->first = block;
-        f->nb = 1;
-        f->refs = 1;
-        f->buf = qemu_try_blockalign(bs->file->bs, store->block_size);
-        if (!f->buf) {
-            g_free(f);
-            qemu_mutex_unlock(&store->lock);
-            break;
-        }
-        qemu_co_queue_init(&f->waiters);
-        cc_read_base(bs, f, p->pin);
-        cc_inflight_unref(f);
-        qemu_mutex_unlock(&store->lock);
     }
-    bdrv_graph_co_rdunlock();
     trace_clone_cache_prewarm_done(bs, i, p->blocks->len);
     s->prewarming = false;
     g_array_free(p->blocks, true);

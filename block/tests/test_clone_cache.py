@@ -19,6 +19,7 @@ through the export.
   overwritten; the cache file is created 0600; the overlay's writes never
   reach the base or the cache."""
 
+import json
 import os
 import random
 import re
@@ -515,6 +516,44 @@ class CloneCacheTest(unittest.TestCase):
         self.assertNotIn('fail', out.stdout + out.stderr)
         self.assertEqual(open(path, 'rb').read(), want)
         self.assertEqual(self.read_all('b0'), want)
+
+    def test_killed_daemon_the_vm_reconnects_and_is_served_warm(self):
+        """A VM's overlay on the export: the daemon is SIGKILLed; a read
+        issued while it is gone waits (NBD reconnect-delay) and completes
+        once a new daemon serves the export, from the cache kept warm."""
+        path = self.make_base('base.img', size=2 * MiB)
+        want = open(path, 'rb').read()
+        bases = [('b0', path, ',base-id=R')]
+        self.start(bases)
+        ov = self.tmp('vm.qcow2')
+        backing = json.dumps({'driver': 'raw', 'file': {
+            'driver': 'nbd', 'export': 'b0', 'reconnect-delay': 30,
+            'server': {'type': 'unix', 'path': self.tmp('nbd.sock')}}})
+        H.qemu_img('create', '-f', 'qcow2', '-b', 'json:' + backing, '-F',
+                   'raw', ov)
+        vm = H.QemuIo(f'driver=qcow2,file.filename={ov}')
+        try:
+            out = vm.cmd(f'read -v 0 {MiB}')
+            self.assertNotIn('failed', out)
+            self.settle()
+            self.qsd.kill()
+            self.qsd = None
+            vm.send(f'read {MiB} {MiB}')           # waits for the server
+            time.sleep(1)
+            self.start(bases)
+            out = vm._wait_prompt(60)
+            self.assertIn(f'read {MiB}/{MiB} bytes', out)
+            out = vm.cmd(f'read -v 0 {64 * KiB}')
+            got = b''.join(
+                bytes.fromhex(m.group(1)) for m in
+                (re.match(r'^[0-9a-f]{8}:  ((?:[0-9a-f]{2} )+)', line)
+                 for line in out.splitlines()) if m)
+            self.assertEqual(got, want[:64 * KiB])
+        finally:
+            vm.kill()
+        b = self.base('R')
+        self.assertEqual(b['hits'], 1)                 # warm after restart
+        self.assertEqual(b['misses'], MiB // BS)       # the second MiB
 
     def test_hmp_info_clone_cache(self):
         path = self.make_base('base.img', size=1 * MiB)
