@@ -415,6 +415,7 @@ static void cc_close(CloneCacheStore *s)
     g_clear_pointer(&s->map, g_hash_table_destroy);
     g_clear_pointer(&s->fps, g_hash_table_destroy);
     g_clear_pointer(&s->ghost, g_hash_table_destroy);
+    g_clear_pointer(&s->pending, g_hash_table_destroy);
     while ((k = g_queue_pop_head(&s->ghost_fifo))) {
         g_free(k);
     }
@@ -482,6 +483,7 @@ static void cc_complete(UserCreatable *uc, Error **errp)
     s->map = g_hash_table_new(g_int64_hash, g_int64_equal);
     s->fps = g_hash_table_new(g_int64_hash, g_int64_equal);
     s->ghost = g_hash_table_new(g_int64_hash, g_int64_equal);
+    s->pending = g_hash_table_new(g_int64_hash, g_int64_equal);
 
     ret = cc_check_super(s, errp);
     if (ret == 0) {

@@ -18,6 +18,7 @@
 #include "qemu/error-report.h"
 #include "qemu/guest-random.h"
 #include "qemu/main-loop.h"
+#include "qemu/iov.h"
 #include "qemu/memalign.h"
 #include "qemu/units.h"
 #include "qapi/error.h"
@@ -309,6 +310,25 @@ int coroutine_fn clone_cache_read_slot(CloneCacheStore *s, int base,
     return ret;
 }
 
+/*
+ * A block read from the base whose fill is not written yet: copy
+ * [offset, offset + bytes) of it into @qiov.  The reader saves a base read
+ * (it counts as a merged miss).  Lock held.
+ */
+bool clone_cache_read_pending(CloneCacheStore *s, int base, uint64_t block,
+                              uint64_t offset, uint64_t bytes,
+                              QEMUIOVector *qiov, size_t qiov_offset)
+{
+    uint64_t key = clone_cache_key(base, block);
+    CloneCacheFill *f = g_hash_table_lookup(s->pending, &key);
+
+    if (!f || offset + bytes > f->len) {
+        return false;
+    }
+    qemu_iovec_from_buf(qiov, qiov_offset, f->data + offset, bytes);
+    return true;
+}
+
 /* ---- pinning ---- */
 
 void coroutine_fn clone_cache_pin(CloneCacheStore *s, uint32_t slot,
@@ -392,6 +412,11 @@ void clone_cache_queue_fill(CloneCacheStore *s, int base, uint64_t block,
     bool start = false;
 
     qemu_mutex_lock(&s->lock);
+    if (g_hash_table_contains(s->pending, &(uint64_t){
+                              clone_cache_key(base, block) })) {
+        qemu_mutex_unlock(&s->lock);
+        return;                 /* read twice before its fill was written */
+    }
     if (s->fill_pending + len > s->fill_limit || !s->blk) {
         b->st.fills_dropped++;
         qemu_mutex_unlock(&s->lock);
@@ -406,6 +431,7 @@ void clone_cache_queue_fill(CloneCacheStore *s, int base, uint64_t block,
     f->data = qemu_blockalign(blk_bs(s->blk), len);
     memcpy(f->data, data, len);
     QSIMPLEQ_INSERT_TAIL(&s->fills, f, next);
+    g_hash_table_insert(s->pending, &f->key, f);
     s->fill_pending += len;
     if (!s->filler_running) {
         s->filler_running = true;
@@ -691,6 +717,7 @@ static void coroutine_fn cc_filler(void *opaque)
         qemu_mutex_lock(&s->lock);
         for (i = 0; i < n; i++) {
             s->fill_pending -= batch[i]->len;
+            g_hash_table_remove(s->pending, &batch[i]->key);
             cc_fill_free(batch[i]);
         }
         qemu_mutex_unlock(&s->lock);
@@ -706,6 +733,7 @@ void clone_cache_quiesce(CloneCacheStore *s)
     while ((f = QSIMPLEQ_FIRST(&s->fills))) {
         QSIMPLEQ_REMOVE_HEAD(&s->fills, next);
         s->fill_pending -= f->len;
+        g_hash_table_remove(s->pending, &f->key);
         cc_fill_free(f);
     }
     qemu_mutex_unlock(&s->lock);

@@ -281,6 +281,7 @@ static bool cc_is_miss(BDRVCloneCacheState *s, uint64_t block)
     uint64_t key = clone_cache_key(s->base, block);
 
     return !g_hash_table_contains(s->store->map, &key) &&
+           !g_hash_table_contains(s->store->pending, &key) &&
            !g_hash_table_contains(s->inflight, &block);
 }
 
@@ -329,6 +330,14 @@ cc_co_preadv_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
             ret = 0;                /* not trusted: read the base */
         }
 
+        if (clone_cache_read_pending(store, s->base, block, offset % bsz,
+                                     chunk, qiov, qiov_offset)) {
+            st->merged++;
+            trace_clone_cache_merged(bs, block);
+            offset += chunk;
+            qiov_offset += chunk;
+            continue;
+        }
         f = g_hash_table_lookup(s->inflight, &block);
         if (f) {
             f->refs++;

@@ -192,6 +192,7 @@ struct CloneCacheStore {
     GQueue ghost_fifo;
 
     QSIMPLEQ_HEAD(, CloneCacheFill) fills;
+    GHashTable *pending;        /* &fill->key -> fill, until written */
     uint64_t fill_pending;      /* bytes queued */
     bool filler_running;
     int users;
@@ -227,6 +228,9 @@ void clone_cache_detach(CloneCacheStore *s, int base);
 uint32_t clone_cache_lookup(CloneCacheStore *s, int base, uint64_t block);
 int coroutine_fn clone_cache_read_slot(CloneCacheStore *s, int base,
                                        uint32_t slot, uint8_t *buf);
+bool clone_cache_read_pending(CloneCacheStore *s, int base, uint64_t block,
+                              uint64_t offset, uint64_t bytes,
+                              QEMUIOVector *qiov, size_t qiov_offset);
 void clone_cache_queue_fill(CloneCacheStore *s, int base, uint64_t block,
                             const uint8_t *data, uint32_t len, bool pin);
 CloneCacheInfo *clone_cache_store_info(CloneCacheStore *s);

@@ -188,15 +188,17 @@ class CloneCacheTest(unittest.TestCase):
 
     def test_concurrent_misses_merge_into_one_base_read(self):
         path = self.make_base('base.img', size=1 * MiB)
-        # a slow base (4 MiB/s) so that the reads overlap
-        self.start([('b0', path, ',base-id=slow')], throttle=4 * MiB)
+        # a slow base (256 KiB/s: a block every 250 ms) so that reads overlap
+        self.start([('b0', path, ',base-id=slow')], throttle=256 * KiB)
         self.io('b0', *[f'aio_read {(i % 4) * BS} {BS}' for i in range(16)],
                 'aio_flush')
         b = self.base('slow')
-        self.assertGreater(b['merged-misses'], 0, b)
-        self.assertEqual(b['misses'] + b['merged-misses'] + b['hits'], 16)
-        # a block comes from the base once per miss, never per merged miss
-        self.assertEqual(b['base-read-bytes'], b['misses'] * BS)
+        # each block came from the base once; the other 12 reads waited for
+        # that read, or took its data before or after it was cached
+        self.assertEqual(b['misses'], 4, b)
+        self.assertEqual(b['base-read-bytes'], 4 * BS)
+        self.assertEqual(b['merged-misses'] + b['hits'], 12)
+        self.assertGreaterEqual(b['merged-misses'], 6, b)
 
     def test_identical_blocks_of_two_bases_stored_once(self):
         data = rand_bytes(self.rnd, 4 * MiB)
