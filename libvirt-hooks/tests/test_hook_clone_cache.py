@@ -1,0 +1,149 @@
+"""The hook and the host's clone cache (issue 19, part 2): a real
+qemu-storage-daemon holding a clone-cache object and an NBD server with no
+export; the hook run as libvirt runs it.  prepare begin adds the export a
+domain's backing store names (from [clone-cache base NAME]), leaves an
+existing one alone, and refuses, saying why, an export neither served nor
+configured, a daemon that does not answer, and hostile names and config."""
+import json
+import os
+import sys
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, '..', '..', 'block', 'tests'))
+import hybridlib as H   # noqa: E402
+from test_hook import HookCase   # noqa: E402
+
+MiB = 1 << 20
+
+
+def domain(backings, overlay='/var/lib/hybridvm/vm1.qcow2'):
+    disks = ''
+    for i, (name, sock) in enumerate(backings):
+        disks += (f"<disk type='file' device='disk'><driver name='qemu' type='qcow2'/>"
+                  f"<source file='{overlay}{i}'/>"
+                  "<backingStore type='network'><format type='raw'/>"
+                  f"<source protocol='nbd' name='{name}'>"
+                  f"<host transport='unix' socket='{sock}'/></source></backingStore>"
+                  f"<target dev='vd{chr(97 + i)}' bus='virtio'/></disk>")
+    return (f"<domain type='qemu'><name>g1</name><memory unit='MiB'>256</memory>"
+            f"<devices>{disks}</devices></domain>")
+
+
+@unittest.skipUnless(H.have_binaries(), 'QEMU tools not built')
+class HookCloneCacheTest(HookCase):
+
+    def setUp(self):
+        super().setUp()
+        self.tmp = H.TempDir()
+        self.base = self.tmp('gold.img')
+        with open(self.base, 'wb') as f:
+            f.write(os.urandom(2 * MiB))
+        self.nbd = self.tmp('cc.sock')
+        # a monitor of its own for the hook (one client per QMP socket)
+        self.qmp = self.tmp('hook.qmp')
+        self.qsd = H.StorageDaemon(
+            self.tmp, '--object', f'clone-cache,id=cc0,filename={self.tmp("cc")},'
+            'size=16M', '--nbd-server', f'addr.type=unix,addr.path={self.nbd}',
+            '--chardev', f'socket,id=hook,path={self.qmp},server=on,wait=off',
+            '--monitor', 'chardev=hook')
+        self.write_config()
+
+    def tearDown(self):
+        self.qsd.kill()
+        self.tmp.cleanup()
+        super().tearDown()
+
+    def write_config(self, reserve='256M', paths='', bases=None):
+        super().write_config(reserve, paths)
+        if not hasattr(self, 'qsd'):
+            return
+        if bases is None:
+            bases = {'gold': {'blockdev': json.dumps(
+                {'driver': 'file', 'filename': self.base}),
+                'base-id': 'gold-v1', 'generation': '7'}}
+        with open(self.config, 'a') as f:
+            f.write(f'[clone-cache]\nqmp = {self.qmp}\n'
+                    f'socket = {self.nbd}\nstore = cc0\n')
+            for name, opts in bases.items():
+                f.write(f'[clone-cache base {name}]\n')
+                for k, v in opts.items():
+                    f.write(f'{k} = {v}\n')
+
+    def exports(self):
+        return sorted(e['node-name'] for e in self.qsd.cmd('query-block-exports'))
+
+    def test_prepare_adds_the_export_once(self):
+        r = self.hook('prepare', 'begin', domain([('gold', self.nbd)]))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(self.exports(), ['gold'])
+        self.assertIn('clone-cache exports gold (added gold)', self.log())
+        # the export serves the base, through the cache
+        out = self.tmp('out')
+        H.qemu_img('convert', '-f', 'raw', '-O', 'raw',
+                   f'nbd+unix:///gold?socket={self.nbd}', out)
+        self.assertEqual(open(out, 'rb').read(), open(self.base, 'rb').read())
+        [c] = self.qsd.cmd('query-clone-cache')
+        self.assertEqual([(b['base-id'], b['generation']) for b in c['bases']],
+                         [('gold-v1', 7)])
+        # a second domain on the same base: nothing added
+        r = self.hook('prepare', 'begin', domain([('gold', self.nbd)]))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(self.exports(), ['gold'])
+        # an NBD store that is not the clone cache is none of our business
+        r = self.hook('prepare', 'begin', domain([('other', '/run/elsewhere.sock')]))
+        self.assertEqual(r.returncode, 0, r.stderr)
+
+    def test_refusals_say_why(self):
+        r = self.hook('prepare', 'begin', domain([('silver', self.nbd)]))
+        self.assertEqual(r.returncode, 1)
+        self.assertIn('does not export "silver" and [clone-cache base silver] is not '
+                      'configured', r.stderr)
+        r = self.hook('prepare', 'begin', domain([('../etc', self.nbd)]))
+        self.assertEqual(r.returncode, 1)
+        self.assertIn('is not 1-64 of', r.stderr)
+        # a base the daemon cannot open: nothing is left half added
+        self.write_config(bases={'gold': {'blockdev': json.dumps(
+            {'driver': 'file', 'filename': self.tmp('missing.img')})}})
+        r = self.hook('prepare', 'begin', domain([('gold', self.nbd)]))
+        self.assertEqual(r.returncode, 1)
+        self.assertIn('blockdev-add', r.stderr)
+        self.assertEqual(self.exports(), [])
+        self.assertNotIn('gold-base', [n['node-name'] for n in
+                                       self.qsd.cmd('query-named-block-nodes')])
+        self.write_config(bases={'gold': {'blockdev': '[1, 2'}})
+        r = self.hook('prepare', 'begin', domain([('gold', self.nbd)]))
+        self.assertEqual(r.returncode, 1)
+        self.assertIn('blockdev is not JSON', r.stderr)
+        self.write_config(bases={'gold': {'blockdev': '"file"'}})
+        r = self.hook('prepare', 'begin', domain([('gold', self.nbd)]))
+        self.assertIn('must be a JSON object with a driver', r.stderr)
+
+    def test_daemon_down_refuses(self):
+        self.qsd.kill()
+        r = self.hook('prepare', 'begin', domain([('gold', self.nbd)]))
+        self.assertEqual(r.returncode, 1)
+        self.assertIn(f'clone-cache daemon at {self.qmp}', r.stderr)
+
+    def test_daemon_that_never_answers_times_out(self):
+        import socket
+        import time
+        path = self.tmp('mute.sock')
+        mute = socket.socket(socket.AF_UNIX)
+        mute.bind(path)
+        mute.listen(1)
+        with open(self.config) as f:
+            text = f.read()
+        with open(self.config, 'w') as f:
+            f.write(text.replace(f'qmp = {self.qmp}', f'qmp = {path}'))
+        t0 = time.monotonic()
+        r = self.hook('prepare', 'begin', domain([('gold', self.nbd)]))
+        self.assertEqual(r.returncode, 1)
+        self.assertIn('timed out', r.stderr)
+        self.assertLess(time.monotonic() - t0, 30)
+        mute.close()
+
+
+if __name__ == '__main__':
+    unittest.main()
