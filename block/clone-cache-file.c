@@ -50,7 +50,7 @@ void cc_slot_rec(CloneCacheStore *s, uint32_t i, bool valid,
         r->fp = cpu_to_le64(sl->fp);
         r->seq = cpu_to_le64(sl->seq);
         r->len = cpu_to_le32(sl->len);
-        r->data_crc = cpu_to_le32(sl->data_crc);
+        r->sums_crc = cpu_to_le32(cc_sums_crc(s, i));
         r->flags = cpu_to_le32(sl->pinned ? CC_SLOT_PINNED : 0);
     }
     r->crc = cpu_to_le32(cc_crc(r, offsetof(CloneCacheSlotRec, crc)));
@@ -64,6 +64,59 @@ int coroutine_fn cc_write_slot_rec(CloneCacheStore *s, uint32_t i,
     cc_slot_rec(s, i, valid, &r);
     return blk_co_pwrite(s->blk, s->slot_off + (uint64_t)i * CC_REC_SIZE,
                          sizeof(r), &r, 0);
+}
+
+/* One CRC-32C per 4 KiB piece of @len bytes (the last may be shorter) */
+void cc_compute_sums(const uint8_t *data, uint32_t len, uint32_t *sums)
+{
+    uint32_t off;
+
+    for (off = 0; off < len; off += CC_SUB) {
+        *sums++ = cc_crc(data + off, MIN(CC_SUB, len - off));
+    }
+}
+
+/* @buf holds the slot's bytes [start, end) at buf + start: all as written? */
+bool cc_check_sums(CloneCacheStore *s, uint32_t slot, const uint8_t *buf,
+                   uint32_t start, uint32_t end)
+{
+    const uint32_t *sums = &s->sums[(uint64_t)slot * s->spb];
+    uint32_t off;
+
+    assert(start % CC_SUB == 0);
+    for (off = start; off < end; off += CC_SUB) {
+        if (cc_crc(buf + off, MIN(CC_SUB, end - off)) != sums[off / CC_SUB]) {
+            return false;
+        }
+    }
+    return true;
+}
+
+static void cc_sums_le(CloneCacheStore *s, uint32_t i, uint32_t *le)
+{
+    uint32_t k;
+
+    for (k = 0; k < s->spb; k++) {
+        le[k] = cpu_to_le32(s->sums[(uint64_t)i * s->spb + k]);
+    }
+}
+
+/* CRC of the slot's row of the sum table as stored (little endian) */
+uint32_t cc_sums_crc(CloneCacheStore *s, uint32_t i)
+{
+    uint32_t le[CC_MAX_BLOCK / CC_SUB];
+
+    cc_sums_le(s, i, le);
+    return cc_crc(le, s->spb * 4);
+}
+
+int coroutine_fn cc_write_sums(CloneCacheStore *s, uint32_t i)
+{
+    uint32_t le[CC_MAX_BLOCK / CC_SUB];
+
+    cc_sums_le(s, i, le);
+    return blk_co_pwrite(s->blk, s->sum_off + (uint64_t)i * s->spb * 4,
+                         s->spb * 4, le, 0);
 }
 
 int coroutine_fn cc_write_entry_rec(CloneCacheStore *s, uint32_t e,
@@ -104,13 +157,15 @@ static void cc_geometry(CloneCacheStore *s)
 {
     uint64_t bsz = s->block_size, n;
 
+    s->spb = bsz / CC_SUB;
     s->base_off = CC_SB_SIZE;
     s->slot_off = s->base_off + CC_MAX_BASES * CC_BASE_REC_SIZE;
-    n = (s->size - s->slot_off) / (bsz + 3 * CC_REC_SIZE);
+    n = (s->size - s->slot_off) / (bsz + 3 * CC_REC_SIZE + 4 * s->spb);
     n = MIN(n, CC_MAX_SLOTS);
     for (;;) {
         s->entry_off = s->slot_off + n * CC_REC_SIZE;
-        s->data_off = ROUND_UP(s->entry_off + 2 * n * CC_REC_SIZE, bsz);
+        s->sum_off = s->entry_off + 2 * n * CC_REC_SIZE;
+        s->data_off = ROUND_UP(s->sum_off + n * s->spb * 4, bsz);
         if (!n || s->data_off + n * bsz <= s->size) {
             break;
         }
@@ -131,6 +186,7 @@ static void cc_super(CloneCacheStore *s, CloneCacheSuper *sb)
     sb->base_off = cpu_to_le64(s->base_off);
     sb->slot_off = cpu_to_le64(s->slot_off);
     sb->entry_off = cpu_to_le64(s->entry_off);
+    sb->sum_off = cpu_to_le64(s->sum_off);
     sb->data_off = cpu_to_le64(s->data_off);
     sb->max_bases = cpu_to_le32(CC_MAX_BASES);
     sb->epoch = cpu_to_le64(s->epoch);
@@ -296,8 +352,23 @@ static void cc_load_slot(CloneCacheStore *s, uint64_t i, void *p)
     sl->fp = le64_to_cpu(r->fp);
     sl->seq = le64_to_cpu(r->seq);
     sl->len = len;
-    sl->data_crc = le32_to_cpu(r->data_crc);
+    sl->sums_crc = le32_to_cpu(r->sums_crc);   /* checked once sums load */
     sl->pinned = le32_to_cpu(r->flags) & CC_SLOT_PINNED;
+}
+
+/* A valid slot whose sum row does not match its record is in doubt */
+static void cc_load_sums(CloneCacheStore *s, uint64_t i, void *p)
+{
+    CloneCacheSlot *sl = &s->slots[i];
+    uint32_t *le = p, k;
+
+    for (k = 0; k < s->spb; k++) {
+        s->sums[i * s->spb + k] = le32_to_cpu(le[k]);
+    }
+    if (sl->state == CC_SLOT_VALID && cc_crc(le, s->spb * 4) != sl->sums_crc) {
+        s->discarded_records++;
+        sl->state = CC_SLOT_STALE;
+    }
 }
 
 static void cc_load_entry(CloneCacheStore *s, uint64_t i, void *p)
@@ -360,6 +431,8 @@ static int cc_load(CloneCacheStore *s, Error **errp)
                         cc_load_base, errp);
     ret = ret ?: cc_load_table(s, s->slot_off, s->nb_slots, CC_REC_SIZE,
                                cc_load_slot, errp);
+    ret = ret ?: cc_load_table(s, s->sum_off, s->nb_slots, s->spb * 4,
+                               cc_load_sums, errp);
     ret = ret ?: cc_load_table(s, s->entry_off, s->nb_entries, CC_REC_SIZE,
                                cc_load_entry, errp);
     if (ret < 0) {
@@ -420,6 +493,7 @@ static void cc_close(CloneCacheStore *s)
         g_free(k);
     }
     g_clear_pointer(&s->slots, g_free);
+    g_clear_pointer(&s->sums, g_free);
     g_clear_pointer(&s->entries, g_free);
     g_clear_pointer(&s->free_entries, g_free);
     for (b = 0; b < CC_MAX_BASES; b++) {
@@ -478,6 +552,7 @@ static void cc_complete(UserCreatable *uc, Error **errp)
         return;
     }
     s->slots = g_new0(CloneCacheSlot, s->nb_slots);
+    s->sums = g_new0(uint32_t, s->nb_slots * s->spb);
     s->entries = g_new0(CloneCacheEntry, s->nb_entries);
     s->free_entries = g_new(uint32_t, s->nb_entries);
     s->map = g_hash_table_new(g_int64_hash, g_int64_equal);

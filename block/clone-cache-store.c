@@ -269,27 +269,29 @@ uint32_t clone_cache_lookup(CloneCacheStore *s, int base, uint64_t block)
 }
 
 /*
- * Read a slot that clone_cache_lookup() returned (and so holds a reader
- * reference on), check its data against the slot's CRC, and release it.
+ * Read bytes [offset, offset + bytes) of a slot that clone_cache_lookup()
+ * returned (and so holds a reader reference on) into @buf + offset, check
+ * the 4 KiB pieces they fall in against the slot's sums, and release it.
  * -EIO when the data cannot be trusted: the slot is dropped and the caller
  * reads the base instead.
  */
 int coroutine_fn clone_cache_read_slot(CloneCacheStore *s, int base,
-                                       uint32_t slot, uint8_t *buf)
+                                       uint32_t slot, uint8_t *buf,
+                                       uint32_t offset, uint32_t bytes)
 {
     CloneCacheSlot *sl = &s->slots[slot];
+    uint32_t start = QEMU_ALIGN_DOWN(offset, CC_SUB), end;
     uint64_t seq;
-    uint32_t len;
     int ret;
 
     qemu_mutex_lock(&s->lock);
     seq = sl->seq;
-    len = sl->len;
+    end = MIN(ROUND_UP(offset + bytes, CC_SUB), sl->len);
     qemu_mutex_unlock(&s->lock);
 
-    ret = blk_co_pread(s->blk, s->data_off + (uint64_t)slot * s->block_size,
-                       len, buf, 0);
-    if (ret == 0 && cc_crc(buf, len) != sl->data_crc) {
+    ret = blk_co_pread(s->blk, s->data_off + (uint64_t)slot * s->block_size +
+                       start, end - start, buf + start, 0);
+    if (ret == 0 && !cc_check_sums(s, slot, buf, start, end)) {
         ret = -EIO;
         error_report("clone-cache '%s': block in slot %" PRIu32 " fails its "
                      "checksum; it is discarded and read from the base",
@@ -304,7 +306,7 @@ int coroutine_fn clone_cache_read_slot(CloneCacheStore *s, int base,
             cc_slot_drop(s, slot, false);
         }
     } else {
-        s->bases[base].st.cache_read_bytes += len;
+        s->bases[base].st.cache_read_bytes += end - start;
     }
     qemu_mutex_unlock(&s->lock);
     return ret;
@@ -513,7 +515,7 @@ static bool coroutine_fn cc_fill_prepare(CloneCacheStore *s,
         same = blk_co_pread(s->blk,
                             s->data_off + (uint64_t)i * s->block_size,
                             f->len, buf, 0) == 0 &&
-               cc_crc(buf, f->len) == sl->data_crc &&
+               cc_check_sums(s, i, buf, 0, f->len) &&
                !memcmp(buf, f->data, f->len);
         qemu_mutex_lock(&s->lock);
         if (same && sl->state == CC_SLOT_VALID && sl->seq == seq) {
@@ -536,7 +538,7 @@ static bool coroutine_fn cc_fill_prepare(CloneCacheStore *s,
     }
     s->slots[f->slot].fp = fp;
     s->slots[f->slot].len = f->len;
-    s->slots[f->slot].data_crc = cc_crc(f->data, f->len);
+    cc_compute_sums(f->data, f->len, &s->sums[(uint64_t)f->slot * s->spb]);
     s->slots[f->slot].seq = ++s->seq;
     /* decided now: the slot's record, written before publishing, says it */
     s->slots[f->slot].pinned = f->pin && s->nb_pinned < s->nb_slots / 2;
@@ -665,7 +667,8 @@ static void coroutine_fn cc_fill_batch(CloneCacheStore *s,
             continue;
         }
         plan[i].ok = plan[i].ok && ret == 0 &&
-                     (f->shared || cc_write_slot_rec(s, f->slot, true) == 0);
+                     (f->shared || (cc_write_sums(s, f->slot) == 0 &&
+                                    cc_write_slot_rec(s, f->slot, true) == 0));
         if (plan[i].ok) {
             /* an entry record that fails to land is a miss after restart */
             cc_write_entry_rec(s, plan[i].entry, f->key, f->nonce, f->slot,

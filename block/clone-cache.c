@@ -316,7 +316,8 @@ cc_co_preadv_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
         if (slot != CC_NONE) {
             qemu_mutex_unlock(&store->lock);
             buf = buf ?: qemu_blockalign(bs, bsz);
-            ret = clone_cache_read_slot(store, s->base, slot, buf);
+            ret = clone_cache_read_slot(store, s->base, slot, buf,
+                                        offset % bsz, chunk);
             qemu_mutex_lock(&store->lock);
             if (ret == 0) {
                 st->hits++;

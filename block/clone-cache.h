@@ -34,6 +34,7 @@ OBJECT_DECLARE_SIMPLE_TYPE(CloneCacheStore, CLONE_CACHE)
 #define CC_BASE_REC_SIZE    512
 #define CC_BASE_ID_MAX      488
 #define CC_REC_SIZE         32
+#define CC_SUB              4096        /* data checked in 4 KiB pieces */
 #define CC_NONE             UINT32_MAX
 #define CC_BLOCK_BITS       56          /* entry key: base << 56 | block */
 
@@ -53,6 +54,7 @@ typedef struct QEMU_PACKED CloneCacheSuper {
     uint64_t base_off;
     uint64_t slot_off;
     uint64_t entry_off;
+    uint64_t sum_off;
     uint64_t data_off;
     uint64_t epoch;             /* bumped at every open: seq = epoch << 32 | n */
     uint32_t max_bases;
@@ -73,7 +75,7 @@ typedef struct QEMU_PACKED CloneCacheSlotRec {
     uint64_t fp;                /* content fingerprint */
     uint64_t seq;               /* fill sequence, unique per content */
     uint32_t len;               /* bytes of data */
-    uint32_t data_crc;          /* CRC-32C of the data */
+    uint32_t sums_crc;          /* CRC-32C of the slot's sum table row */
     uint32_t flags;             /* CC_SLOT_PINNED */
     uint32_t crc;
 } CloneCacheSlotRec;
@@ -108,7 +110,7 @@ typedef struct CloneCacheSlot {
     uint64_t fp;                /* hash key of store->fps */
     uint64_t seq;
     uint32_t len;
-    uint32_t data_crc;
+    uint32_t sums_crc;          /* at open only: the record's, to check */
     uint32_t refcnt;            /* entries pointing here */
     uint32_t readers;           /* hits reading it now: not evictable */
     uint32_t first_entry;       /* entries pointing here, via ->next */
@@ -176,7 +178,9 @@ struct CloneCacheStore {
     QemuMutex lock;
 
     uint64_t nb_slots, nb_entries;
-    uint64_t base_off, slot_off, entry_off, data_off;
+    uint64_t base_off, slot_off, entry_off, sum_off, data_off;
+    uint32_t spb;               /* 4 KiB pieces per block */
+    uint32_t *sums;             /* spb CRC-32Cs per slot */
     uint64_t epoch;
     uint64_t seq;               /* last slot sequence handed out */
     CloneCacheSlot *slots;
@@ -211,6 +215,11 @@ void cc_slot_rec(CloneCacheStore *s, uint32_t i, bool valid,
                  CloneCacheSlotRec *r);
 int coroutine_fn cc_write_slot_rec(CloneCacheStore *s, uint32_t i,
                                    bool valid);
+int coroutine_fn cc_write_sums(CloneCacheStore *s, uint32_t i);
+void cc_compute_sums(const uint8_t *data, uint32_t len, uint32_t *sums);
+uint32_t cc_sums_crc(CloneCacheStore *s, uint32_t i);
+bool cc_check_sums(CloneCacheStore *s, uint32_t slot, const uint8_t *buf,
+                   uint32_t start, uint32_t end);
 int coroutine_fn cc_write_entry_rec(CloneCacheStore *s, uint32_t e,
                                     uint64_t key, uint64_t nonce,
                                     uint32_t slot, uint64_t seq);
@@ -227,7 +236,8 @@ void clone_cache_detach(CloneCacheStore *s, int base);
 /* Under s->lock: the slot serving (base, block), or CC_NONE */
 uint32_t clone_cache_lookup(CloneCacheStore *s, int base, uint64_t block);
 int coroutine_fn clone_cache_read_slot(CloneCacheStore *s, int base,
-                                       uint32_t slot, uint8_t *buf);
+                                       uint32_t slot, uint8_t *buf,
+                                       uint32_t offset, uint32_t bytes);
 bool clone_cache_read_pending(CloneCacheStore *s, int base, uint64_t block,
                               uint64_t offset, uint64_t bytes,
                               QEMUIOVector *qiov, size_t qiov_offset);

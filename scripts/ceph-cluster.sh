@@ -10,17 +10,31 @@
 #
 # DIR must be on a file system with O_DIRECT (ext4; not tmpfs: BlueStore
 # needs it).  Prints the lines CEPH_CONF=... and QEMU_KEYRING=... on start.
-# The monitor listens on 127.0.0.1:$CEPH_MON_PORT (default 3301, chosen to
-# stay clear of a real cluster's 3300/6789); client operations give up after
-# $CEPH_OP_TIMEOUT seconds (default 20) when a daemon is gone.  Debian 12: ceph-mon, ceph-osd,
-# ceph-common (scripts/setup-host.sh installs them).
+# The monitor listens on $CEPH_ADDR:$CEPH_MON_PORT (default 127.0.0.1:3301,
+# a port clear of a real cluster's 3300/6789); client operations give up after
+# $CEPH_OP_TIMEOUT seconds (default 20) when a daemon is gone.  With
+# CEPH_NETNS=NAME the daemons run in the network namespace /run/netns/NAME
+# (CEPH_ADDR is then an address inside it, e.g. behind a shaped veth pair).
+# Debian 12: ceph-mon, ceph-osd, ceph-common (scripts/setup-host.sh installs them).
 set -euo pipefail
 
 cmd=${1:-}
 dir=${2:-}
-[ -n "$cmd" ] && [ -n "$dir" ] || { sed -n '2,15p' "$0" >&2; exit 2; }
+[ -n "$cmd" ] && [ -n "$dir" ] || { sed -n '2,18p' "$0" >&2; exit 2; }
 port=${CEPH_MON_PORT:-3301}
 op_timeout=${CEPH_OP_TIMEOUT:-20}     # seconds before a dead daemon is an I/O error
+addr=${CEPH_ADDR:-127.0.0.1}
+netns=${CEPH_NETNS:-}
+[[ $addr =~ ^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$ ]] ||
+    { echo "ceph-cluster: CEPH_ADDR $addr is not an IPv4 address" >&2; exit 2; }
+if [ -n "$netns" ]; then
+    [ -e "/run/netns/$netns" ] ||
+        { echo "ceph-cluster: no network namespace /run/netns/$netns" >&2; exit 2; }
+    # nsenter, not ip netns exec: that one also remounts /sys and hides cgroups
+    inns() { nsenter --net="/run/netns/$netns" "$@"; }
+else
+    inns() { "$@"; }
+fi
 [[ $port =~ ^[0-9]+$ ]] && [ "$port" -ge 1024 ] && [ "$port" -le 65535 ] ||
     { echo "ceph-cluster: CEPH_MON_PORT $port is not a port in 1024-65535" >&2; exit 2; }
 conf=$dir/ceph.conf
@@ -79,7 +93,7 @@ start() {
     if alive; then
         # the monitor answers; bring back an OSD that was stopped or died
         if ! kill -0 "$(cat "$dir/run/osd.0.pid" 2>/dev/null || echo 0)" 2>/dev/null; then
-            ceph-osd -i 0 --pid-file "$dir/run/osd.0.pid"
+            inns ceph-osd -i 0 --pid-file "$dir/run/osd.0.pid"
             wait_osd_up
         fi
         echo "CEPH_CONF=$conf"
@@ -89,8 +103,8 @@ start() {
     if [ -f "$dir/mon/ceph-a/store.db/CURRENT" ]; then
         # restart an existing cluster
         stop
-        ceph-mon -i a --pid-file "$dir/run/mon.a.pid"
-        ceph-osd -i 0 --pid-file "$dir/run/osd.0.pid"
+        inns ceph-mon -i a --pid-file "$dir/run/mon.a.pid"
+        inns ceph-osd -i 0 --pid-file "$dir/run/osd.0.pid"
         wait_osd_up
         echo "CEPH_CONF=$conf"
         echo "QEMU_KEYRING=$dir/client.qemu.keyring"
@@ -103,7 +117,8 @@ start() {
     cat >"$conf" <<EOC
 [global]
 fsid = $fsid
-mon host = v2:127.0.0.1:$port
+mon host = v2:$addr:$port
+public addr = $addr
 auth cluster required = cephx
 auth service required = cephx
 auth client required = cephx
@@ -136,10 +151,10 @@ EOC
         ceph-authtool --create-keyring "$dir/client.admin.keyring" --gen-key -n client.admin \
             --cap mon 'allow *' --cap osd 'allow *' --cap mgr 'allow *'
         ceph-authtool "$dir/mon.a.keyring" --import-keyring "$dir/client.admin.keyring"
-        monmaptool --create --clobber --fsid "$fsid" --addv a "[v2:127.0.0.1:$port]" "$dir/monmap"
+        monmaptool --create --clobber --fsid "$fsid" --addv a "[v2:$addr:$port]" "$dir/monmap"
     } >>"$dir/log/setup.log"
     ceph-mon --mkfs -i a --monmap "$dir/monmap" --keyring "$dir/mon.a.keyring" 2>>"$dir/log/setup.log"
-    ceph-mon -i a --pid-file "$dir/run/mon.a.pid"
+    inns ceph-mon -i a --pid-file "$dir/run/mon.a.pid"
     local uuid id
     uuid=$(uuidgen)
     ceph-authtool --create-keyring "$dir/osd.0.keyring" --gen-key -n osd.0 >>"$dir/log/setup.log"
@@ -147,7 +162,7 @@ EOC
     [ "$id" = 0 ] || { echo "ceph-cluster: expected osd id 0, got '$id'" >&2; exit 1; }
     cp "$dir/osd.0.keyring" "$dir/osd/ceph-0/keyring"
     ceph-osd -i 0 --mkfs --osd-uuid "$uuid" 2>>"$dir/log/setup.log" >/dev/null
-    ceph-osd -i 0 --pid-file "$dir/run/osd.0.pid"
+    inns ceph-osd -i 0 --pid-file "$dir/run/osd.0.pid"
     wait_osd_up
     c osd pool create rbd 16 >/dev/null 2>&1
     timeout 60 rbd pool init rbd
@@ -162,5 +177,5 @@ start) start ;;
 stop) stop ;;
 status) alive ;;
 purge) stop; rm -rf "$dir" ;;
-*) sed -n '2,15p' "$0" >&2; exit 2 ;;
+*) sed -n '2,18p' "$0" >&2; exit 2 ;;
 esac

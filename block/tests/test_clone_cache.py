@@ -185,6 +185,11 @@ class CloneCacheTest(unittest.TestCase):
             self.settle()
         self.assertEqual(self.read_all('b0'), want)
         self.assertGreater(self.info()['bases'][0]['hits'], 0)
+        # a 512-byte hit reads (and checks) its 4 KiB piece, not the block
+        before = self.info()['bases'][0]['cache-read-bytes']
+        self.io('b0', f'read {BS + 5000} 512')
+        self.assertEqual(self.info()['bases'][0]['cache-read-bytes'] - before,
+                         4096)
 
     def test_concurrent_misses_merge_into_one_base_read(self):
         path = self.make_base('base.img', size=1 * MiB)
@@ -360,10 +365,10 @@ class CloneCacheTest(unittest.TestCase):
         with open(self.cache, 'rb') as f:
             sb = f.read(80)
         (magic, version, bsz, nslots, nent, base_off, slot_off, entry_off,
-         data_off) = struct.unpack('<8sIIQQQQQQ', sb[:64])
+         sum_off, data_off) = struct.unpack('<8sIIQQQQQQQ', sb[:72])
         self.assertEqual(magic, b'QCLNCCH1')
         return dict(bsz=bsz, nslots=nslots, slot_off=slot_off,
-                    entry_off=entry_off, data_off=data_off)
+                    entry_off=entry_off, sum_off=sum_off, data_off=data_off)
 
     def test_damaged_data_and_records_are_discarded_not_served(self):
         path = self.make_base('base.img', size=4 * MiB)
@@ -377,15 +382,16 @@ class CloneCacheTest(unittest.TestCase):
         self.corrupt(L['data_off'] + 3 * L['bsz'] + 100)      # data of slot 3
         self.corrupt(L['slot_off'] + 5 * 32 + 4, 4)           # slot 5's record
         self.corrupt(L['entry_off'] + 9 * 32 + 8, 4)          # an entry
+        self.corrupt(L['sum_off'] + 11 * (L['bsz'] // 4096) * 4 + 8, 4)  # sums
         self.start(bases)
         c = self.info()
-        self.assertEqual(c['discarded-records'], 2)
+        self.assertEqual(c['discarded-records'], 3)
         self.assertEqual(self.read_all('b0'), want)
         c = self.settle()
         self.assertEqual(c['checksum-errors'], 1)
         b = self.base('D')
-        self.assertEqual(b['misses'], 3)                       # 3 blocks lost
-        self.assertEqual(b['hits'], 4 * MiB // BS - 3)
+        self.assertEqual(b['misses'], 4)                       # 4 blocks lost
+        self.assertEqual(b['hits'], 4 * MiB // BS - 4)
         self.qsd.stop()
         self.assertIn('discarded', open(self.tmp('qsd.log')).read())
 

@@ -29,10 +29,16 @@ def unavailable(qemu_img):
 
 
 class CephCluster:
-    def __init__(self, path, port=3301, op_timeout=20):
+    def __init__(self, path, port=3301, op_timeout=20, addr=None, netns=None):
+        """addr/netns: the daemons' address, and the network namespace they
+        run in (scripts/ceph-cluster.sh CEPH_ADDR, CEPH_NETNS)."""
         self.path = path
         self.env = dict(os.environ, CEPH_MON_PORT=str(port),
                         CEPH_OP_TIMEOUT=str(op_timeout))
+        if addr:
+            self.env['CEPH_ADDR'] = addr
+        if netns:
+            self.env['CEPH_NETNS'] = netns
         self.conf = os.path.join(path, 'ceph.conf')
         self.env['CEPH_CONF'] = self.conf
         self.keyring = os.path.join(path, 'client.qemu.keyring')
