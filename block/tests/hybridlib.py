@@ -230,6 +230,18 @@ class StorageDaemon:
         self.log.close()
 
 
+def clone_cache_daemon(tmp, size):
+    """The host's clone-cache daemon as the libvirt hook finds it: a
+    clone-cache object cc0, an NBD server on tmp('cc.sock') with no export
+    yet, and a QMP monitor of the hook's own on tmp('hook.qmp') (a QMP
+    socket serves one client at a time)."""
+    return StorageDaemon(
+        tmp, '--object', f'clone-cache,id=cc0,filename={tmp("cc")},size={size}',
+        '--nbd-server', f'addr.type=unix,addr.path={tmp("cc.sock")}',
+        '--chardev', f'socket,id=hook,path={tmp("hook.qmp")},server=on,wait=off',
+        '--monitor', 'chardev=hook')
+
+
 class WriteModel:
     """Random 4 KiB pattern writes through a QemuIo, and what a read of each
     slot may return after the writer is killed.

@@ -41,13 +41,8 @@ class HookCloneCacheTest(HookCase):
         with open(self.base, 'wb') as f:
             f.write(os.urandom(2 * MiB))
         self.nbd = self.tmp('cc.sock')
-        # a monitor of its own for the hook (one client per QMP socket)
         self.qmp = self.tmp('hook.qmp')
-        self.qsd = H.StorageDaemon(
-            self.tmp, '--object', f'clone-cache,id=cc0,filename={self.tmp("cc")},'
-            'size=16M', '--nbd-server', f'addr.type=unix,addr.path={self.nbd}',
-            '--chardev', f'socket,id=hook,path={self.qmp},server=on,wait=off',
-            '--monitor', 'chardev=hook')
+        self.qsd = H.clone_cache_daemon(self.tmp, '16M')
         self.write_config()
 
     def tearDown(self):

@@ -47,11 +47,7 @@ class VirshCloneCache(HybridVMTest):
         self.tmp = lambda name: os.path.join(self.root, name)
         self.nbd = self.tmp('cc.sock')
         self.hook_qmp = self.tmp('hook.qmp')
-        self.qsd = H.StorageDaemon(
-            self.tmp, '--object', f'clone-cache,id=cc0,filename={self.tmp("cc")},'
-            'size=512M', '--nbd-server', f'addr.type=unix,addr.path={self.nbd}',
-            '--chardev', f'socket,id=hook,path={self.hook_qmp},server=on,wait=off',
-            '--monitor', 'chardev=hook')
+        self.qsd = H.clone_cache_daemon(self.tmp, '512M')
 
     def tearDown(self):
         if self.host:
