@@ -103,6 +103,11 @@ hybrid_co_truncate(BlockDriverState *bs, int64_t offset, bool exact,
                    "persistent tier: resize that instead");
         return -ENOTSUP;
     }
+    if (s->alloc) {
+        error_setg(errp, "Resizing a hybrid image with a backing file is "
+                   "not supported yet");
+        return -ENOTSUP;
+    }
     if (prealloc != PREALLOC_MODE_OFF) {
         error_setg(errp, "Unsupported preallocation mode '%s' (the hybrid "
                    "format is always sparse)", PreallocMode_str(prealloc));

@@ -37,6 +37,13 @@ static void hybrid_header_to_cpu(HybridHeader *h)
     h->block_size = le32_to_cpu(h->block_size);
     h->header_crc = le32_to_cpu(h->header_crc);
     h->region_token = le64_to_cpu(h->region_token);
+    h->backing_version = le32_to_cpu(h->backing_version);
+    h->backing_name_len = le16_to_cpu(h->backing_name_len);
+    h->backing_name_offset = le64_to_cpu(h->backing_name_offset);
+    h->backing_name_crc = le32_to_cpu(h->backing_name_crc);
+    h->backing_reserved2 = le32_to_cpu(h->backing_reserved2);
+    h->bitmap_offset = le64_to_cpu(h->bitmap_offset);
+    h->bitmap_blocks = le64_to_cpu(h->bitmap_blocks);
 }
 
 /* Convert to disk byte order and compute the checksum. */
@@ -52,6 +59,13 @@ void hybrid_header_to_le(const HybridHeader *cpu, HybridHeader *le)
     le->ram_size = cpu_to_le64(cpu->ram_size);
     le->block_size = cpu_to_le32(cpu->block_size);
     le->region_token = cpu_to_le64(cpu->region_token);
+    le->backing_version = cpu_to_le32(cpu->backing_version);
+    le->backing_name_len = cpu_to_le16(cpu->backing_name_len);
+    le->backing_name_offset = cpu_to_le64(cpu->backing_name_offset);
+    le->backing_name_crc = cpu_to_le32(cpu->backing_name_crc);
+    le->backing_reserved2 = cpu_to_le32(cpu->backing_reserved2);
+    le->bitmap_offset = cpu_to_le64(cpu->bitmap_offset);
+    le->bitmap_blocks = cpu_to_le64(cpu->bitmap_blocks);
     le->header_crc = 0;
     le->header_crc = cpu_to_le32(crc32c(0xffffffff, (uint8_t *)le,
                                         cpu->header_size));
@@ -110,14 +124,22 @@ int hybrid_header_check(const HybridHeader *le, HybridHeader *h,
         return -ENOTSUP;
     }
     if (h->header_size != HYBRID_HEADER_SIZE &&
-        h->header_size != HYBRID_HEADER_SIZE_EXT) {
+        h->header_size != HYBRID_HEADER_SIZE_EXT &&
+        h->header_size != HYBRID_HEADER_SIZE_BACKING) {
         error_setg(errp, "Unsupported hybrid image (header size %" PRIu32
-                   " is not %d or %d)", h->header_size, HYBRID_HEADER_SIZE,
-                   HYBRID_HEADER_SIZE_EXT);
+                   " is not %d, %d or %d)", h->header_size,
+                   HYBRID_HEADER_SIZE, HYBRID_HEADER_SIZE_EXT,
+                   HYBRID_HEADER_SIZE_BACKING);
         return -ENOTSUP;
     }
+    /* The caller may have read bytes of block 0 past a short header */
+    if (h->header_size < HYBRID_HEADER_SIZE_BACKING) {
+        size_t ext = offsetof(HybridHeader, backing_version);
+
+        memset((uint8_t *)&tmp + ext, 0, sizeof(tmp) - ext);
+        memset((uint8_t *)h + ext, 0, sizeof(*h) - ext);
+    }
     if (h->header_size < HYBRID_HEADER_SIZE_EXT) {
-        /* The caller may have read bytes of block 0 there */
         memset(&tmp.region_token, 0, sizeof(tmp.region_token));
         h->region_token = 0;
     }
@@ -139,6 +161,12 @@ int hybrid_header_check(const HybridHeader *le, HybridHeader *h,
         (h->header_size < HYBRID_HEADER_SIZE_EXT || !h->region_token)) {
         error_setg(errp, "Corrupt hybrid image (region feature without a "
                    "region token)");
+        return -EINVAL;
+    }
+    if (!!(h->incompat_features & HYBRID_INCOMPAT_BACKING) !=
+        (h->header_size >= HYBRID_HEADER_SIZE_BACKING)) {
+        error_setg(errp, "Corrupt hybrid image (header size %" PRIu32
+                   " does not match the backing feature)", h->header_size);
         return -EINVAL;
     }
     if (h->flags & ~HYBRID_FLAGS_KNOWN) {
@@ -173,6 +201,9 @@ int hybrid_header_check(const HybridHeader *le, HybridHeader *h,
         error_setg(errp, "Corrupt hybrid image (mode %u, dedup %u)",
                    h->mode, h->dedup);
         return -EINVAL;
+    }
+    if (h->incompat_features & HYBRID_INCOMPAT_BACKING) {
+        return hybrid_backing_check_header(h, errp);
     }
     return 0;
 }
@@ -284,6 +315,19 @@ hybrid_co_create(BlockdevCreateOptions *create_options, Error **errp)
     h.mode = (o->has_mode && o->mode == HYBRID_MODE_ASYNC) ?
              HYBRID_HDR_MODE_ASYNC : HYBRID_HDR_MODE_SYNC;
     h.dedup = o->has_dedup && o->dedup;
+    if (o->backing_file) {
+        ret = hybrid_backing_layout(&h, o->backing_file,
+                                    o->has_backing_fmt ?
+                                    BlockdevDriver_str(o->backing_fmt) : NULL,
+                                    errp);
+        if (ret < 0) {
+            return ret;
+        }
+        data_offset = h.data_offset;
+    } else if (o->has_backing_fmt) {
+        error_setg(errp, "backing-fmt is only valid with backing-file");
+        return -EINVAL;
+    }
     hybrid_header_to_le(&h, &le);
 
     bs_file = bdrv_co_open_blockdev_ref(o->file, errp);
@@ -307,6 +351,15 @@ hybrid_co_create(BlockdevCreateOptions *create_options, Error **errp)
         goto out;
     }
     ret = blk_co_pwrite_zeroes(blk, 0, data_offset, 0);
+    if (ret == 0 && o->backing_file) {
+        /* The name (slot A) before the header that points at it */
+        g_autofree char *slot = g_strconcat(o->backing_file,
+            o->has_backing_fmt ? BlockdevDriver_str(o->backing_fmt) : "",
+            NULL);
+
+        ret = blk_co_pwrite(blk, h.backing_name_offset, strlen(slot), slot,
+                            0);
+    }
     if (ret == 0) {
         ret = blk_co_pwrite(blk, 0, h.header_size, &le, 0);
     }
@@ -332,6 +385,16 @@ QemuOptsList hybrid_create_opts = {
             .help = "Virtual disk size"
         },
         HYBRID_HEADER_OPTIONS,
+        {
+            .name = BLOCK_OPT_BACKING_FILE,
+            .type = QEMU_OPT_STRING,
+            .help = "File name of a base image"
+        },
+        {
+            .name = BLOCK_OPT_BACKING_FMT,
+            .type = QEMU_OPT_STRING,
+            .help = "Image format of the base image"
+        },
         { /* end of list */ }
     }
 };
@@ -346,8 +409,17 @@ hybrid_co_create_opts(BlockDriver *drv, const char *filename, QemuOpts *opts,
     Visitor *v;
     int ret;
 
+    static const QDictRenames opt_renames[] = {
+        { BLOCK_OPT_BACKING_FILE,       "backing-file" },
+        { BLOCK_OPT_BACKING_FMT,        "backing-fmt" },
+        { NULL, NULL },
+    };
+
     qdict = qemu_opts_to_qdict_filtered(opts, NULL, &hybrid_create_opts,
                                         true);
+    if (!qdict_rename_keys(qdict, opt_renames, errp)) {
+        return -EINVAL;
+    }
     ret = bdrv_co_create_file(filename, opts, errp);
     if (ret < 0) {
         goto done;

@@ -391,7 +391,8 @@ static int GRAPH_RDLOCK region_attach(BDRVHybridState *s, bool reset_only,
 
     /* The image names the new region before the region claims the image */
     s->header.region_token = token;
-    s->header.header_size = HYBRID_HEADER_SIZE_EXT;
+    s->header.header_size = MAX(s->header.header_size,
+                                HYBRID_HEADER_SIZE_EXT);
     s->header.incompat_features &= ~HYBRID_INCOMPAT_REGION;
     hybrid_header_to_le(&s->header, &le);
     ret = bdrv_pwrite(s->bs->file, 0, s->header.header_size, &le, 0);

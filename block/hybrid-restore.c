@@ -44,7 +44,9 @@ static void coroutine_fn GRAPH_RDLOCK hybrid_restore_run(BDRVHybridState *s)
         uint8_t *buf;
         int ret;
 
-        if (s->slots[first].flags & HYBRID_SLOT_LOADED) {
+        /* Only blocks the image holds: the others read from its backing */
+        if ((s->slots[first].flags & HYBRID_SLOT_LOADED) ||
+            !hybrid_block_allocated(s, first)) {
             s->restore_cursor++;
             continue;
         }
@@ -56,6 +58,7 @@ static void coroutine_fn GRAPH_RDLOCK hybrid_restore_run(BDRVHybridState *s)
         }
         n = 1;
         while (n < per_req && first + n < hybrid_ram_end(s) &&
+               hybrid_block_allocated(s, first + n) &&
                !(s->slots[first + n].flags &
                  (HYBRID_SLOT_LOADED | HYBRID_SLOT_BUSY))) {
             s->slots[first + n].flags |= HYBRID_SLOT_BUSY;

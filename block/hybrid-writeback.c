@@ -185,12 +185,8 @@ void hybrid_flusher_kick(BDRVHybridState *s)
     }
 }
 
-/*
- * Make every write acknowledged before this call durable on the child
- * (the child's own flush is done by the block layer after us).
- */
-int coroutine_fn GRAPH_RDLOCK
-hybrid_co_flush_to_os(BlockDriverState *bs)
+/* Write back every span that is dirty now */
+static int coroutine_fn GRAPH_RDLOCK hybrid_flush_ram(BlockDriverState *bs)
 {
     BDRVHybridState *s = bs->opaque;
     g_autofree uint64_t *todo = NULL;
@@ -235,6 +231,21 @@ hybrid_co_flush_to_os(BlockDriverState *bs)
     }
     qemu_co_queue_restart_all(&s->dirty_queue);
     return ret;
+}
+
+/*
+ * Make every write acknowledged before this call durable on the child
+ * (the child's own flush is done by the block layer after us); the
+ * allocation bitmap records the blocks copied before the call, once their
+ * data is durable (hybrid-backing.c).
+ */
+int coroutine_fn GRAPH_RDLOCK
+hybrid_co_flush_to_os(BlockDriverState *bs)
+{
+    BDRVHybridState *s = bs->opaque;
+    GArray *alloc = hybrid_backing_flush_begin(s);
+
+    return hybrid_backing_flush_end(s, alloc, hybrid_flush_ram(bs));
 }
 
 /*

@@ -67,6 +67,22 @@ void coroutine_fn hybrid_slot_unlock(BDRVHybridState *s, HybridSlot *slot)
 /* ---- I/O ---- */
 
 /*
+ * Read block @idx's current content into @buf (block_size bytes): from the
+ * persistent tier, or from the backing chain when the image does not hold
+ * the block (the first write to it copies it).
+ */
+static int coroutine_fn GRAPH_RDLOCK
+hybrid_read_block(BDRVHybridState *s, uint64_t idx, uint8_t *buf)
+{
+    if (!hybrid_block_allocated(s, idx)) {
+        return hybrid_backing_read_block(s, idx, buf);
+    }
+    return bdrv_co_pread(s->bs->file,
+                         hybrid_host_offset(s, idx << s->block_shift),
+                         hybrid_block_len(s, idx), buf, 0);
+}
+
+/*
  * Make block @idx LOADED; the caller holds BUSY.  When the caller will
  * overwrite the whole block there is nothing to read.
  */
@@ -81,9 +97,7 @@ hybrid_load_block(BDRVHybridState *s, uint64_t idx, bool overwrite)
     }
     if (!s->dedup) {
         buf = hybrid_ram_plain_ptr(s, idx);
-        ret = bdrv_co_pread(s->bs->file,
-                            hybrid_host_offset(s, idx << s->block_shift),
-                            hybrid_block_len(s, idx), buf, 0);
+        ret = hybrid_read_block(s, idx, buf);
         if (ret < 0) {
             return ret;
         }
@@ -94,14 +108,24 @@ hybrid_load_block(BDRVHybridState *s, uint64_t idx, bool overwrite)
     if (!buf) {
         return -ENOMEM;
     }
-    ret = bdrv_co_pread(s->bs->file,
-                        hybrid_host_offset(s, idx << s->block_shift),
-                        hybrid_block_len(s, idx), buf, 0);
+    ret = hybrid_read_block(s, idx, buf);
     if (ret == 0) {
         ret = hybrid_ram_fill(s, idx, buf);
     }
     qemu_vfree(buf);
     return ret;
+}
+
+/* A run of blocks not in RAM: from the child, or from the backing chain */
+static int coroutine_fn GRAPH_RDLOCK
+hybrid_read_run(BDRVHybridState *s, bool backing, int64_t offset,
+                int64_t bytes, QEMUIOVector *qiov, size_t qoff)
+{
+    if (backing) {
+        return hybrid_backing_read(s, offset, bytes, qiov, qoff);
+    }
+    return bdrv_co_preadv_part(s->bs->file, hybrid_host_offset(s, offset),
+                               bytes, qiov, qoff, 0);
 }
 
 static int coroutine_fn GRAPH_RDLOCK
@@ -112,6 +136,7 @@ hybrid_co_preadv_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
     BDRVHybridState *s = bs->opaque;
     int64_t child_start = -1, child_len = 0;
     size_t child_qoff = 0;
+    bool child_backing = false;
     int64_t promote = -1;
     int ret;
 
@@ -127,16 +152,16 @@ hybrid_co_preadv_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
             s->read_hits++;
             goto next;
         }
-        if (!slot && s->hot && promote < 0 && hybrid_heat(s, idx)) {
+        if (!slot && s->hot && promote < 0 &&
+            hybrid_block_allocated(s, idx) && hybrid_heat(s, idx)) {
             promote = idx;
         }
         if (slot && (slot->flags & HYBRID_SLOT_LOADED)) {
             const uint8_t *p;
 
             if (child_len) {
-                ret = bdrv_co_preadv_part(bs->file,
-                                          hybrid_host_offset(s, child_start),
-                                          child_len, qiov, child_qoff, 0);
+                ret = hybrid_read_run(s, child_backing, child_start,
+                                      child_len, qiov, child_qoff);
                 if (ret < 0) {
                     return ret;
                 }
@@ -154,16 +179,19 @@ hybrid_co_preadv_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
                 goto next;
             }
         }
-        /* Not in RAM: the child is authoritative for this block */
+        /*
+         * Not in RAM: the child is authoritative for this block, or the
+         * backing chain if the image does not hold it
+         */
         s->read_misses++;
         trace_hybrid_read_miss(s, idx);
-        if (child_len && child_start + child_len == offset) {
+        if (child_len && child_start + child_len == offset &&
+            child_backing == !hybrid_block_allocated(s, idx)) {
             child_len += len;
         } else {
             if (child_len) {
-                ret = bdrv_co_preadv_part(bs->file,
-                                          hybrid_host_offset(s, child_start),
-                                          child_len, qiov, child_qoff, 0);
+                ret = hybrid_read_run(s, child_backing, child_start,
+                                      child_len, qiov, child_qoff);
                 if (ret < 0) {
                     return ret;
                 }
@@ -171,6 +199,7 @@ hybrid_co_preadv_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
             child_start = offset;
             child_len = len;
             child_qoff = qiov_offset;
+            child_backing = !hybrid_block_allocated(s, idx);
         }
 next:
         offset += len;
@@ -178,8 +207,8 @@ next:
         qiov_offset += len;
     }
     if (child_len) {
-        ret = bdrv_co_preadv_part(bs->file, hybrid_host_offset(s, child_start),
-                                  child_len, qiov, child_qoff, 0);
+        ret = hybrid_read_run(s, child_backing, child_start, child_len, qiov,
+                              child_qoff);
         if (ret < 0) {
             return ret;
         }
@@ -201,13 +230,20 @@ hybrid_write_ram_block(BDRVHybridState *s, uint64_t idx, uint32_t boff,
 {
     HybridSlot *slot = &s->slots[idx];
     bool sync = !hybrid_may_defer_write(s);
-    bool locked = false;
+    bool locked = false, cow;
     int ret = 0;
 
     if (sync || !(slot->flags & HYBRID_SLOT_LOADED)) {
         hybrid_slot_lock(s, slot);
         locked = true;
     }
+    /*
+     * A block the image does not hold is never LOADED (restore skips it),
+     * so we hold BUSY: the load copies it from the backing chain and the
+     * whole block is owed to the persistent tier.
+     */
+    cow = !(slot->flags & HYBRID_SLOT_LOADED) &&
+          !hybrid_block_allocated(s, idx);
     if (!(slot->flags & HYBRID_SLOT_LOADED)) {
         ret = hybrid_load_block(s, idx, boff == 0 && len == s->block_size);
         trace_hybrid_load_on_write(s, idx, ret);
@@ -223,11 +259,19 @@ hybrid_write_ram_block(BDRVHybridState *s, uint64_t idx, uint32_t boff,
     }
     hybrid_region_set_valid(s, idx);
     s->write_ram++;
+    if (cow) {
+        qiov = NULL;
+        boff = 0;
+        len = hybrid_block_len(s, idx);
+    }
 
     if (sync) {
         uint64_t host = hybrid_host_offset(s, (idx << s->block_shift) + boff);
+        const uint8_t *p = cow ? hybrid_ram_peek(s, idx) : NULL;
 
-        if (qiov) {
+        if (p) {
+            ret = bdrv_co_pwrite(s->bs->file, host, len, p, 0);
+        } else if (qiov) {
             ret = bdrv_co_pwritev_part(s->bs->file, host, len, qiov, qoff, 0);
         } else {
             ret = bdrv_co_pwrite_zeroes(s->bs->file, host, len,
@@ -242,12 +286,44 @@ hybrid_write_ram_block(BDRVHybridState *s, uint64_t idx, uint32_t boff,
     } else {
         hybrid_slot_set_dirty(s, slot, boff, boff + len);
     }
+    /*
+     * Only now: a flush that took the bit before the child write completed
+     * could record it ahead of the data.  Dirty, the block is written back
+     * by any flush that takes the bit.
+     */
+    if (cow) {
+        hybrid_backing_set_allocated(s, idx);
+    }
 out:
     if (locked) {
         hybrid_slot_unlock(s, slot);
     }
     if (!sync) {
         hybrid_flusher_kick(s);
+    }
+    return ret;
+}
+
+/* Write blocks beyond the RAM boundary that the image holds. */
+int coroutine_fn GRAPH_RDLOCK
+hybrid_write_through(BDRVHybridState *s, int64_t offset, int64_t bytes,
+                     QEMUIOVector *qiov, size_t qoff, BdrvRequestFlags flags)
+{
+    int ret;
+
+    s->write_through++;
+    if (s->hot) {
+        hybrid_hot_write(s, offset, bytes, qiov, qoff);
+    }
+    if (qiov) {
+        ret = bdrv_co_pwritev_part(s->bs->file, hybrid_host_offset(s, offset),
+                                   bytes, qiov, qoff, 0);
+    } else {
+        ret = bdrv_co_pwrite_zeroes(s->bs->file, hybrid_host_offset(s, offset),
+                                    bytes, flags & BDRV_REQ_MAY_UNMAP);
+    }
+    if (ret < 0 && s->hot) {
+        hybrid_hot_invalidate(s, offset, bytes);
     }
     return ret;
 }
@@ -270,23 +346,12 @@ hybrid_do_write(BlockDriverState *bs, int64_t offset, int64_t bytes,
 
         if (idx >= s->ram_blocks) {
             /* Beyond the RAM boundary: straight to the persistent tier */
-            s->write_through++;
-            if (s->hot) {
-                hybrid_hot_write(s, offset, bytes, qiov, qiov_offset);
+            if (s->alloc) {
+                return hybrid_backing_write_through(s, offset, bytes, qiov,
+                                                    qiov_offset, flags);
             }
-            if (qiov) {
-                ret = bdrv_co_pwritev_part(bs->file,
-                                           hybrid_host_offset(s, offset),
-                                           bytes, qiov, qiov_offset, 0);
-            } else {
-                ret = bdrv_co_pwrite_zeroes(bs->file,
-                                            hybrid_host_offset(s, offset),
-                                            bytes, flags & BDRV_REQ_MAY_UNMAP);
-            }
-            if (ret < 0 && s->hot) {
-                hybrid_hot_invalidate(s, offset, bytes);
-            }
-            return ret;
+            return hybrid_write_through(s, offset, bytes, qiov, qiov_offset,
+                                        flags);
         }
         len = MIN(bytes, s->block_size - boff);
         ret = hybrid_write_ram_block(s, idx, boff, len, qiov, qiov_offset,
@@ -335,6 +400,11 @@ hybrid_co_block_status(BlockDriverState *bs, bool want_zero, int64_t offset,
     uint64_t idx = offset >> s->block_shift;
     HybridSlot *slot = hybrid_slot(s, idx);
 
+    if (!hybrid_block_allocated(s, idx)) {
+        /* Not in the image: the block layer asks the backing chain */
+        *pnum = hybrid_backing_unallocated_run(s, offset, bytes);
+        return 0;
+    }
     if (slot && (slot->flags & HYBRID_SLOT_LOADED) &&
         (slot->flags & (HYBRID_SLOT_DIRTY | HYBRID_SLOT_BUSY))) {
         /* Newer than the child: only RAM knows */
@@ -349,11 +419,14 @@ hybrid_co_block_status(BlockDriverState *bs, bool want_zero, int64_t offset,
         HybridSlot *sl = hybrid_slot(s, i);
         int64_t n;
 
-        if (!sl) {
+        if (!hybrid_block_allocated(s, i)) {
+            break;
+        }
+        if (!sl && !s->alloc) {
             *pnum = bytes;
             break;
         }
-        if ((sl->flags & HYBRID_SLOT_LOADED) &&
+        if (sl && (sl->flags & HYBRID_SLOT_LOADED) &&
             (sl->flags & (HYBRID_SLOT_DIRTY | HYBRID_SLOT_BUSY))) {
             break;
         }
@@ -419,6 +492,7 @@ static BlockdevOptionsHybrid *hybrid_parse_options(QDict *options,
 {
     g_autoptr(QDict) copy = qdict_clone_shallow(options);
     g_autoptr(QDict) file = NULL;
+    g_autoptr(QDict) backing = NULL;
     BlockdevOptions *opts = NULL;
     BlockdevOptionsHybrid *ret = NULL;
     Visitor *v;
@@ -426,6 +500,9 @@ static BlockdevOptionsHybrid *hybrid_parse_options(QDict *options,
     qdict_extract_subqdict(copy, &file, "file.");
     qdict_del(copy, "file");
     qdict_put_str(copy, "file", "");
+    /* The generic code opens the backing child (any syntax, like file) */
+    qdict_extract_subqdict(copy, &backing, "backing.");
+    qdict_del(copy, "backing");
     qdict_put_str(copy, "driver", "hybrid");
 
     v = qobject_input_visitor_new_flat_confused(copy, errp);
@@ -568,6 +645,17 @@ static int hybrid_open(BlockDriverState *bs, QDict *options, int flags,
     if (ret < 0) {
         return ret;
     }
+    ret = hybrid_backing_open(bs, s->raw, options, !(flags & BDRV_O_NO_IO),
+                              errp);
+    if (ret < 0) {
+        goto fail;
+    }
+    if (s->alloc && o->ram_file) {
+        error_setg(errp, "ram-file= is not supported yet for an image with "
+                   "a backing file");
+        ret = -ENOTSUP;
+        goto fail;
+    }
 
     s->mode = o->has_mode ? o->mode : hybrid_default_mode(s);
     s->dedup = o->has_dedup ? o->dedup : s->header.dedup;
@@ -577,13 +665,13 @@ static int hybrid_open(BlockDriverState *bs, QDict *options, int flags,
     s->restore_enabled = o->has_restore ? o->restore : true;
     ret = hybrid_check_dirty_limit(s, s->dirty_limit, errp);
     if (ret < 0) {
-        return ret;
+        goto fail;
     }
     s->ram_blocks = MIN(s->ram_size >> s->block_shift, s->nb_blocks);
     ret = hybrid_check_ram_blocks(s->ram_blocks, s->ram_size, s->block_size,
                                   errp);
     if (ret < 0) {
-        return ret;
+        goto fail;
     }
 
     if ((s->header.incompat_features & HYBRID_INCOMPAT_REGION) &&
@@ -592,11 +680,12 @@ static int hybrid_open(BlockDriverState *bs, QDict *options, int flags,
                    "%016" PRIx64 "; open it with ram-file= naming that "
                    "region (or an empty one to discard them)",
                    s->header.region_token);
-        return -EBUSY;
+        ret = -EBUSY;
+        goto fail;
     }
     ret = hybrid_ram_init(s, o->ram_file, flags & BDRV_O_RDWR, errp);
     if (ret < 0) {
-        return ret;
+        goto fail;
     }
     s->promote_blocks = o->has_promote_size ?
                         o->promote_size >> s->block_shift : 0;
@@ -615,7 +704,7 @@ static int hybrid_open(BlockDriverState *bs, QDict *options, int flags,
         ret = hybrid_region_attach(s, false, errp);
         if (ret < 0) {
             hybrid_ram_free(s);
-            return ret;
+            goto fail;
         }
     }
 
@@ -628,6 +717,10 @@ static int hybrid_open(BlockDriverState *bs, QDict *options, int flags,
     /* An inactive image (incoming migration) restores when activated */
     hybrid_start_background(s);
     return 0;
+
+fail:
+    hybrid_backing_close(s);
+    return ret;
 }
 
 /* Write everything back and clear the DIRTY flag.  Main loop only. */
@@ -717,6 +810,10 @@ hybrid_co_invalidate_cache(BlockDriverState *bs, Error **errp)
         }
         s->header = h;
         s->header_dirty_on_disk = false;
+        /* Another host may have written blocks of ours */
+        if (s->alloc && hybrid_backing_load_bitmap(s, errp) < 0) {
+            return;
+        }
     }
     hybrid_hot_drop_all(s);
     hybrid_ram_unload_all(s);
@@ -765,6 +862,7 @@ static void hybrid_close(BlockDriverState *bs)
     }
     g_free(s->heat);
     hybrid_ram_free(s);
+    hybrid_backing_close(s);
 }
 
 /* Options blockdev-reopen (and hybrid-set-mode) may change */
@@ -1029,7 +1127,11 @@ HybridInfo *hybrid_get_info(BlockDriverState *bs)
     info->restore_active = s->restore_workers > 0;
     info->restore_done = s->restore_done;
     info->restore_bytes = s->restore_bytes;
-    info->restore_total = MIN(hybrid_ram_end(s) << s->block_shift, s->size);
+    /* With a backing file only the image's own blocks are restored */
+    info->restore_total = MIN((s->alloc ? bitmap_count_one(s->alloc,
+                                                           hybrid_ram_end(s))
+                                        : hybrid_ram_end(s)) << s->block_shift,
+                              s->size);
     if (s->restore_start_ns) {
         int64_t end = s->restore_done ? s->restore_end_ns :
                       qemu_clock_get_ns(QEMU_CLOCK_REALTIME);
@@ -1070,6 +1172,7 @@ BlockDriver bdrv_hybrid = {
     .format_name                = "hybrid",
     .instance_size              = sizeof(BDRVHybridState),
     .is_format                  = true,
+    .supports_backing           = true,
     .create_opts                = &hybrid_create_opts,
     .strong_runtime_opts        = hybrid_strong_runtime_opts,
     .mutable_opts               = hybrid_mutable_opts,
@@ -1105,6 +1208,7 @@ BlockDriver bdrv_hybrid = {
     .amend_opts                 = &hybrid_amend_opts,
     .bdrv_amend_options         = hybrid_amend_options,
     .bdrv_co_amend              = hybrid_co_amend,
+    .bdrv_co_change_backing_file = hybrid_co_change_backing_file,
 
     /* information */
     .bdrv_co_getlength          = hybrid_co_getlength,

@@ -28,6 +28,7 @@
 #define HYBRID_VERSION          1
 #define HYBRID_HEADER_SIZE      72      /* version 1 base header */
 #define HYBRID_HEADER_SIZE_EXT  80      /* with region_token */
+#define HYBRID_HEADER_SIZE_BACKING 120  /* with the backing extension */
 #define HYBRID_DATA_OFFSET      65536   /* default for new images */
 #define HYBRID_MIN_BLOCK_SIZE   4096
 #define HYBRID_MAX_BLOCK_SIZE   (2 * 1024 * 1024)
@@ -81,7 +82,28 @@
  * region"): a reader without that region would see stale data.
  */
 #define HYBRID_INCOMPAT_REGION  (1ULL << 0)
-#define HYBRID_INCOMPAT_KNOWN   HYBRID_INCOMPAT_REGION
+/*
+ * The image has an allocation bitmap and may name a backing file
+ * (hybrid-backing.c): a block whose bit is clear is not in the image and
+ * reads from the backing chain.  A reader that ignored this would show the
+ * persistent tier's zeros there instead.
+ */
+#define HYBRID_INCOMPAT_BACKING (1ULL << 1)
+#define HYBRID_INCOMPAT_KNOWN   (HYBRID_INCOMPAT_REGION | \
+                                 HYBRID_INCOMPAT_BACKING)
+
+/* The backing extension (docs/hybrid-format.rst, "Backing file") */
+#define HYBRID_BACKING_VERSION      1
+#define HYBRID_MAX_BACKING_NAME     4095    /* bytes, as bs->backing_file */
+#define HYBRID_MAX_BACKING_FMT      15      /* bytes, as bs->backing_format */
+#define HYBRID_BACKING_SLOT_SIZE    8192    /* name + format, two slots */
+#define HYBRID_BACKING_SLOT_A       4096
+#define HYBRID_BACKING_SLOT_B       (HYBRID_BACKING_SLOT_A + \
+                                     HYBRID_BACKING_SLOT_SIZE)
+#define HYBRID_BITMAP_OFFSET        (HYBRID_BACKING_SLOT_B + \
+                                     HYBRID_BACKING_SLOT_SIZE)
+/* Bitmap capacity grows in sectors: 4096 blocks per 512 bytes */
+#define HYBRID_BITMAP_SECTOR_BITS   (BDRV_SECTOR_SIZE * 8)
 
 #define HYBRID_HDR_MODE_SYNC    0
 #define HYBRID_HDR_MODE_ASYNC   1
@@ -103,9 +125,19 @@ typedef struct QEMU_PACKED HybridHeader {
                                 /*     this field 0 */
     /* header_size >= HYBRID_HEADER_SIZE_EXT only; otherwise read as 0 */
     uint64_t region_token;      /* 72: the RAM region bound to the image */
+    /* header_size >= HYBRID_HEADER_SIZE_BACKING only (INCOMPAT_BACKING) */
+    uint32_t backing_version;   /* 80: HYBRID_BACKING_VERSION */
+    uint16_t backing_name_len;  /* 84: bytes, 0 (none) .. 4095 */
+    uint8_t  backing_fmt_len;   /* 86: bytes, 0 .. 15 */
+    uint8_t  backing_reserved;  /* 87: zero */
+    uint64_t backing_name_offset; /* 88: name, then format, no NUL */
+    uint32_t backing_name_crc;  /* 96: crc32c of name and format */
+    uint32_t backing_reserved2; /* 100: zero */
+    uint64_t bitmap_offset;     /* 104: allocation bitmap, 1 bit a block */
+    uint64_t bitmap_blocks;     /* 112: its capacity, multiple of 4096 */
 } HybridHeader;
 
-QEMU_BUILD_BUG_ON(sizeof(HybridHeader) != HYBRID_HEADER_SIZE_EXT);
+QEMU_BUILD_BUG_ON(sizeof(HybridHeader) != HYBRID_HEADER_SIZE_BACKING);
 
 /* ---- RAM tier ---- */
 
@@ -230,6 +262,20 @@ typedef struct BDRVHybridState {
     uint64_t region_dirty_found;    /* dirty blocks found at attach */
     int64_t region_attach_ns;   /* time the attach took */
     bool writeback_drain;       /* write back all, regardless of watermarks */
+
+    /*
+     * Backing file and allocation bitmap (hybrid-backing.c); alloc is NULL
+     * for an image without INCOMPAT_BACKING (it holds every block).  All
+     * of it runs in the node's AioContext.
+     */
+    unsigned long *alloc;       /* blocks the image holds: reads use it */
+    unsigned long *alloc_disk;  /* what the on-disk bitmap says */
+    uint64_t alloc_bits;        /* size of both, multiple of 4096 */
+    GArray *alloc_new;          /* uint64_t: set in alloc, not on disk */
+    GArray *cow_busy;           /* uint64_t: blocks being copied on write */
+    CoQueue cow_queue;          /* waiters for a block to leave cow_busy */
+    uint64_t cow_blocks;        /* statistics: blocks copied on write */
+    uint64_t backing_reads;     /* block segments read from the backing */
 
     /* Statistics */
     uint64_t read_hits, read_misses;        /* block segments */
@@ -375,6 +421,45 @@ static inline uint64_t hybrid_ram_end(BDRVHybridState *s)
 {
     return MIN(s->ram_blocks, s->nb_blocks);
 }
+
+/* hybrid-backing.c */
+int hybrid_backing_check_header(const HybridHeader *h, Error **errp);
+int GRAPH_RDLOCK hybrid_backing_open(BlockDriverState *bs, bool raw,
+                                     QDict *options, bool io, Error **errp);
+int GRAPH_RDLOCK hybrid_backing_load_bitmap(BDRVHybridState *s,
+                                            Error **errp);
+void hybrid_backing_close(BDRVHybridState *s);
+int coroutine_fn GRAPH_RDLOCK
+hybrid_backing_read(BDRVHybridState *s, int64_t offset, int64_t bytes,
+                    QEMUIOVector *qiov, size_t qoff);
+int coroutine_fn GRAPH_RDLOCK
+hybrid_backing_read_block(BDRVHybridState *s, uint64_t idx, uint8_t *buf);
+void hybrid_backing_set_allocated(BDRVHybridState *s, uint64_t idx);
+int coroutine_fn GRAPH_RDLOCK
+hybrid_backing_write_through(BDRVHybridState *s, int64_t offset,
+                             int64_t bytes, QEMUIOVector *qiov, size_t qoff,
+                             BdrvRequestFlags flags);
+GArray *hybrid_backing_flush_begin(BDRVHybridState *s);
+int coroutine_fn GRAPH_RDLOCK
+hybrid_backing_flush_end(BDRVHybridState *s, GArray *snap, int ret);
+int64_t hybrid_backing_unallocated_run(BDRVHybridState *s, int64_t offset,
+                                       int64_t bytes);
+int coroutine_fn GRAPH_RDLOCK
+hybrid_co_change_backing_file(BlockDriverState *bs, const char *backing_file,
+                              const char *backing_fmt);
+int hybrid_backing_layout(HybridHeader *h, const char *name,
+                          const char *fmt, Error **errp);
+
+/* Does the image hold block @idx (else it reads from the backing chain)? */
+static inline bool hybrid_block_allocated(BDRVHybridState *s, uint64_t idx)
+{
+    return !s->alloc || (idx < s->alloc_bits && test_bit(idx, s->alloc));
+}
+
+/* hybrid.c, for hybrid-backing.c */
+int coroutine_fn GRAPH_RDLOCK
+hybrid_write_through(BDRVHybridState *s, int64_t offset, int64_t bytes,
+                     QEMUIOVector *qiov, size_t qoff, BdrvRequestFlags flags);
 
 /* hybrid-writeback.c */
 void hybrid_slot_set_dirty(BDRVHybridState *s, HybridSlot *slot,
