@@ -306,7 +306,7 @@ class Storm:
         for RBD to answer without data): straight from RBD with librbd's
         cache off, and through the warm cache's NBD export."""
         out = {}
-        if not shutil.which('fio'):
+        if not shutil.which('fio') or self.args.fio_seconds <= 0:
             return out
         data = os.path.join(self.work, 'fio.img')
         with open(data, 'wb') as f:
@@ -395,9 +395,15 @@ class Storm:
         if get('cc-restart', nmax) and get('cc-warm', nmax):
             rows.append((f'warm after restart / warm, {nmax} boots',
                          f'{get("cc-restart", nmax) / get("cc-warm", nmax):.2f}x', '<= 1.1x'))
-        if get('local', nmax, rates[0]):
+        cpu = get('local', nmax, rates[0])
+        if cpu:
             rows.append((f'CPU part: {nmax} boots from the page cache (no storage)',
-                         f'{get("local", nmax, rates[0]):.1f} s', ''))
+                         f'{cpu:.1f} s', ''))
+            if get('rbd', nmax) and get('cc-warm', nmax) and get('cc-warm', nmax) > cpu:
+                rows.append((f'storage wait (last boot minus the CPU part), {nmax} boots '
+                             f'at {slow}: no cache / warm cache',
+                             f'{get("rbd", nmax) - cpu:.1f} s / {get("cc-warm", nmax) - cpu:.1f} s',
+                             ''))
         lines += ['| measure | value | target |', '|---|---|---|']
         lines += [f'| {a} | {b} | {c} |' for a, b, c in rows]
         lines.append('')
@@ -408,11 +414,11 @@ class Storm:
                       for k, v in self.fio_results.items()]
             lines.append('')
         os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, 'boot-storm.md'), 'w') as f:
+        with open(os.path.join(out, self.args.name + '.md'), 'w') as f:
             f.write('\n'.join(lines))
-        with open(os.path.join(out, 'boot-storm.json'), 'w') as f:
+        with open(os.path.join(out, self.args.name + '.json'), 'w') as f:
             json.dump(dict(args=vars(self.args), storms=res, fio=self.fio_results), f, indent=1)
-        self.chart(os.path.join(out, 'boot-storm.png'), by)
+        self.chart(os.path.join(out, self.args.name + '.png'), by)
         print('\n'.join(lines))
 
     def chart(self, path, by):
@@ -449,10 +455,11 @@ def main():
     ap.add_argument('--configs', default=','.join(CONFIGS))
     ap.add_argument('--bootset-mib', type=int, default=24)
     ap.add_argument('--timeout', type=float, default=600, help='per storm (s)')
-    ap.add_argument('--fio-seconds', type=int, default=15)
+    ap.add_argument('--fio-seconds', type=int, default=15, help='0: no fio')
     ap.add_argument('--work-dir', default=H.BUILD,
                     help='where the cluster and images go (not tmpfs: BlueStore)')
     ap.add_argument('--out', default=os.path.join(REPO, 'docs', 'bench'))
+    ap.add_argument('--name', default='boot-storm', help='stem of the files written')
     args = ap.parse_args()
     args.rates = args.rates.split(',')
     args.counts = [int(x) for x in args.counts.split(',')]
