@@ -203,25 +203,47 @@ static int GRAPH_RDLOCK hybrid_backing_read_name(BDRVHybridState *s,
     return 0;
 }
 
+/* Both in-memory bitmaps for the disk's size (at least one sector). */
+static int hybrid_backing_alloc_bitmaps(BDRVHybridState *s, Error **errp)
+{
+    uint64_t bits = ROUND_UP(MAX(s->nb_blocks, 1), HYBRID_BITMAP_SECTOR_BITS);
+    uint64_t bytes = hybrid_bitmap_bytes(bits);
+
+    if (bits == s->alloc_bits) {
+        return 0;
+    }
+    g_free(s->alloc);
+    g_free(s->alloc_disk);
+    s->alloc = g_try_malloc0(bytes);
+    s->alloc_disk = g_try_malloc0(bytes);
+    s->alloc_bits = bits;
+    if (!s->alloc || !s->alloc_disk) {
+        g_free(s->alloc);
+        g_free(s->alloc_disk);
+        s->alloc = s->alloc_disk = NULL;
+        s->alloc_bits = 0;
+        error_setg(errp, "Could not allocate the allocation bitmap (%"
+                   PRIu64 " bytes)", bytes);
+        return -ENOMEM;
+    }
+    if (!s->alloc_new) {
+        s->alloc_new = g_array_new(false, false, sizeof(uint64_t));
+        s->cow_busy = g_array_new(false, false, sizeof(uint64_t));
+    }
+    return 0;
+}
+
 /* (Re)load the allocation bitmap from disk into both in-memory copies. */
 int GRAPH_RDLOCK hybrid_backing_load_bitmap(BDRVHybridState *s, Error **errp)
 {
-    uint64_t bits = ROUND_UP(s->nb_blocks, HYBRID_BITMAP_SECTOR_BITS);
+    uint64_t bits = ROUND_UP(MAX(s->nb_blocks, 1), HYBRID_BITMAP_SECTOR_BITS);
     uint64_t bytes = hybrid_bitmap_bytes(bits);
     g_autofree unsigned long *le = NULL;
     int ret;
 
-    if (bits != s->alloc_bits) {
-        g_free(s->alloc);
-        g_free(s->alloc_disk);
-        s->alloc = g_try_malloc0(bytes);
-        s->alloc_disk = g_try_malloc0(bytes);
-        s->alloc_bits = bits;
-        if (!s->alloc || !s->alloc_disk) {
-            error_setg(errp, "Could not allocate the allocation bitmap (%"
-                       PRIu64 " bytes)", bytes);
-            return -ENOMEM;
-        }
+    ret = hybrid_backing_alloc_bitmaps(s, errp);
+    if (ret < 0) {
+        return ret;
     }
     le = g_try_malloc(bytes);
     if (!le) {
@@ -264,21 +286,22 @@ int GRAPH_RDLOCK hybrid_backing_open(BlockDriverState *bs, bool raw,
     int ret;
 
     qemu_co_queue_init(&s->cow_queue);
-    if (raw || !(s->header.incompat_features & HYBRID_INCOMPAT_BACKING)) {
+    if (raw) {
         if (hybrid_backing_option_given(options)) {
-            error_setg(errp, "This hybrid image has no allocation bitmap, so "
-                       "it cannot have a backing file (create it with "
-                       "backing_file=, and without raw=on)");
+            error_setg(errp, "A raw=on hybrid node has no allocation bitmap, "
+                       "so it cannot have a backing file");
             return -EINVAL;
         }
+        return 0;
+    }
+    if (!(s->header.incompat_features & HYBRID_INCOMPAT_BACKING)) {
+        /* It holds every block: a backing node given is never read */
         return 0;
     }
     ret = hybrid_backing_read_name(s, errp);
     if (ret < 0 || !io) {
         return ret;
     }
-    s->alloc_new = g_array_new(false, false, sizeof(uint64_t));
-    s->cow_busy = g_array_new(false, false, sizeof(uint64_t));
     return hybrid_backing_load_bitmap(s, errp);
 }
 
@@ -581,6 +604,74 @@ hybrid_backing_flush_end(BDRVHybridState *s, GArray *snap, int ret)
 /* ---- rebase ---- */
 
 /*
+ * Give an image created without a backing file its extension, with every
+ * block allocated (it holds them all): the bitmap (flushed) first, then
+ * the header with BACKING and an empty name, so a crash leaves the old
+ * image.  The room is what the layout left before data_offset.
+ */
+static int coroutine_fn GRAPH_RDLOCK
+hybrid_backing_add_bitmap(BDRVHybridState *s)
+{
+    HybridHeader h = s->header;
+    uint64_t bits = ROUND_UP(MAX(s->nb_blocks, 1), HYBRID_BITMAP_SECTOR_BITS);
+    uint64_t bytes = hybrid_bitmap_bytes(bits);
+    g_autofree unsigned long *le = NULL;
+    int ret;
+
+    if (s->data_offset < HYBRID_BITMAP_OFFSET + bytes) {
+        return -ENOSPC;
+    }
+    h.header_size = HYBRID_HEADER_SIZE_BACKING;
+    h.incompat_features |= HYBRID_INCOMPAT_BACKING;
+    h.backing_version = HYBRID_BACKING_VERSION;
+    h.backing_name_len = 0;
+    h.backing_fmt_len = 0;
+    h.backing_name_offset = HYBRID_BACKING_SLOT_B;
+    h.backing_name_crc = crc32c(0xffffffff, NULL, 0);
+    h.bitmap_offset = HYBRID_BITMAP_OFFSET;
+    h.bitmap_blocks = QEMU_ALIGN_DOWN((s->data_offset - HYBRID_BITMAP_OFFSET) *
+                                      8, HYBRID_BITMAP_SECTOR_BITS);
+    if (hybrid_backing_check_header(&h, NULL) < 0) {
+        return -ENOTSUP;
+    }
+    if (hybrid_backing_alloc_bitmaps(s, NULL) < 0) {
+        return -ENOMEM;
+    }
+    bitmap_set(s->alloc, 0, s->nb_blocks);
+    bitmap_copy(s->alloc_disk, s->alloc, s->alloc_bits);
+    le = g_try_malloc(bytes);
+    if (!le) {
+        ret = -ENOMEM;
+        goto fail;
+    }
+    bitmap_to_le(le, s->alloc_disk, bits);
+    /* The rest of the capacity is zero already (created so) */
+    ret = bdrv_co_pwrite(s->bs->file, HYBRID_BITMAP_OFFSET, bytes, le, 0);
+    if (ret == 0) {
+        ret = bdrv_co_flush(s->bs->file->bs);
+    }
+    if (ret < 0) {
+        goto fail;
+    }
+    WITH_QEMU_LOCK_GUARD(&s->header_lock) {
+        HybridHeader old = s->header;
+
+        h.flags = s->header.flags;
+        s->header = h;
+        ret = hybrid_write_header(s, s->header.flags);
+        if (ret < 0) {
+            s->header = old;
+        }
+    }
+    if (ret == 0) {
+        return 0;
+    }
+fail:
+    hybrid_backing_close(s);
+    return ret;
+}
+
+/*
  * Write the new name into the slot the header does not use, flush, then
  * point the header at it (docs/hybrid-format.rst, "Backing file").
  */
@@ -589,19 +680,27 @@ hybrid_co_change_backing_file(BlockDriverState *bs, const char *backing_file,
                               const char *backing_fmt)
 {
     BDRVHybridState *s = bs->opaque;
-    HybridHeader old = s->header;
+    HybridHeader old;
     size_t n = backing_file ? strlen(backing_file) : 0;
     size_t f = backing_fmt ? strlen(backing_fmt) : 0;
     g_autofree char *slot = NULL;
     uint64_t off;
     int ret;
 
-    if (s->raw || !(s->header.incompat_features & HYBRID_INCOMPAT_BACKING)) {
-        /* Every block is the image's: a backing file would never be read */
+    if (s->raw) {
         return n ? -ENOTSUP : 0;
     }
     if (n > HYBRID_MAX_BACKING_NAME || f > HYBRID_MAX_BACKING_FMT) {
         return -EINVAL;
+    }
+    if (!(s->header.incompat_features & HYBRID_INCOMPAT_BACKING)) {
+        if (!n) {
+            return 0;
+        }
+        ret = hybrid_backing_add_bitmap(s);
+        if (ret < 0) {
+            return ret;
+        }
     }
     off = s->header.backing_name_offset == HYBRID_BACKING_SLOT_A ?
           HYBRID_BACKING_SLOT_B : HYBRID_BACKING_SLOT_A;
@@ -616,6 +715,7 @@ hybrid_co_change_backing_file(BlockDriverState *bs, const char *backing_file,
     if (ret < 0) {
         return ret;
     }
+    old = s->header;
     WITH_QEMU_LOCK_GUARD(&s->header_lock) {
         s->header.backing_name_offset = off;
         s->header.backing_name_len = n;

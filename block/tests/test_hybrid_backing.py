@@ -399,7 +399,8 @@ class BackingTest(unittest.TestCase):
         message naming it (what an older reader does with ours)."""
         c = Chain(self.tmp)
         ov = self.create('ov.hyb', c.base)
-        good = open(ov, 'rb').read(512)
+        with open(ov, 'rb') as f:
+            good = f.read(512)
         # known: REGION (1) and BACKING (2); 4 is unknown
         patch_header(ov, {16: u64(0x2 | 0x4)})
         r = H.qemu_img('info', '-f', 'hybrid', ov, check=False)
@@ -425,7 +426,8 @@ class BackingTest(unittest.TestCase):
         checksum, a bitmap smaller than the disk or overlapping the name."""
         c = Chain(self.tmp)
         ov = self.create('ov.hyb', c.base)
-        good = open(ov, 'rb').read(512)
+        with open(ov, 'rb') as f:
+            good = f.read(512)
         cases = [
             ({84: u16(5000)}, 'backing file name of 5000 bytes is longer '
                               'than 4095'),
@@ -451,20 +453,32 @@ class BackingTest(unittest.TestCase):
         r = H.qemu_img('info', '-f', 'hybrid', ov, check=False)
         self.assertIn('header checksum', r.stderr)
 
-    def test_no_bitmap_no_backing(self):
-        """An image created without a backing file cannot be given one at
-        runtime (it holds every block) nor be rebased onto one; resize of
-        a backed image is refused clearly for now."""
+    def test_image_without_bitmap(self):
+        """An image created without a backing file holds every block: a
+        backing node given at runtime is never read, and a rebase -u gives
+        it the extension with every block allocated (content unchanged).
+        raw=on refuses a backing node; resize of a backed image is refused
+        clearly for now."""
         c = Chain(self.tmp)
         plain = self.tmp('plain.hyb')
         H.qemu_img('create', '-q', '-f', 'hybrid', plain, str(SIZE))
-        r = H.qemu_io('--image-opts', f'driver=hybrid,file.filename={plain},'
-                      f'backing.driver=raw,backing.file.filename={c.base}',
+        self.io(plain, f'write -P 0x21 {BS} 512')
+        self.io(plain, 'read -P 0 0 512', f'read -P 0x21 {BS} 512',
+                opts=f'backing.driver=raw,backing.file.filename={c.base}')
+        H.qemu_img('rebase', '-u', '-f', 'hybrid', '-b', c.base, '-F', 'raw',
+                   plain)
+        self.assertEqual(H.img_info(plain)['backing-filename'], c.base)
+        self.io(plain, 'read -P 0 0 512', f'read -P 0x21 {BS} 512')
+        m = json.loads(H.qemu_img('map', '--output=json', '-f', 'hybrid',
+                                  plain).stdout)
+        self.assertTrue(all(e['depth'] == 0 for e in m), m)
+        self.assert_check_clean(plain)
+
+        r = H.qemu_io('--image-opts', f'driver=hybrid,raw=on,'
+                      f'file.filename={c.base},backing.driver=raw,'
+                      f'backing.file.filename={c.base}',
                       '-c', 'read 0 512', check=False)
         self.assertIn('cannot have a backing file', r.stdout + r.stderr)
-        r = H.qemu_img('rebase', '-u', '-f', 'hybrid', '-b', c.base, '-F',
-                       'raw', plain, check=False)
-        self.assertNotEqual(r.returncode, 0)
         ov = self.create('ov.hyb', c.base)
         r = H.qemu_img('resize', '-f', 'hybrid', ov, '8M', check=False)
         self.assertIn('backing file is not supported yet', r.stderr)
