@@ -1,0 +1,1 @@
+"""hvarbiter: the VM/container I/O arbiter (docs/arbiter.md)."""

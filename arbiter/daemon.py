@@ -1,0 +1,371 @@
+"""The arbiter daemon: every period it measures the containers and the VMs,
+runs the control law (policy.py) and sets the VMs' throttle group limits.
+
+Letting go safely: on SIGTERM/SIGINT it puts every VM's default limits back
+before it exits; against SIGKILL or a crash, a watchdog process (its own
+session, holding the read end of a pipe whose write end only the daemon
+holds) does the same when the pipe closes without the daemon's "done".  A
+restarted daemon re-attaches to the running VMs and starts from the limits
+it finds.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from . import policy
+from .model import Model
+from .sources import (Probe, SourceError, cgroup_io, device_number, hist_percentile,
+                      io_pressure_us, v1_disable_accounting, v1_enable_accounting)
+from .vmlink import VMLink, restore_defaults
+
+STATUS_MAX_REQUEST = 64
+
+
+class DecisionLog:
+    """JSON lines, one per decision or event, rotated at max_bytes (one
+    old file kept)."""
+
+    def __init__(self, path, max_bytes):
+        self.path, self.max = path, max_bytes
+        self.lock = threading.Lock()
+        self.f = open(path, 'a', buffering=1)
+        os.chmod(path, 0o640)
+
+    def __call__(self, rec):
+        rec = dict(t=round(time.time(), 3), **rec)
+        line = json.dumps(rec, separators=(',', ':')) + '\n'
+        with self.lock:
+            if self.f.tell() + len(line) > self.max:
+                self.f.close()
+                os.replace(self.path, self.path + '.1')
+                self.f = open(self.path, 'a', buffering=1)
+            self.f.write(line)
+
+    def close(self):
+        with self.lock:
+            self.f.close()
+
+
+class Arbiter:
+    def __init__(self, conf):
+        self.conf = conf
+        os.makedirs(conf.state_dir, mode=0o700, exist_ok=True)
+        st = os.stat(conf.state_dir)
+        if st.st_mode & 0o022:
+            raise SystemExit(f'hvarbiter: {conf.state_dir} is writable by others; refusing')
+        self.log = DecisionLog(conf.log, conf.log_max)
+        self.devno = device_number(conf.device)
+        self.model = Model.load(conf.model) if conf.model else None
+        self.target_ms = conf.target_ms
+        if self.target_ms is None:
+            self.target_ms = self.model.auto_target_ms()
+        self.gap = conf.gap or (self.model.gap() if self.model else 1.0)
+        self.states = {v.name: policy.VMState(v) for v in conf.vms}
+        self.links = {v.name: VMLink(v, conf.qmp_timeout, self.log) for v in conf.vms}
+        self.used = {}              # vm -> last sample used
+        self.cont_prev = {}         # container -> (t, ops, bytes, pressure_us)
+        self.cont_err = {}
+        self.accounting = {}        # container -> rule files we wrote
+        self.idle_count = 0
+        self.periods = 0
+        self.actions = {}
+        self.snapshot = {}
+        self.stop_ev = threading.Event()
+        self.watchdog = None
+
+    # -- life cycle --
+
+    def start_watchdog(self):
+        r, w = os.pipe()
+        self.watchdog = subprocess.Popen(
+            [sys.executable, '-m', 'arbiter.watchdog', self.conf.path],
+            stdin=r, start_new_session=True, close_fds=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        os.close(r)
+        self.watchdog_w = w
+
+    def run(self):
+        self.probe = Probe(self.conf.device, self.conf.probe_iops,
+                           self.conf.probe_window_ms / 1000)
+        self.start_watchdog()
+        self.probe.start()
+        for link in self.links.values():
+            link.start()
+        self.server = threading.Thread(target=self.serve, name='status', daemon=True)
+        self.server.start()
+        self.log(dict(event='start', pid=os.getpid(), target_ms=self.target_ms,
+                      target_percentile=self.conf.target_pct,
+                      gap=self.gap, period_ms=self.conf.period_ms,
+                      vms=[v.name for v in self.conf.vms],
+                      containers=[c.name for c in self.conf.containers]))
+        period = self.conf.period_ms / 1000
+        nxt = time.monotonic()
+        while not self.stop_ev.is_set():
+            if self.watchdog.poll() is not None:
+                self.log(dict(event='watchdog-died', rc=self.watchdog.returncode))
+                os.close(self.watchdog_w)
+                self.start_watchdog()
+            self.period()
+            nxt += period
+            now = time.monotonic()
+            if nxt < now:
+                nxt = now
+            self.stop_ev.wait(nxt - now)
+        self.shutdown()
+
+    def shutdown(self):
+        for link in self.links.values():
+            link.stop()
+        self.probe.stop()
+        for wrote in self.accounting.values():
+            v1_disable_accounting(wrote, self.devno)
+        res = restore_defaults(self.conf, self.conf.qmp_timeout, self.log)
+        done = all(e is None for e in res.values())
+        if done:
+            os.write(self.watchdog_w, b'done\n')
+        os.close(self.watchdog_w)
+        if done:
+            self.watchdog.wait(timeout=10)
+        # else the watchdog (its own session) goes on retrying the VMs that
+        # did not answer; the daemon does not wait for it
+        self.log(dict(event='stop'))
+        self.log.close()
+        try:
+            os.unlink(self.conf.socket)
+        except OSError:
+            pass
+
+    # -- one period --
+
+    def containers(self, now):
+        ops = nbytes = 0
+        stall = []
+        for c in self.conf.containers:
+            try:
+                if c.name not in self.cont_prev:
+                    wrote = v1_enable_accounting(c.cgroup, self.devno)
+                    if wrote:
+                        self.accounting[c.name] = wrote
+                        self.log(dict(event='accounting', container=c.name, rules=wrote))
+                o, b = cgroup_io(c.cgroup, self.devno)
+                p = io_pressure_us(c.pressure) if c.pressure else None
+            except SourceError as e:
+                if self.cont_err.get(c.name) != str(e):
+                    self.log(dict(event='container-error', container=c.name, error=str(e)))
+                self.cont_err[c.name] = str(e)
+                self.cont_prev.pop(c.name, None)
+                continue
+            self.cont_err.pop(c.name, None)
+            prev = self.cont_prev.get(c.name)
+            self.cont_prev[c.name] = (now, o, b, p)
+            if not prev:
+                continue
+            dt = now - prev[0]
+            if dt <= 0:
+                continue
+            ops += max(0, o - prev[1]) * c.weight / dt
+            nbytes += max(0, b - prev[2]) / dt
+            if p is not None and prev[3] is not None:
+                stall.append(max(0, p - prev[3]) / 1e6 / dt)
+        pr = self.probe.window_stats(self.conf.target_pct)
+        return dict(iops=ops, bps=nbytes, lat_ms=pr['pct_ms'], p50_ms=pr['p50_ms'], p99_ms=pr['p99_ms'],
+                    probe_samples=pr['samples'], probe_error=self.probe.error,
+                    pressure=max(stall) if stall else None)
+
+    def vms(self, now):
+        out = {}
+        for name, link in self.links.items():
+            s = link.sample
+            prev = self.used.get(name)
+            if s is None or now - s[0] > 3 * self.conf.period_ms / 1000:
+                continue                    # stale: unreachable or hung
+            self.used[name] = s
+            if prev is None or s[0] <= prev[0] or s[1] < prev[1]:
+                continue                    # first sample, or QEMU restarted
+            dt = s[0] - prev[0]
+            ops, nbytes = s[1] - prev[1], s[2] - prev[2]
+            p99 = None
+            if s[3] is not None and prev[3] is not None:
+                p99 = hist_percentile([max(0, a - b) for a, b in zip(s[3], prev[3])], 0.99)
+            out[name] = dict(iops=ops / dt, bps=nbytes / dt,
+                             bytes_per_op=nbytes / ops if ops else None, p99_ms=p99)
+        return out
+
+    def adopt(self, name, link):
+        """A VM (re-)attached: go on from the limits it has, if a previous
+        run left it throttled, rather than jump back to the default."""
+        link.adopt = False
+        st = self.states[name]
+        cur = link.attached_limits or {}
+        iops = cur.get('iops-total', 0) if isinstance(cur, dict) else 0
+        if isinstance(iops, int) and iops > 0 and iops != st.conf.default_iops:
+            st.limit = float(max(iops, st.conf.floor_iops))
+            link.request_limits(st.limits())
+            self.log(dict(event='adopt', vm=name, limit=st.limit))
+
+    def period(self):
+        for link in self.links.values():
+            link.request_sample()
+        # the links sample in parallel; give them a fraction of the period
+        deadline = time.monotonic() + min(0.5, self.conf.period_ms / 2000)
+        while time.monotonic() < deadline and any(
+                link.sample_due and link.state == 'ok' for link in self.links.values()):
+            time.sleep(0.002)
+        for name, link in self.links.items():
+            if link.adopt:
+                self.adopt(name, link)
+        now = time.monotonic()
+        cont = self.containers(now)
+        vm_in = self.vms(now)
+        before = {n: st.limit for n, st in self.states.items()}
+        action, ratio, self.idle_count, notes = policy.decide(
+            self.states, vm_in, cont, self.target_ms, self.conf.target_pressure,
+            self.conf.idle_iops, self.idle_count)
+        self.periods += 1
+        self.actions[action] = self.actions.get(action, 0) + 1
+        for name, st in self.states.items():
+            if name in vm_in and (st.limit != before[name] or self.links[name].want is None):
+                self.links[name].request_limits(st.limits())
+        work = policy.weighted_work(cont['bps'], sum(v['bps'] for v in vm_in.values()),
+                                    self.gap)
+        rec = dict(action=action, ratio=_r(ratio), container=_rd(cont), work=round(work, 1),
+                   vms={n: dict(_rd(m), limit=_r(self.states[n].limit)) for n, m in vm_in.items()})
+        if notes:
+            rec['notes'] = notes
+        self.log(rec)
+        self.snapshot = dict(rec, periods=self.periods, target_ms=self.target_ms,
+                             target_percentile=self.conf.target_pct,
+                             gap=self.gap)
+        if self.conf.metrics_file:
+            self.write_metrics_file()
+
+    # -- status and metrics --
+
+    def status(self):
+        s = dict(self.snapshot)
+        s['vm_state'] = {n: dict(state=l.state, error=l.error, qdev=l.qdev,
+                                 histogram=l.histogram, limits=l.applied,
+                                 default=self.states[n].conf.default_limits())
+                         for n, l in self.links.items()}
+        s['container_errors'] = dict(self.cont_err)
+        s['actions'] = dict(self.actions)
+        return s
+
+    def metrics(self):
+        s = self.snapshot
+        c = s.get('container', {})
+        lines = []
+
+        def g(name, help_, samples, kind='gauge'):
+            lines.append(f'# HELP hvarbiter_{name} {help_}')
+            lines.append(f'# TYPE hvarbiter_{name} {kind}')
+            for labels, v in samples:
+                if v is None:
+                    continue
+                lab = ','.join(f'{k}="{x}"' for k, x in labels.items())
+                lines.append(f'hvarbiter_{name}{{{lab}}} {v:.9g}' if lab
+                             else f'hvarbiter_{name} {v:.9g}')
+
+        g('periods_total', 'Control periods run', [({}, self.periods)], 'counter')
+        g('decisions_total', 'Decisions by action',
+          [({'action': a}, n) for a, n in sorted(self.actions.items())], 'counter')
+        q = f'{self.conf.target_pct / 100:g}'
+        g('container_latency_seconds', 'Probe read latency on the device (container path)',
+          [({'quantile': k}, c.get(f'{v}_ms') and c[f'{v}_ms'] / 1e3)
+           for k, v in (('0.5', 'p50'), (q, 'lat'), ('0.99', 'p99')) if k != q or v == 'lat'])
+        g('container_target_latency_seconds', 'Container latency target at target-percentile',
+          [({'quantile': q}, self.target_ms / 1e3)])
+        g('container_iops', 'Containers\' completed I/O per second', [({}, c.get('iops'))])
+        g('container_io_pressure_ratio', 'Share of time some container task stalled on I/O',
+          [({}, c.get('pressure'))])
+        g('weighted_work', 'Container plus gap times VM I/O, in 4 KiB I/Os a second',
+          [({}, s.get('work'))])
+        vms = s.get('vms', {})
+        g('vm_iops', 'VM disk I/O per second', [({'vm': n}, m.get('iops')) for n, m in vms.items()])
+        g('vm_p99_seconds', 'VM disk p99 latency (QEMU histogram)',
+          [({'vm': n}, m.get('p99_ms') and m['p99_ms'] / 1e3) for n, m in vms.items()])
+        g('vm_limit_iops', 'IOPS limit set by the arbiter (0: the VM\'s default)',
+          [({'vm': n}, st.limit or 0) for n, st in self.states.items()])
+        g('vm_up', 'The arbiter reaches the VM',
+          [({'vm': n}, 1 if l.state == 'ok' else 0) for n, l in self.links.items()])
+        return '\n'.join(lines) + '\n'
+
+    def write_metrics_file(self):
+        tmp = self.conf.metrics_file + '.tmp'
+        try:
+            with open(tmp, 'w') as f:
+                f.write(self.metrics())
+            os.replace(tmp, self.conf.metrics_file)
+        except OSError as e:
+            self.log(dict(event='metrics-file-error', error=str(e)))
+
+    def serve(self):
+        path = self.conf.socket
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            srv.bind(path)
+        finally:
+            os.umask(old)
+        srv.listen(8)
+        srv.settimeout(0.5)
+        while not self.stop_ev.is_set():
+            try:
+                conn, _ = srv.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            with conn:
+                conn.settimeout(1.0)
+                try:
+                    req = b''
+                    while b'\n' not in req and len(req) <= STATUS_MAX_REQUEST:
+                        d = conn.recv(STATUS_MAX_REQUEST + 1)
+                        if not d:
+                            break
+                        req += d
+                    cmd = req.split(b'\n')[0].strip().decode('ascii', 'replace')
+                    if len(req) > STATUS_MAX_REQUEST:
+                        out = 'error: request too long\n'
+                    elif cmd == 'status':
+                        out = json.dumps(self.status(), indent=1) + '\n'
+                    elif cmd == 'metrics':
+                        out = self.metrics()
+                    else:
+                        out = 'error: unknown request (status, metrics)\n'
+                    conn.sendall(out.encode())
+                    # the reply before the close: unread input would make
+                    # the close a reset that can overtake it
+                    conn.shutdown(socket.SHUT_WR)
+                    for _ in range(16):
+                        if not conn.recv(65536):
+                            break
+                except OSError:
+                    pass
+        srv.close()
+
+
+def _r(x, nd=2):
+    return None if x is None else round(x, nd)
+
+
+def _rd(d):
+    return {k: (_r(v) if isinstance(v, float) else v) for k, v in d.items()}
+
+
+def run(conf):
+    a = Arbiter(conf)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: a.stop_ev.set())
+    a.run()

@@ -1,0 +1,268 @@
+"""What the arbiter measures: the containers' completed I/O (their cgroup's
+counters, v1 blkio or v2 io.stat), their stall time (v2 io.pressure), the
+latency a container-path request sees on the device (a probe), and a VM
+disk's IOPS and latency histogram (QEMU's blockstats).  Each reader is
+bounded and turns a missing or malformed file into SourceError.
+"""
+
+import mmap
+import os
+import random
+import threading
+import time
+
+MAX_FILE = 1 << 20
+
+
+class SourceError(Exception):
+    pass
+
+
+def read_small(path):
+    try:
+        with open(path, 'rb') as f:
+            data = f.read(MAX_FILE + 1)
+    except OSError as e:
+        raise SourceError(f'{path}: {e.strerror}') from None
+    if len(data) > MAX_FILE:
+        raise SourceError(f'{path}: larger than {MAX_FILE} bytes')
+    return data.decode('ascii', 'replace')
+
+
+def device_number(path):
+    """'major:minor' of a block device."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise SourceError(f'{path}: {e.strerror}') from None
+    import stat
+    if not stat.S_ISBLK(st.st_mode):
+        raise SourceError(f'{path}: not a block device')
+    return f'{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}'
+
+
+def cgroup_io(cgroup, devno):
+    """(operations, bytes) completed so far by the cgroup on the device:
+    v1 blkio.throttle.io_serviced / io_service_bytes (the _recursive files:
+    a container's own children count), or v2 io.stat."""
+    v1 = os.path.join(cgroup, 'blkio.throttle.io_serviced_recursive')
+    if os.path.exists(v1):
+        ops = _v1_total(read_small(v1), devno)
+        nbytes = _v1_total(read_small(os.path.join(
+            cgroup, 'blkio.throttle.io_service_bytes_recursive')), devno)
+        return ops, nbytes
+    v2 = os.path.join(cgroup, 'io.stat')
+    if os.path.exists(v2):
+        for line in read_small(v2).splitlines():
+            f = line.split()
+            if f and f[0] == devno:
+                kv = dict(x.split('=', 1) for x in f[1:] if '=' in x)
+                try:
+                    return (int(kv.get('rios', 0)) + int(kv.get('wios', 0)),
+                            int(kv.get('rbytes', 0)) + int(kv.get('wbytes', 0)))
+                except ValueError:
+                    raise SourceError(f'{v2}: malformed line {line[:80]!r}') from None
+        return 0, 0
+    if not os.path.isdir(cgroup):
+        raise SourceError(f'{cgroup}: cgroup is gone')
+    raise SourceError(f'{cgroup}: neither blkio (v1) nor io (v2) statistics')
+
+
+# cgroup v1's blk-throttle counts a group's I/O (io_serviced, bytes) only
+# while the group has a rule on the device; a rule at this many IOPS holds
+# nothing back (0 would remove it).
+V1_NOOP_IOPS = 4294967294
+
+
+def v1_enable_accounting(cgroup, devno):
+    """Give a v1 blkio group a no-op rule on the device, in both
+    directions, unless it has one.  Returns the files it wrote (to undo)."""
+    done = []
+    for d in ('read', 'write'):
+        path = os.path.join(cgroup, f'blkio.throttle.{d}_iops_device')
+        if not os.path.exists(path):
+            return done
+        if any(line.split()[:1] == [devno] for line in read_small(path).splitlines()):
+            continue
+        try:
+            with open(path, 'w') as f:
+                f.write(f'{devno} {V1_NOOP_IOPS}')
+        except OSError as e:
+            raise SourceError(f'{path}: {e.strerror}') from None
+        done.append(path)
+    return done
+
+
+def v1_disable_accounting(paths, devno):
+    for path in paths:
+        try:
+            with open(path, 'w') as f:
+                f.write(f'{devno} 0')
+        except OSError:
+            pass            # the group is gone: nothing to undo
+
+
+def _v1_total(text, devno):
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) == 3 and f[0] == devno and f[1] == 'Total':
+            try:
+                return int(f[2])
+            except ValueError:
+                break
+    return 0
+
+
+def io_pressure_us(cgroup):
+    """Total microseconds in which some task of the cgroup stalled on I/O
+    (PSI, the 'some' line's total=)."""
+    path = os.path.join(cgroup, 'io.pressure')
+    if not os.path.isdir(cgroup):
+        raise SourceError(f'{cgroup}: cgroup is gone')
+    for line in read_small(path).splitlines():
+        if line.startswith('some '):
+            for kv in line.split()[1:]:
+                if kv.startswith('total='):
+                    try:
+                        return int(kv[6:])
+                    except ValueError:
+                        break
+    raise SourceError(f'{path}: no "some ... total=" line')
+
+
+def percentile(values, q):
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))]
+
+
+class Probe(threading.Thread):
+    """The latency a container-path request sees: 4 KiB O_DIRECT reads at
+    random aligned offsets of the device, probe_iops a second, one at a
+    time; the last window_s seconds of latencies are kept.  It reads only,
+    and at 200/s costs 0.8 MB/s."""
+
+    BS = 4096
+
+    def __init__(self, path, iops, window_s):
+        super().__init__(name='probe', daemon=True)
+        self.path, self.interval, self.window = path, 1.0 / iops, window_s
+        self.samples = []           # (t, latency_s)
+        self.lock = threading.Lock()
+        self.error = None
+        self.stop_ev = threading.Event()
+        try:
+            self.fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError as e:
+            raise SourceError(f'{path}: cannot open for the latency probe: {e.strerror}') \
+                from None
+        size = os.lseek(self.fd, 0, os.SEEK_END)
+        self.blocks = max(1, size // self.BS)
+        self.buf = mmap.mmap(-1, self.BS)       # page-aligned, as O_DIRECT wants
+        self.rnd = random.Random(0x5eed)
+
+    def run(self):
+        nxt = time.monotonic()
+        while not self.stop_ev.is_set():
+            off = self.rnd.randrange(self.blocks) * self.BS
+            t0 = time.perf_counter()
+            try:
+                os.preadv(self.fd, [self.buf], off)
+            except OSError as e:
+                self.error = f'{self.path}: probe read at {off}: {e.strerror}'
+                self.stop_ev.wait(1.0)
+                continue
+            lat = time.perf_counter() - t0
+            now = time.monotonic()
+            with self.lock:
+                self.samples.append((now, lat))
+                cut = now - self.window
+                i = 0
+                while i < len(self.samples) and self.samples[i][0] < cut:
+                    i += 1
+                if i:
+                    del self.samples[:i]
+            self.error = None
+            nxt += self.interval
+            if nxt < now:
+                nxt = now           # no catching up after a stall
+            self.stop_ev.wait(max(0.0, nxt - time.monotonic()))
+
+    def window_stats(self, pct=99.0):
+        """p50, p99 and the pct-th percentile (pct_ms) of the window."""
+        with self.lock:
+            lat = [x for _, x in self.samples]
+        if not lat:
+            return dict(samples=0, p50_ms=None, p99_ms=None, pct_ms=None)
+        return dict(samples=len(lat), p50_ms=percentile(lat, 0.50) * 1e3,
+                    p99_ms=percentile(lat, 0.99) * 1e3,
+                    pct_ms=percentile(lat, pct / 100) * 1e3)
+
+    def stop(self):
+        self.stop_ev.set()
+        self.join(timeout=5)
+        os.close(self.fd)
+        self.buf.close()
+
+
+# Latency histogram bins set on every VM disk (ns): log-spaced, 50 us..5 s.
+HIST_NS = [int(x * 1000) for x in (
+    50, 100, 200, 300, 500, 750, 1000, 1500, 2000, 3000, 5000, 7500, 10000, 15000,
+    20000, 30000, 50000, 75000, 100000, 200000, 500000, 1000000, 2000000, 5000000)]
+
+
+def hist_percentile(bins, q, bounds=HIST_NS):
+    """The q-quantile (ms) of a histogram of len(bounds)+1 bins, linearly
+    interpolated inside its bin; None if empty.  The last bin is open: its
+    quantile is reported as its lower bound."""
+    total = sum(bins)
+    if total <= 0:
+        return None
+    want = q * total
+    acc = 0
+    for i, n in enumerate(bins):
+        if n and acc + n >= want:
+            lo = bounds[i - 1] if i > 0 else 0
+            if i >= len(bounds):
+                return lo / 1e6
+            hi = bounds[i]
+            return (lo + (hi - lo) * (want - acc) / n) / 1e6
+        acc += n
+    return bounds[-1] / 1e6
+
+
+def vm_disk_sample(stats, device):
+    """From query-blockstats' reply: the entry of 'device' (qdev id or
+    BlockBackend name; the first with statistics if None) as
+    (name, ops, bytes, histogram bins or None)."""
+    if not isinstance(stats, list):
+        raise SourceError('query-blockstats: not a list')
+    for e in stats[:1024]:
+        if not isinstance(e, dict):
+            continue
+        names = {e.get('device'), e.get('qdev'), e.get('node-name')}
+        qdev = e.get('qdev') or ''
+        # a qdev id names the device; its BlockBackend hangs off a child of
+        # it (a virtio proxy's virtio-backend): /machine/peripheral/ID/...
+        if device is not None and device not in names and \
+                not (qdev + '/').startswith(f'/machine/peripheral/{device}/'):
+            continue
+        s = e.get('stats')
+        if not isinstance(s, dict):
+            continue
+        try:
+            ops = int(s.get('rd_operations', 0)) + int(s.get('wr_operations', 0))
+            nbytes = int(s.get('rd_bytes', 0)) + int(s.get('wr_bytes', 0))
+        except (TypeError, ValueError):
+            raise SourceError('query-blockstats: malformed counters') from None
+        bins = None
+        for h in ('rd_latency_histogram', 'wr_latency_histogram'):
+            hh = s.get(h)
+            if isinstance(hh, dict) and isinstance(hh.get('bins'), list) \
+                    and len(hh['bins']) == len(HIST_NS) + 1:
+                b = [int(x) if isinstance(x, int) and x >= 0 else 0 for x in hh['bins']]
+                bins = b if bins is None else [x + y for x, y in zip(bins, b)]
+        return (e.get('qdev') or e.get('device') or '?', ops, nbytes, bins)
+    raise SourceError(f'no disk {device!r} in query-blockstats' if device
+                      else 'no disk with statistics in query-blockstats')
