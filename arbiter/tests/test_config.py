@@ -1,0 +1,100 @@
+"""The arbiter's configuration: a valid one parses; every absurd value is
+refused with the section, key and range named."""
+
+import os
+import sys
+import tempfile
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from arbiter.config import Config, ConfigError   # noqa: E402
+
+GOOD = """
+[arbiter]
+period-ms = 200
+state-dir = /run/hvarbiter-test
+
+[device]
+path = /dev/loop0
+target-latency-ms = 2.5
+
+[container db]
+cgroup = /sys/fs/cgroup/blkio/hvctr/db
+pressure = /sys/fs/cgroup/unified/hvctr/db
+
+[vm web1]
+qmp = /run/vm/web1.qmp
+throttle-group = tg0
+default-iops = 0
+floor-bps = 4M
+slo-p99-ms = 50
+"""
+
+
+class ConfigTest(unittest.TestCase):
+    def load(self, text):
+        with tempfile.NamedTemporaryFile('w', suffix='.conf', delete=False) as f:
+            f.write(text)
+        self.addCleanup(os.unlink, f.name)
+        return Config(f.name)
+
+    def refused(self, text, *words):
+        with self.assertRaises(ConfigError) as cm:
+            self.load(text)
+        for w in words:
+            self.assertIn(w, str(cm.exception))
+        return str(cm.exception)
+
+    def test_good(self):
+        c = self.load(GOOD)
+        self.assertEqual(c.period_ms, 200)
+        self.assertEqual(c.target_ms, 2.5)
+        self.assertEqual(c.target_pct, 90)
+        self.assertEqual([v.name for v in c.vms], ['web1'])
+        self.assertEqual(c.vms[0].floor_bps, 4 << 20)
+        self.assertEqual(c.vms[0].default_limits(), {'iops-total': 0, 'bps-total': 0})
+        self.assertEqual(c.containers[0].pressure, '/sys/fs/cgroup/unified/hvctr/db')
+        self.assertEqual(c.socket, '/run/hvarbiter-test/arbiter.sock')
+
+    def test_absurd_targets(self):
+        for v in ('0', '-1', '1e9', 'nan', 'inf', 'fast'):
+            self.refused(GOOD.replace('target-latency-ms = 2.5', f'target-latency-ms = {v}'),
+                         '[device] target-latency-ms')
+        self.refused(GOOD.replace('period-ms = 200', 'period-ms = 1'), 'period-ms', '[50, 10000]')
+        self.refused(GOOD.replace('slo-p99-ms = 50', 'slo-p99-ms = 0'), '[vm web1] slo-p99-ms')
+        self.refused(GOOD.replace('target-latency-ms = 2.5', 'target-latency-ms = auto'), 'needs model')
+        for v in ('100', '10', '99.99', 'p99'):
+            self.refused(GOOD.replace('target-latency-ms = 2.5',
+                                      f'target-latency-ms = 2.5\ntarget-percentile = {v}'),
+                         '[device] target-percentile')
+        c = self.load(GOOD.replace('target-latency-ms = 2.5',
+                                   'target-latency-ms = 2.5\ntarget-percentile = 99'))
+        self.assertEqual(c.target_pct, 99)
+
+    def test_floor_below_the_safe_minimum(self):
+        self.refused(GOOD.replace('floor-bps = 4M', 'floor-bps = 1M'), 'floor-bps', '[2000000')
+        self.refused(GOOD.replace('default-iops = 0', 'default-iops = 5'),
+                     'default-iops 5 is below floor-iops 10')
+
+    def test_typos_and_missing(self):
+        self.refused(GOOD.replace('slo-p99-ms', 'slo-p99'), "[vm web1] unknown key: slo-p99")
+        self.refused(GOOD + '\n[vms web2]\n', 'unknown section [vms web2]')
+        self.refused(GOOD + '\n[vm a/b]\nqmp=/x\nthrottle-group=t\n', 'unknown section')
+        self.refused(GOOD.replace('qmp = /run/vm/web1.qmp', ''), '[vm web1] qmp: is required')
+        self.refused(GOOD.replace('qmp = /run/vm/web1.qmp', 'qmp = web1.qmp'),
+                     'not an absolute path')
+        self.refused(GOOD.replace('throttle-group = tg0', 'throttle-group = ../../x'),
+                     'not a valid name')
+        self.refused(GOOD + '\n[vm web1]\nqmp=/y\n', 'web1')        # duplicate section
+        self.refused('[device]\npath=/dev/x\n', 'no [arbiter] section')
+
+    def test_not_a_file(self):
+        with self.assertRaises(ConfigError):
+            Config('/nonexistent/arbiter.conf')
+        with self.assertRaises(ConfigError) as cm:
+            Config('/dev')
+        self.assertIn('not a regular file', str(cm.exception))
+
+
+if __name__ == '__main__':
+    unittest.main()

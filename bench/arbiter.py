@@ -1,0 +1,332 @@
+#!/usr/bin/env python3
+"""VMs and containers on one device, with and without the arbiter (issue
+21): the design's VM-vs-container figures.
+
+One loop device with direct I/O on a file of the build directory's disk.
+The VM: a TCG guest streaming 1 MiB O_DIRECT reads from its virtio-blk
+disk (that device, behind throttle group tg0).  The container: fio, 4 KiB
+random reads at QD4, in its own namespaces under a blkio cgroup
+(arbiter/hvctr-run).  Configurations, interleaved in each of --rounds
+rounds:
+  container solo, VM solo      each side alone
+  contended, contended (A/A)   both, no control (twice: the A/A spread)
+  arbitrated                   both, hvarbiter (its target: --target-x times
+                               the probe's solo p90 of the round; the
+                               container's p99 is held to 2x its solo p99)
+  static N MB/s                both, the VM's group fixed at N MB/s
+  BFQ weights                  both, the device's scheduler BFQ, container
+                               cgroup weight 1000, QEMU's weight 100
+  VM-path solo / contended     the VM load is fio (1 MiB, QD4) through a
+                               qemu-storage-daemon (QEMU's block layer and
+                               NBD), no guest CPU: the block layer alone
+Also the CPU part of the guest's figure: the same guest reading a null-co
+disk (no device at all), and the calibration (hvarbiter calibrate) whose
+gap weighs the work figure: W = (container bytes + gap x VM bytes) / 4 KiB.
+
+Writes docs/bench/arbiter.{md,json,png}.  Needs root.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(REPO, 'arbiter', 'tests'))
+import arblib as A          # noqa: E402
+import scenario as S        # noqa: E402
+from arblib import H        # noqa: E402
+from arbiter.model import Model   # noqa: E402
+
+MB = 1000 * 1000
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+
+
+def ci(xs):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None, None
+    m = statistics.mean(xs)
+    if len(xs) < 2:
+        return m, None
+    return m, T95.get(len(xs) - 1, 2.0) * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+def bfq(dev, on):
+    q = f'/sys/block/{os.path.basename(dev)}/queue/scheduler'
+    with open(q) as f:
+        cur = f.read()
+    want = 'bfq' if on else 'none'
+    if want not in cur:
+        raise RuntimeError(f'{q}: no {want} ({cur.strip()})')
+    with open(q, 'w') as f:
+        f.write(want)
+
+
+def move_to_cgroup(pid, path, weight=None):
+    os.makedirs(path, exist_ok=True)
+    if weight is not None:
+        with open(os.path.join(path, 'blkio.bfq.weight'), 'w') as f:
+            f.write(str(weight))
+    with open(os.path.join(path, 'cgroup.procs'), 'w') as f:
+        f.write(str(pid))
+
+
+class Bench:
+    def __init__(self, a):
+        self.a = a
+        self.tmp = H.TempDir()
+        self.sc = S.Scenario(self.tmp, size_mib=a.size_mib, secs=a.seconds)
+        self.rows = []
+
+    def calibrate(self):
+        path = self.tmp('model.json')
+        subprocess.run([sys.executable, A.HVARBITER, 'calibrate', self.sc.loop.dev, '-o', path,
+                        '--seconds', '3', '--qsd', H.binary('qemu-storage-daemon')],
+                       check=True, capture_output=True, text=True, timeout=600)
+        self.model = Model.load(path)
+        print(self.model.table(), file=sys.stderr)
+        return self.model.gap()
+
+    def record(self, rnd, r, **extra):
+        r = dict(r, round=rnd, **extra)
+        self.rows.append(r)
+        c, v = r['container'], r['vm']
+        print(f'round {rnd} {r["phase"]:>26}: '
+              + (f'container {c["iops"]:7.0f} IOPS p99 {c["p99_ms"]:6.2f} ms  ' if c else ' ' * 38)
+              + (f'VM {v["bps"] / MB:6.1f} MB/s' if v else ''), file=sys.stderr)
+
+    def round(self, rnd, gap):
+        sc, a = self.sc, self.a
+        solo = sc.solo_with_probe()
+        self.record(rnd, solo, probe_ms=solo['probe_ms'])
+        # the container's p99 (fio's) against twice its solo figure; the
+        # arbiter in its probe's terms (docs/arbiter.md, "Calibration")
+        target = max(0.5, 2 * solo['container']['p99_ms'])
+        arb_target = a.target_x * (solo['probe_ms'] or solo['container']['p99_ms'])
+        order = ['VM solo', 'contended', 'arbitrated', 'contended (A/A)'] + \
+            [f'static {m} MB/s' for m in a.statics] + ['BFQ weights']
+        k = rnd % len(order)
+        for name in order[k:] + order[:k]:
+            if name == 'VM solo':
+                self.record(rnd, sc.phase(name, container=False))
+            elif name.startswith('contended'):
+                self.record(rnd, sc.phase(name))
+            elif name == 'arbitrated':
+                d = sc.start_arbiter(arb_target, gap=gap)
+                r = sc.phase(name, settle=3)
+                st = d.status()
+                sc.stop_arbiter()
+                self.record(rnd, r, target_ms=target, arbiter_target_ms=arb_target, limit=st['vms'].get('vm0', {}).get('limit'),
+                            actions=st.get('actions'))
+            elif name.startswith('static'):
+                sc.vm.set_limits(bps_total=int(name.split()[1]) * MB)
+                self.record(rnd, sc.phase(name))
+                sc.vm.set_limits()
+            elif name == 'BFQ weights':
+                bfq(sc.loop.dev, True)
+                move_to_cgroup(sc.vm.g.pid, '/sys/fs/cgroup/blkio/hvbench-vm', 100)
+                try:
+                    sc.vm.stop_load()
+                    sc.vm.start_load()
+                    r = sc.phase(name, ctr_args=['--bfq-weight', '1000'])
+                finally:
+                    move_to_cgroup(sc.vm.g.pid, '/sys/fs/cgroup/blkio')
+                    os.rmdir('/sys/fs/cgroup/blkio/hvbench-vm')
+                    bfq(sc.loop.dev, False)
+                self.record(rnd, r)
+        return target
+
+    def qsd_rounds(self, rnd):
+        """The VM path through QEMU's block layer alone (no guest CPU): fio
+        over NBD into a qemu-storage-daemon, alone and against the
+        container.  No arbitrated phase: an export has no BlockBackend
+        that query-blockstats lists, so the arbiter has no VM figures."""
+        sc = self.sc
+        sc.vm.stop_load()
+        vm = A.VMPath(self.tmp, sc.loop.dev, name=f'qsd{rnd}')
+        try:
+            for name in ('VM-path solo', 'VM-path contended'):
+                load = vm.load(self.a.seconds + (2 if name.endswith('contended') else 0),
+                               qd=4, bs='1M')
+                c = None
+                if name.endswith('contended'):
+                    time.sleep(1)
+                    c = A.fio_result(A.container(f'arb-{os.getpid()}', sc.loop.dev,
+                                                 self.a.seconds))
+                v = A.fio_result(load)
+                self.record(rnd, dict(phase=name, container=c,
+                                      vm=dict(bps=v['iops'] * (1 << 20), iops=v['iops'],
+                                              p99_ms=v['p99_ms'])))
+        finally:
+            vm.stop()
+
+    def cpu_part(self):
+        """The guest's 1 MiB direct reads from a null-co disk: the rate its
+        emulated CPU allows with no device behind it."""
+        g = S.Guest('nullvm', self.tmp('logs'), mem='256M', redis=False, balloon=False, args=[
+            '-blockdev', 'null-co,node-name=n,size=268435456,read-zeroes=off',
+            '-device', 'virtio-blk-pci,drive=n,id=disk0'])
+        g.boot()
+        try:
+            t0 = time.monotonic()
+            out = g.run('dd if=/dev/vda of=/dev/null bs=1M count=256 iflag=direct 2>&1',
+                        timeout=300)
+            dt = time.monotonic() - t0
+            return 256 * (1 << 20) / dt, out
+        finally:
+            g.shutdown()
+
+    def run(self):
+        gap = self.calibrate()
+        self.gap = gap
+        for rnd in range(self.a.rounds):
+            target = self.round(rnd, gap)
+            if self.a.vm_path:
+                self.qsd_rounds(rnd)
+        self.cpu_bps, _ = self.cpu_part()
+
+    def close(self):
+        self.sc.close()
+        self.tmp.cleanup()
+
+    # -- report --
+
+    def write(self, out):
+        a, gap = self.a, self.gap
+        names = []
+        for r in self.rows:
+            if r['phase'] not in names:
+                names.append(r['phase'])
+        lines = ['# VMs and containers on one device: the I/O arbiter', '',
+                 f'Measured {time.strftime("%Y-%m-%d %H:%M")} by `bench/arbiter.py` '
+                 f'({" ".join(sys.argv[1:]) or "defaults"}): {a.rounds} interleaved rounds of '
+                 f'{a.seconds} s phases, mean +- 95 % CI.  A loop device (direct I/O) on a '
+                 f'{a.size_mib} MiB file of this machine\'s disk; the VM: a TCG guest streaming '
+                 '1 MiB O_DIRECT reads from its virtio-blk disk on that device; the container: '
+                 'fio 4 KiB random reads at QD4 in its own namespaces and blkio cgroup.  '
+                 'Work W = (container bytes + gap x VM bytes) / 4 KiB a second, '
+                 f'gap = {gap:.2f} (calibration below).  Target: the container\'s p99 at '
+                 'most 2 x its solo p99 of the round (0.5 ms at least); the arbiter is told '
+                 f'{a.target_x:g} x its probe\'s solo p90 of the round.  The '
+                 'VM-path rows drive 1 MiB reads at QD4 through a qemu-storage-daemon '
+                 '(NBD) instead of the guest: the block layer without the guest\'s CPU.', '',
+                 '| configuration | container IOPS | container p50 (ms) | container p99 (ms) '
+                 '| VM MB/s | VM p99 (ms) | work (4 KiB/s) |', '|---' * 7 + '|']
+
+        def cell(xs, f='{:.0f}', scale=1):
+            m, h = ci([x * scale if x is not None else None for x in xs])
+            if m is None:
+                return '-'
+            return f.format(m) + (f' +- {f.format(h)}' if h is not None else '')
+
+        summary = {}
+        for n in names:
+            rs = [r for r in self.rows if r['phase'] == n]
+            cs = [r['container'] for r in rs if r['container']]
+            vs = [r['vm'] for r in rs if r['vm']]
+            ws = [S.work(r, gap) for r in rs]
+            summary[n] = dict(work=ci(ws), p99=ci([c['p99_ms'] for c in cs]),
+                              iops=ci([c['iops'] for c in cs]),
+                              vm=ci([v['bps'] for v in vs]))
+            lines.append(f'| {n} | {cell([c["iops"] for c in cs]) if cs else "-"} | '
+                         f'{cell([c["p50_ms"] for c in cs], "{:.2f}") if cs else "-"} | '
+                         f'{cell([c["p99_ms"] for c in cs], "{:.2f}") if cs else "-"} | '
+                         f'{cell([v["bps"] for v in vs], "{:.1f}", 1 / MB) if vs else "-"} | '
+                         f'{cell([v["p99_ms"] for v in vs], "{:.1f}") if vs else "-"} | '
+                         f'{cell(ws)} |')
+        lines.append('')
+        targets = [r['target_ms'] for r in self.rows if r['phase'] == 'arbitrated']
+        lines += ['## Against the issue', '']
+        rows = []
+        s = summary
+        if 'contended' in s and 'container solo' in s:
+            rows.append(('container IOPS, contended / solo (the design\'s drop)',
+                         f'{s["contended"]["iops"][0] / s["container solo"]["iops"][0]:.2f}x', '< 1'))
+        if 'arbitrated' in s:
+            rows.append(('container p99 arbitrated / target',
+                         f'{s["arbitrated"]["p99"][0]:.2f} / {statistics.mean(targets):.2f} ms',
+                         '<= 1'))
+            ok = [n for n in s if n.startswith('static') and s[n]['p99'][0] is not None
+                  and s[n]['p99'][0] <= statistics.mean(targets)]
+            if ok:
+                best = max(ok, key=lambda n: s[n]['work'][0])
+                rows.append((f'work arbitrated / best static meeting the target ({best})',
+                             f'{s["arbitrated"]["work"][0] / s[best]["work"][0]:.2f}x', '>= 1'))
+            else:
+                rows.append(('work, best static meeting the target', 'no static setting met it',
+                             ''))
+        if 'contended (A/A)' in s:
+            rows.append(('A/A: contended / contended again, container IOPS',
+                         f'{s["contended"]["iops"][0] / s["contended (A/A)"]["iops"][0]:.2f}x',
+                         'about 1'))
+        if 'VM solo' in s:
+            rows.append(('CPU part: the guest alone on the device / on null-co (no device)',
+                         f'{s["VM solo"]["vm"][0] / MB:.0f} / {self.cpu_bps / MB:.0f} MB/s', ''))
+        lines += ['| measure | value | target |', '|---|---|---|']
+        lines += [f'| {x} | {y} | {z} |' for x, y, z in rows]
+        lines += ['', '## Calibration (hvarbiter calibrate, this device)', '', '```',
+                  self.model.table(), '```', '']
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, 'arbiter.md'), 'w') as f:
+            f.write('\n'.join(lines))
+        with open(os.path.join(out, 'arbiter.json'), 'w') as f:
+            json.dump(dict(args=vars(a), gap=gap, cpu_bps=self.cpu_bps, rows=self.rows,
+                           model=self.model.points), f, indent=1)
+        self.chart(os.path.join(out, 'arbiter.png'), names, summary)
+        print('\n'.join(lines))
+
+    def chart(self, path, names, s):
+        try:
+            import matplotlib
+            matplotlib.use('Agg')
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print('matplotlib missing: no chart', file=sys.stderr)
+            return
+        fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+        for ax, key, label, scale in ((axes[0], 'iops', 'container IOPS', 1),
+                                      (axes[1], 'p99', 'container p99 (ms)', 1),
+                                      (axes[2], 'vm', 'VM MB/s', 1 / MB)):
+            ns = [n for n in names if s[n][key][0] is not None]
+            vals = [s[n][key][0] * scale for n in ns]
+            errs = [(s[n][key][1] or 0) * scale for n in ns]
+            ax.barh(ns, vals, xerr=errs, color='#4c72b0')
+            ax.set_xlabel(label)
+            ax.invert_yaxis()
+            ax.grid(axis='x', alpha=0.3)
+        for ax in axes[1:]:
+            ax.set_yticklabels([])
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    ap.add_argument('--rounds', type=int, default=3)
+    ap.add_argument('--seconds', type=int, default=5)
+    ap.add_argument('--size-mib', type=int, default=512)
+    ap.add_argument('--statics', default='8,32,64,128', help='MB/s, comma-separated')
+    ap.add_argument('--target-x', type=float, default=1.5)
+    ap.add_argument('--no-vm-path', dest='vm_path', action='store_false')
+    ap.add_argument('--out', default=os.path.join(REPO, 'docs', 'bench'))
+    a = ap.parse_args()
+    a.statics = [int(x) for x in a.statics.split(',') if x]
+    why = A.unavailable()
+    if why:
+        sys.exit(f'arbiter bench: {why}')
+    b = Bench(a)
+    try:
+        b.run()
+        b.write(a.out)
+    finally:
+        b.close()
+
+
+if __name__ == '__main__':
+    main()
