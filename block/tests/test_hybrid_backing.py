@@ -11,9 +11,7 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 import unittest
 
@@ -22,11 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 '..', '..', 'tests'))
 import hybridlib as H   # noqa: E402
 from test_hybrid import crc32c   # noqa: E402
-
-try:
-    import hvlib        # noqa: E402
-except ImportError:     # pragma: no cover
-    hvlib = None
+from test_hybrid_boot import READY, WHY, GuestDiskCase   # noqa: E402
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -484,50 +478,8 @@ class BackingTest(unittest.TestCase):
         self.assertIn('backing file is not supported yet', r.stderr)
 
 
-def guest_ready():
-    if hvlib is None:
-        return False, 'tests/hvlib not importable'
-    paths = hvlib.BuildPaths()
-    try:
-        paths.binary('qemu-system-x86_64')
-        paths.guest_file('vmlinuz')
-        paths.guest_file('initrd.img')
-        paths.guest_file('rootfs.ext4')
-    except hvlib.MissingBuild as exc:
-        return False, str(exc)
-    return True, ''
-
-
-READY, WHY = guest_ready()
-
-
 @unittest.skipUnless(READY, f'guest not built: {WHY}')
-class BackingBootTest(unittest.TestCase):
-
-    def setUp(self):
-        self.paths = hvlib.BuildPaths()
-        self.dir = tempfile.mkdtemp(prefix='hybrid-backing-boot-')
-        self.guests = []
-
-    def tearDown(self):
-        for g in reversed(self.guests):
-            g.shutdown()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def boot(self, name, disk, fmt):
-        g = hvlib.Guest(name, self.dir, paths=self.paths, root_disk=disk,
-                        root_format=fmt)
-        self.guests.append(g)
-        g.launch()
-        g.wait_console(r'HV-ROOT /dev/vda', timeout=180)
-        g.wait_console(r'HV-ONDISK /dev/vda', timeout=120)
-        g.wait_console(r'HV-BOOTED', timeout=120)
-        return g
-
-    def stop(self, g):
-        g.run('sync; mount -o remount,ro /', timeout=60)
-        g.shutdown()
-        self.guests.remove(g)
+class BackingBootTest(GuestDiskCase, unittest.TestCase):
 
     def test_boot_from_overlay_over_read_only_base(self):
         """The guest's root file system is a hybrid overlay (64 MiB RAM

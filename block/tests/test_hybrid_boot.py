@@ -36,8 +36,8 @@ def guest_ready():
 READY, WHY = guest_ready()
 
 
-@unittest.skipUnless(READY, f'guest not built: {WHY}')
-class HybridBootTest(unittest.TestCase):
+class GuestDiskCase:
+    """Guests booting from a root disk of ours (a mixin for TestCase)."""
 
     def setUp(self):
         self.paths = hvlib.BuildPaths()
@@ -63,6 +63,10 @@ class HybridBootTest(unittest.TestCase):
         g.run('sync; mount -o remount,ro /', timeout=60)
         g.shutdown()
         self.guests.remove(g)
+
+
+@unittest.skipUnless(READY, f'guest not built: {WHY}')
+class HybridBootTest(GuestDiskCase, unittest.TestCase):
 
     def test_boot_sync_then_async(self):
         """Boot in sync mode and write a marker; reboot in async mode (a
