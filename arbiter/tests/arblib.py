@@ -126,10 +126,12 @@ class VMPath:
             '--object', 'throttle-group,id=tg0',
             '--blockdev', json.dumps({'driver': 'host_device', 'filename': dev,
                                       'node-name': 'dev', 'aio': 'native',
+                                      # beside a guest that has it open
+                                      'locking': 'off',
                                       'cache': {'direct': True}}),
             '--blockdev', 'throttle,node-name=thr,throttle-group=tg0,file=dev',
             '--nbd-server', f'addr.type=unix,addr.path={self.nbd}',
-            '--export', 'nbd,id=disk,node-name=thr,writable=on',
+            '--export', 'nbd,id=disk,name=disk,node-name=thr,writable=on',
             '--chardev', f'socket,id=arb,path={self.qmp_path},server=on,wait=off',
             '--monitor', 'chardev=arb')
 
