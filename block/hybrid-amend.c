@@ -103,10 +103,20 @@ hybrid_co_truncate(BlockDriverState *bs, int64_t offset, bool exact,
                    "persistent tier: resize that instead");
         return -ENOTSUP;
     }
-    if (s->alloc) {
-        error_setg(errp, "Resizing a hybrid image with a backing file is "
-                   "not supported yet");
+    if (s->alloc && (old_size % s->block_size || offset % s->block_size)) {
+        /* a partial last block may read from the backing image */
+        error_setg(errp, "A hybrid image with a backing file is resized by "
+                   "whole blocks: %" PRIu64 " and %" PRId64 " must be "
+                   "multiples of %" PRIu32, old_size, offset, s->block_size);
         return -ENOTSUP;
+    }
+    if (s->alloc && offset / s->block_size > s->header.bitmap_blocks) {
+        error_setg(errp, "The allocation bitmap of this image has room for %"
+                   PRIu64 " blocks (%" PRIu64 " bytes of disk), not %" PRIu64,
+                   s->header.bitmap_blocks,
+                   s->header.bitmap_blocks * s->block_size,
+                   offset / s->block_size);
+        return -ENOSPC;
     }
     if (prealloc != PREALLOC_MODE_OFF) {
         error_setg(errp, "Unsupported preallocation mode '%s' (the hybrid "
@@ -148,6 +158,13 @@ hybrid_co_truncate(BlockDriverState *bs, int64_t offset, bool exact,
             if (ret < 0) {
                 error_setg_errno(errp, -ret, "Could not clear the persistent "
                                  "tier past the old end");
+                return ret;
+            }
+        }
+        if (s->alloc) {
+            ret = hybrid_backing_grow(s, old_size / s->block_size,
+                                      new_size / s->block_size, errp);
+            if (ret < 0) {
                 return ret;
             }
         }

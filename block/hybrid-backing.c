@@ -601,6 +601,81 @@ hybrid_backing_flush_end(BDRVHybridState *s, GArray *snap, int ret)
     return ret;
 }
 
+/* ---- resize ---- */
+
+/* Grow both in-memory bitmaps to @bits (they never shrink). */
+static int hybrid_backing_widen(BDRVHybridState *s, uint64_t bits)
+{
+    size_t old = hybrid_bitmap_bytes(s->alloc_bits);
+    size_t bytes = hybrid_bitmap_bytes(bits);
+    unsigned long *a;
+
+    if (bits <= s->alloc_bits) {
+        return 0;
+    }
+    a = g_try_realloc(s->alloc, bytes);
+    if (!a) {
+        return -ENOMEM;
+    }
+    memset((char *)a + old, 0, bytes - old);
+    s->alloc = a;
+    a = g_try_realloc(s->alloc_disk, bytes);
+    if (!a) {
+        return -ENOMEM;     /* s->alloc is only longer than it needs be */
+    }
+    memset((char *)a + old, 0, bytes - old);
+    s->alloc_disk = a;
+    s->alloc_bits = bits;
+    return 0;
+}
+
+/*
+ * The disk grows from @old_nb to @new_nb whole blocks, which the caller
+ * made read as zeros in the persistent tier.  They belong to the image: a
+ * backing image longer than the old disk must not show through there
+ * (the block layer's BDRV_REQ_ZERO_WRITE).  Their bits reach the on-disk
+ * bitmap, after the tier is flushed and flushed themselves, before the
+ * caller writes the new size: a crash before that leaves bits past the
+ * disk's end, which are ignored.
+ */
+int coroutine_fn GRAPH_RDLOCK
+hybrid_backing_grow(BDRVHybridState *s, uint64_t old_nb, uint64_t new_nb,
+                    Error **errp)
+{
+    g_autoptr(GArray) secs = NULL;
+    uint64_t sec;
+    int ret;
+
+    assert(new_nb <= s->header.bitmap_blocks);     /* checked by the caller */
+    ret = hybrid_backing_widen(s, ROUND_UP(new_nb, HYBRID_BITMAP_SECTOR_BITS));
+    if (ret < 0) {
+        error_setg(errp, "Could not allocate the allocation bitmap");
+        return ret;
+    }
+    ret = bdrv_co_flush(s->bs->file->bs);
+    if (ret < 0) {
+        error_setg_errno(errp, -ret, "Could not flush the persistent tier");
+        return ret;
+    }
+    bitmap_set(s->alloc, old_nb, new_nb - old_nb);
+    bitmap_set(s->alloc_disk, old_nb, new_nb - old_nb);
+    secs = g_array_new(false, false, sizeof(uint64_t));
+    for (sec = old_nb / HYBRID_BITMAP_SECTOR_BITS;
+         sec <= (new_nb - 1) / HYBRID_BITMAP_SECTOR_BITS; sec++) {
+        uint64_t idx = sec * HYBRID_BITMAP_SECTOR_BITS;
+
+        g_array_append_val(secs, idx);
+    }
+    ret = hybrid_backing_write_bitmap(s, secs);
+    if (ret == 0) {
+        ret = bdrv_co_flush(s->bs->file->bs);
+    }
+    if (ret < 0) {
+        error_setg_errno(errp, -ret, "Could not write the allocation bitmap");
+    }
+    return ret;
+}
+
 /* ---- rebase ---- */
 
 /*

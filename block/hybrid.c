@@ -710,6 +710,10 @@ static int hybrid_open(BlockDriverState *bs, QDict *options, int flags,
 
     bs->total_sectors = s->size / BDRV_SECTOR_SIZE;
     bs->supported_zero_flags = BDRV_REQ_MAY_UNMAP;
+    if (!s->raw) {
+        /* a grow always reads as zeros, backing file or not */
+        bs->supported_truncate_flags = BDRV_REQ_ZERO_WRITE;
+    }
 
     trace_hybrid_open(s, s->size, s->block_size, s->ram_blocks, s->mode,
                       s->dedup, !!(s->header.flags & HYBRID_FLAG_DIRTY));

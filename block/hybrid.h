@@ -442,6 +442,9 @@ hybrid_backing_write_through(BDRVHybridState *s, int64_t offset,
 GArray *hybrid_backing_flush_begin(BDRVHybridState *s);
 int coroutine_fn GRAPH_RDLOCK
 hybrid_backing_flush_end(BDRVHybridState *s, GArray *snap, int ret);
+int coroutine_fn GRAPH_RDLOCK
+hybrid_backing_grow(BDRVHybridState *s, uint64_t old_nb, uint64_t new_nb,
+                    Error **errp);
 int64_t hybrid_backing_unallocated_run(BDRVHybridState *s, int64_t offset,
                                        int64_t bytes);
 int coroutine_fn GRAPH_RDLOCK
