@@ -64,7 +64,6 @@ import json
 import os
 import random
 import sys
-import threading
 import time
 
 TOP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -119,51 +118,7 @@ def guest_args(config, trace=None):
     return args + ['-device', balloon]
 
 
-class Load:
-    """Host load generator: GET random hot keys in a loop, one connection,
-    recording (time, latency) per request; moves to the destination's port
-    when the source stops answering."""
-
-    def __init__(self, ports, keys):
-        import redis
-        self.redis = redis
-        self.ports = list(ports)
-        self.keys = keys
-        self.samples = []       # (t, latency s)
-        self.errors = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-
-    def run(self):
-        rng = random.Random(1)
-        idx = 0
-        client = None
-        while not self.stop.is_set():
-            if client is None:
-                client = self.redis.Redis(host='127.0.0.1', port=self.ports[idx],
-                                          socket_timeout=2, socket_connect_timeout=1)
-            t0 = time.monotonic()
-            try:
-                client.get(self.keys[rng.randrange(len(self.keys))])
-                self.samples.append((t0, time.monotonic() - t0))
-            except (self.redis.ConnectionError, self.redis.TimeoutError):
-                self.errors += 1
-                client.close()
-                client = None
-                idx = min(idx + 1, len(self.ports) - 1) if self.errors > 1 else idx
-                time.sleep(0.05)
-        if client:
-            client.close()
-
-    def figures(self, t_start, t_end):
-        lat = sorted(d for t, d in self.samples if t_start <= t <= t_end)
-        span = max(t_end - t_start, 1e-3)
-        if not lat:
-            return {'ops/s': 0, 'p50 (ms)': None, 'p99 (ms)': None, 'max (ms)': None}
-        return {'ops/s': round(len(lat) / span),
-                'p50 (ms)': round(1000 * lat[len(lat) // 2], 2),
-                'p99 (ms)': round(1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))], 2),
-                'max (ms)': round(1000 * lat[-1], 1)}
+Load = hvlib.RedisLoad
 
 
 def load_data(g, args, module, lazy=False, zero_off=False):

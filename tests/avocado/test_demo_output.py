@@ -45,10 +45,11 @@ class DemoOutput(Test):
         self.demo = load_demo()
         aa = {'freed-bytes': 60 * 2**20, 'zeroed-bytes': 60 * 2**20, 'prepare-time': 27, 'balloon-time': 0}
         self.qemu_runs = [
-            ('stock post-copy', self.demo.qemu_figures(result(), False, 0, 0)),
+            ('stock post-copy', self.demo.qemu_figures(result(), False, 0, 0,
+                                                       {'ops/s': 1806, 'p99 (ms)': 3.6})),
             ('app-assisted post-copy',
              self.demo.qemu_figures(result(total=1176, setup=29, transferred_mib=126.2, requests=11, aa=aa),
-                                    True, 0, 0))]
+                                    True, 0, 0, {'ops/s': 1750, 'p99 (ms)': 4.1}))]
         self.libvirt_runs = [
             ('stock (virsh)', self.demo.libvirt_figures(6.14, JOB, {}, 0, 0)),
             ('app-assisted (virsh)', self.demo.libvirt_figures(5.02, JOB, {'status': 'completed'}, 0, 0))]
@@ -71,13 +72,16 @@ class DemoOutput(Test):
                 self.assertIn(str(value), row)
 
     def test_ratio_only_where_meaningful(self):
-        """Total time and bytes transferred get the ratio assisted/stock; the
-        other figures (status, counts, set-up time) get none."""
+        """Total time, bytes transferred and the Redis client's throughput and
+        p99 during the migration get the ratio assisted/stock; the other figures (status, counts, set-up time) get none."""
         rows = {line.split('  ')[0]: line for line in self.demo.table(self.qemu_runs).splitlines()[2:]}
         self.assertTrue(rows['total time (ms)'].endswith('0.80'), rows['total time (ms)'])
         self.assertTrue(rows['transferred (MiB)'].endswith('0.76'), rows['transferred (MiB)'])
         self.assertTrue(rows['status'].endswith('completed'), rows['status'])
         self.assertTrue(rows['setup time (ms)'].endswith('29'), rows['setup time (ms)'])
+        self.assertTrue(rows['Redis ops/s during migration'].endswith('0.97'),
+                        rows['Redis ops/s during migration'])
+        self.assertTrue(rows['Redis p99 during (ms)'].endswith('1.14'), rows['Redis p99 during (ms)'])
 
     def test_virsh_units(self):
         """virsh's scaled sizes come out in MiB, its times in ms, a missing field as '-'."""
