@@ -133,12 +133,23 @@ class Config:
                                        comment_prefixes=('#', ';'), strict=True)
         cp.optionxform = str
         try:
-            st = os.stat(path)
-            if not stat.S_ISREG(st.st_mode):
-                raise ConfigError(f'{path}: not a regular file')
-            if st.st_size > MiB:
-                raise ConfigError(f'{path}: larger than 1 MiB')
-            with open(path, encoding='utf-8') as f:
+            # O_NONBLOCK: a FIFO is refused below instead of hanging here
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise ConfigError(f'{path}: not a regular file')
+                if st.st_size > MiB:
+                    raise ConfigError(f'{path}: larger than 1 MiB')
+                # the daemon runs as root and writes where this file says
+                if st.st_mode & 0o022:
+                    raise ConfigError(f'{path}: writable by group or others '
+                                      f'(mode {stat.S_IMODE(st.st_mode):04o}); refusing')
+                f = open(fd, encoding='utf-8')
+            except BaseException:
+                os.close(fd)
+                raise
+            with f:
                 cp.read_file(f)
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f'{path}: {e}') from None

@@ -19,6 +19,7 @@ import threading
 import time
 
 from . import policy
+from .files import open_append, replace_file
 from .model import Model
 from .sources import (Probe, SourceError, cgroup_io, device_number, hist_percentile,
                       io_pressure_us, v1_disable_accounting, v1_enable_accounting)
@@ -34,8 +35,7 @@ class DecisionLog:
     def __init__(self, path, max_bytes):
         self.path, self.max = path, max_bytes
         self.lock = threading.Lock()
-        self.f = open(path, 'a', buffering=1)
-        os.chmod(path, 0o640)
+        self.f = open_append(path)
 
     def __call__(self, rec):
         rec = dict(t=round(time.time(), 3), **rec)
@@ -44,7 +44,7 @@ class DecisionLog:
             if self.f.tell() + len(line) > self.max:
                 self.f.close()
                 os.replace(self.path, self.path + '.1')
-                self.f = open(self.path, 'a', buffering=1)
+                self.f = open_append(self.path)
             self.f.write(line)
 
     def close(self):
@@ -297,11 +297,8 @@ class Arbiter:
         return '\n'.join(lines) + '\n'
 
     def write_metrics_file(self):
-        tmp = self.conf.metrics_file + '.tmp'
         try:
-            with open(tmp, 'w') as f:
-                f.write(self.metrics())
-            os.replace(tmp, self.conf.metrics_file)
+            replace_file(self.conf.metrics_file, self.metrics())
         except OSError as e:
             self.log(dict(event='metrics-file-error', error=str(e)))
 

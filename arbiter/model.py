@@ -21,6 +21,8 @@ import subprocess
 import tempfile
 import time
 
+from .files import replace_file
+
 VERSION = 1
 MAX_POINTS = 64
 
@@ -71,11 +73,9 @@ class Model:
         return cls(d.get('device'), out, d.get('measured'))
 
     def save(self, path):
-        tmp = path + '.tmp'
-        with open(tmp, 'w') as f:
-            json.dump(dict(version=VERSION, device=self.device, measured=self.measured,
-                           points=self.points), f, indent=1)
-        os.replace(tmp, path)
+        replace_file(path, json.dumps(dict(version=VERSION, device=self.device,
+                                           measured=self.measured, points=self.points),
+                                      indent=1))
 
     def gap(self):
         """Geometric mean of the per-point gaps."""

@@ -187,10 +187,10 @@ def cgroup_paths(name):
 
 
 def config(tmp, dev, vms, containers, target_ms=5.0, period_ms=100, extra_device='',
-           extra_vm='', state='state'):
+           extra_vm='', state='state', extra_arbiter=''):
     """Write an arbiter configuration; vms: [(name, qmp_path)]."""
     text = (f'[arbiter]\nperiod-ms = {period_ms}\nstate-dir = {tmp(state)}\n'
-            f'qmp-timeout-ms = 500\n\n'
+            f'qmp-timeout-ms = 500\n{extra_arbiter}\n'
             f'[device]\npath = {dev}\ntarget-latency-ms = {target_ms}\nprobe-iops = 200\n'
             f'{extra_device}\n')
     for name in containers:
@@ -205,6 +205,7 @@ def config(tmp, dev, vms, containers, target_ms=5.0, period_ms=100, extra_device
     path = tmp(f'{state}.conf')
     with open(path, 'w') as f:
         f.write(text)
+    os.chmod(path, 0o644)       # whatever the umask: the daemon refuses 0o022
     return path
 
 

@@ -95,6 +95,30 @@ class ConfigTest(unittest.TestCase):
             Config('/dev')
         self.assertIn('not a regular file', str(cm.exception))
 
+    def test_writable_by_others_refused(self):
+        """The daemon runs as root and writes where its configuration says
+        (state-dir, log, metrics-file): one anybody may edit is refused."""
+        with tempfile.NamedTemporaryFile('w', suffix='.conf', delete=False) as f:
+            f.write(GOOD)
+        self.addCleanup(os.unlink, f.name)
+        for mode in (0o666, 0o620):
+            os.chmod(f.name, mode)
+            with self.assertRaises(ConfigError) as cm:
+                Config(f.name)
+            self.assertIn('writable by group or others', str(cm.exception))
+        os.chmod(f.name, 0o644)
+        self.assertEqual(Config(f.name).target_ms, 2.5)
+
+    def test_fifo_refused_without_hanging(self):
+        d = tempfile.mkdtemp()
+        self.addCleanup(os.rmdir, d)
+        fifo = os.path.join(d, 'arbiter.conf')
+        os.mkfifo(fifo)
+        self.addCleanup(os.unlink, fifo)
+        with self.assertRaises(ConfigError) as cm:
+            Config(fifo)
+        self.assertIn('not a regular file', str(cm.exception))
+
 
 if __name__ == '__main__':
     unittest.main()

@@ -253,6 +253,45 @@ class ArbiterTest(unittest.TestCase):
         st = json.loads(out.stdout)
         self.assertEqual((st['target_ms'], st['target_percentile']), (5, 90))
 
+    def test_files_never_follow_a_planted_link(self):
+        """metrics-file in a directory anybody may write to: the names a
+        writer could guess (the file, its old '.tmp' name) are links to a
+        file of root's; the daemon replaces the link at the metrics path and
+        never writes through one.  A log path that is a link is refused at
+        start with the reason."""
+        pub = self.tmp(f'{self.state}-pub')
+        os.makedirs(pub)
+        os.chmod(pub, 0o1777)
+        victim = self.tmp(f'{self.state}-victim')
+        with open(victim, 'w') as f:
+            f.write('root only\n')
+        metrics = os.path.join(pub, 'arbiter.prom')
+        os.symlink(victim, metrics + '.tmp')
+        os.symlink(victim, metrics)
+        d = self.daemon(target_ms=5, extra_arbiter=f'metrics-file = {metrics}\n')
+        d.wait(lambda s: s.get('periods', 0) >= 3)
+        deadline = time.monotonic() + 10
+        while os.path.islink(metrics) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.assertFalse(os.path.islink(metrics))
+        with open(metrics) as f:
+            self.assertIn('hvarbiter_periods_total', f.read())
+        with open(victim) as f:
+            self.assertEqual(f.read(), 'root only\n')
+        d.terminate()
+
+        log = os.path.join(pub, 'decisions.jsonl')
+        os.symlink(victim, log)
+        conf = A.config(self.tmp, self.loop.dev, [('vm0', self.vm.qmp_path)], [self.ctr],
+                        state=self.state + '-2', extra_arbiter=f'log = {log}\n')
+        r = subprocess.run([sys.executable, A.HVARBITER, 'run', conf],
+                           capture_output=True, text=True, timeout=30)
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn(log, r.stderr)
+        with open(victim) as f:
+            self.assertEqual(f.read(), 'root only\n')
+        self.assertTrue(default(self.limits()))
+
     def test_calibrate_and_auto_target(self):
         model = self.tmp('model.json')
         r = subprocess.run([sys.executable, A.HVARBITER, 'calibrate', self.loop.dev, '-o', model,
