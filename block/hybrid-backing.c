@@ -130,6 +130,20 @@ int hybrid_backing_check_header(const HybridHeader *h, Error **errp)
 }
 
 /*
+ * The extension's fixed fields, and a bitmap from HYBRID_BITMAP_OFFSET
+ * taking all the room up to @h's data_offset.
+ */
+static void hybrid_backing_extension(HybridHeader *h)
+{
+    h->header_size = HYBRID_HEADER_SIZE_BACKING;
+    h->incompat_features |= HYBRID_INCOMPAT_BACKING;
+    h->backing_version = HYBRID_BACKING_VERSION;
+    h->bitmap_offset = HYBRID_BITMAP_OFFSET;
+    h->bitmap_blocks = QEMU_ALIGN_DOWN((h->data_offset - HYBRID_BITMAP_OFFSET)
+                                       * 8, HYBRID_BITMAP_SECTOR_BITS);
+}
+
+/*
  * Lay out a new image's backing extension in @h (geometry already set):
  * name in slot A, the bitmap after slot B, data after the bitmap; the
  * bitmap takes all the room up to data_offset, so the disk may grow
@@ -154,20 +168,15 @@ int hybrid_backing_layout(HybridHeader *h, const char *name,
         return -EINVAL;
     }
     bm_end = HYBRID_BITMAP_OFFSET + hybrid_bitmap_bytes(nb_blocks);
-    h->header_size = HYBRID_HEADER_SIZE_BACKING;
-    h->incompat_features |= HYBRID_INCOMPAT_BACKING;
     h->data_offset = ROUND_UP(MAX(bm_end, HYBRID_DATA_OFFSET),
                               HYBRID_DATA_OFFSET);
-    h->backing_version = HYBRID_BACKING_VERSION;
+    hybrid_backing_extension(h);
     h->backing_name_len = name_len;
     h->backing_fmt_len = fmt_len;
     h->backing_name_offset = HYBRID_BACKING_SLOT_A;
     slot = g_strconcat(name, fmt ?: "", NULL);
     h->backing_name_crc = crc32c(0xffffffff, (uint8_t *)slot,
                                  name_len + fmt_len);
-    h->bitmap_offset = HYBRID_BITMAP_OFFSET;
-    h->bitmap_blocks = QEMU_ALIGN_DOWN((h->data_offset - HYBRID_BITMAP_OFFSET)
-                                       * 8, HYBRID_BITMAP_SECTOR_BITS);
     return 0;
 }
 
@@ -203,29 +212,45 @@ static int GRAPH_RDLOCK hybrid_backing_read_name(BDRVHybridState *s,
     return 0;
 }
 
-/* Both in-memory bitmaps for the disk's size (at least one sector). */
+/* Grow both in-memory bitmaps to @bits (they never shrink). */
+static int hybrid_backing_widen(BDRVHybridState *s, uint64_t bits)
+{
+    size_t old = hybrid_bitmap_bytes(s->alloc_bits);
+    size_t bytes = hybrid_bitmap_bytes(bits);
+    unsigned long *a;
+
+    if (bits <= s->alloc_bits) {
+        return 0;
+    }
+    a = g_try_realloc(s->alloc, bytes);
+    if (!a) {
+        return -ENOMEM;
+    }
+    memset((char *)a + old, 0, bytes - old);
+    s->alloc = a;
+    a = g_try_realloc(s->alloc_disk, bytes);
+    if (!a) {
+        return -ENOMEM;     /* s->alloc is only longer than it needs be */
+    }
+    memset((char *)a + old, 0, bytes - old);
+    s->alloc_disk = a;
+    s->alloc_bits = bits;
+    return 0;
+}
+
+/* Both in-memory bitmaps, cleared, for at least the disk's size. */
 static int hybrid_backing_alloc_bitmaps(BDRVHybridState *s, Error **errp)
 {
     uint64_t bits = ROUND_UP(MAX(s->nb_blocks, 1), HYBRID_BITMAP_SECTOR_BITS);
-    uint64_t bytes = hybrid_bitmap_bytes(bits);
 
-    if (bits == s->alloc_bits) {
-        return 0;
-    }
-    g_free(s->alloc);
-    g_free(s->alloc_disk);
-    s->alloc = g_try_malloc0(bytes);
-    s->alloc_disk = g_try_malloc0(bytes);
-    s->alloc_bits = bits;
-    if (!s->alloc || !s->alloc_disk) {
-        g_free(s->alloc);
-        g_free(s->alloc_disk);
-        s->alloc = s->alloc_disk = NULL;
-        s->alloc_bits = 0;
+    if (hybrid_backing_widen(s, bits) < 0) {
+        hybrid_backing_close(s);    /* no half-made bitmap stays behind */
         error_setg(errp, "Could not allocate the allocation bitmap (%"
-                   PRIu64 " bytes)", bytes);
+                   PRIu64 " bytes)", hybrid_bitmap_bytes(bits));
         return -ENOMEM;
     }
+    bitmap_zero(s->alloc, s->alloc_bits);
+    bitmap_zero(s->alloc_disk, s->alloc_bits);
     if (!s->alloc_new) {
         s->alloc_new = g_array_new(false, false, sizeof(uint64_t));
         s->cow_busy = g_array_new(false, false, sizeof(uint64_t));
@@ -572,6 +597,24 @@ hybrid_backing_write_bitmap(BDRVHybridState *s, GArray *snap)
     return 0;
 }
 
+/* Write sectors @first..@last of the bitmap, placed at @base, in one go. */
+static int coroutine_fn GRAPH_RDLOCK
+hybrid_backing_write_sectors(BDRVHybridState *s, uint64_t base,
+                             uint64_t first, uint64_t last)
+{
+    const uint64_t longs = HYBRID_BITMAP_SECTOR_BITS / BITS_PER_LONG;
+    uint64_t n = last - first + 1;
+    g_autofree unsigned long *le = g_try_new(unsigned long, n * longs);
+
+    if (!le) {
+        return -ENOMEM;
+    }
+    bitmap_to_le(le, s->alloc_disk + first * longs,
+                 n * HYBRID_BITMAP_SECTOR_BITS);
+    return bdrv_co_pwrite(s->bs->file, base + first * BDRV_SECTOR_SIZE,
+                          n * BDRV_SECTOR_SIZE, le, 0);
+}
+
 /*
  * After the RAM tier was written back (@ret its result): make the data
  * durable, then record the bits taken at flush_begin.  On failure they
@@ -603,32 +646,6 @@ hybrid_backing_flush_end(BDRVHybridState *s, GArray *snap, int ret)
 
 /* ---- resize ---- */
 
-/* Grow both in-memory bitmaps to @bits (they never shrink). */
-static int hybrid_backing_widen(BDRVHybridState *s, uint64_t bits)
-{
-    size_t old = hybrid_bitmap_bytes(s->alloc_bits);
-    size_t bytes = hybrid_bitmap_bytes(bits);
-    unsigned long *a;
-
-    if (bits <= s->alloc_bits) {
-        return 0;
-    }
-    a = g_try_realloc(s->alloc, bytes);
-    if (!a) {
-        return -ENOMEM;
-    }
-    memset((char *)a + old, 0, bytes - old);
-    s->alloc = a;
-    a = g_try_realloc(s->alloc_disk, bytes);
-    if (!a) {
-        return -ENOMEM;     /* s->alloc is only longer than it needs be */
-    }
-    memset((char *)a + old, 0, bytes - old);
-    s->alloc_disk = a;
-    s->alloc_bits = bits;
-    return 0;
-}
-
 /*
  * The disk grows from @old_nb to @new_nb whole blocks, which the caller
  * made read as zeros in the persistent tier.  They belong to the image: a
@@ -642,8 +659,6 @@ int coroutine_fn GRAPH_RDLOCK
 hybrid_backing_grow(BDRVHybridState *s, uint64_t old_nb, uint64_t new_nb,
                     Error **errp)
 {
-    g_autoptr(GArray) secs = NULL;
-    uint64_t sec;
     int ret;
 
     assert(new_nb <= s->header.bitmap_blocks);     /* checked by the caller */
@@ -659,14 +674,9 @@ hybrid_backing_grow(BDRVHybridState *s, uint64_t old_nb, uint64_t new_nb,
     }
     bitmap_set(s->alloc, old_nb, new_nb - old_nb);
     bitmap_set(s->alloc_disk, old_nb, new_nb - old_nb);
-    secs = g_array_new(false, false, sizeof(uint64_t));
-    for (sec = old_nb / HYBRID_BITMAP_SECTOR_BITS;
-         sec <= (new_nb - 1) / HYBRID_BITMAP_SECTOR_BITS; sec++) {
-        uint64_t idx = sec * HYBRID_BITMAP_SECTOR_BITS;
-
-        g_array_append_val(secs, idx);
-    }
-    ret = hybrid_backing_write_bitmap(s, secs);
+    ret = hybrid_backing_write_sectors(s, s->header.bitmap_offset,
+                                       old_nb / HYBRID_BITMAP_SECTOR_BITS,
+                                       (new_nb - 1) / HYBRID_BITMAP_SECTOR_BITS);
     if (ret == 0) {
         ret = bdrv_co_flush(s->bs->file->bs);
     }
@@ -689,23 +699,16 @@ hybrid_backing_add_bitmap(BDRVHybridState *s)
 {
     HybridHeader h = s->header;
     uint64_t bits = ROUND_UP(MAX(s->nb_blocks, 1), HYBRID_BITMAP_SECTOR_BITS);
-    uint64_t bytes = hybrid_bitmap_bytes(bits);
-    g_autofree unsigned long *le = NULL;
     int ret;
 
-    if (s->data_offset < HYBRID_BITMAP_OFFSET + bytes) {
+    if (s->data_offset < HYBRID_BITMAP_OFFSET + hybrid_bitmap_bytes(bits)) {
         return -ENOSPC;
     }
-    h.header_size = HYBRID_HEADER_SIZE_BACKING;
-    h.incompat_features |= HYBRID_INCOMPAT_BACKING;
-    h.backing_version = HYBRID_BACKING_VERSION;
+    hybrid_backing_extension(&h);
     h.backing_name_len = 0;
     h.backing_fmt_len = 0;
     h.backing_name_offset = HYBRID_BACKING_SLOT_B;
     h.backing_name_crc = crc32c(0xffffffff, NULL, 0);
-    h.bitmap_offset = HYBRID_BITMAP_OFFSET;
-    h.bitmap_blocks = QEMU_ALIGN_DOWN((s->data_offset - HYBRID_BITMAP_OFFSET) *
-                                      8, HYBRID_BITMAP_SECTOR_BITS);
     if (hybrid_backing_check_header(&h, NULL) < 0) {
         return -ENOTSUP;
     }
@@ -714,14 +717,9 @@ hybrid_backing_add_bitmap(BDRVHybridState *s)
     }
     bitmap_set(s->alloc, 0, s->nb_blocks);
     bitmap_copy(s->alloc_disk, s->alloc, s->alloc_bits);
-    le = g_try_malloc(bytes);
-    if (!le) {
-        ret = -ENOMEM;
-        goto fail;
-    }
-    bitmap_to_le(le, s->alloc_disk, bits);
     /* The rest of the capacity is zero already (created so) */
-    ret = bdrv_co_pwrite(s->bs->file, HYBRID_BITMAP_OFFSET, bytes, le, 0);
+    ret = hybrid_backing_write_sectors(s, HYBRID_BITMAP_OFFSET, 0,
+                                       bits / HYBRID_BITMAP_SECTOR_BITS - 1);
     if (ret == 0) {
         ret = bdrv_co_flush(s->bs->file->bs);
     }
