@@ -209,6 +209,21 @@ def config(tmp, dev, vms, containers, target_ms=5.0, period_ms=100, extra_device
     return path
 
 
+def wait_for(get, pred, timeout, what, check=lambda: None):
+    """Poll get() every 0.1 s until pred(value) holds and return that
+    value; check() may raise (a process that died).  Fails naming what and
+    the last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = get()
+        if pred(value):
+            return value
+        check()
+        if time.monotonic() > deadline:
+            raise AssertionError(f'{what} not reached in {timeout} s: {str(value)[:1500]}')
+        time.sleep(0.1)
+
+
 class Daemon:
     def __init__(self, conf_path, tmp, state='state'):
         self.conf = conf_path
@@ -257,16 +272,11 @@ class Daemon:
             return [json.loads(line) for line in f]
 
     def wait(self, pred, timeout=20, what='condition'):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            st = self.status()
-            if pred(st):
-                return st
-            if self.proc.poll() is not None:
-                raise AssertionError('hvarbiter exited: ' + self.output())
-            time.sleep(0.1)
-        raise AssertionError(f'{what} not reached in {timeout} s; status: '
-                             f'{json.dumps(self.status())[:1500]}')
+        return wait_for(self.status, pred, timeout, what, check=self.check_alive)
+
+    def check_alive(self):
+        if self.proc.poll() is not None:
+            raise AssertionError('hvarbiter exited: ' + self.output())
 
     def watchdog_pid(self):
         r = subprocess.run(['pgrep', '-f', f'arbiter.watchdog {self.conf}'],

@@ -89,13 +89,7 @@ class ArbiterTest(unittest.TestCase):
         return self.vm.g.qmp('qom-get', path='/objects/tg0', property='limits')
 
     def wait_limits(self, pred, timeout=15, what='limits'):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            lim = self.limits()
-            if pred(lim):
-                return lim
-            time.sleep(0.1)
-        raise AssertionError(f'{what}: limits are {self.limits()}')
+        return A.wait_for(self.limits, pred, timeout, what)
 
     def start_cutting(self, d):
         """A VM load and a container whose latency is over a tiny target:
@@ -270,10 +264,8 @@ class ArbiterTest(unittest.TestCase):
         os.symlink(victim, metrics)
         d = self.daemon(target_ms=5, extra_arbiter=f'metrics-file = {metrics}\n')
         d.wait(lambda s: s.get('periods', 0) >= 3)
-        deadline = time.monotonic() + 10
-        while os.path.islink(metrics) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        self.assertFalse(os.path.islink(metrics))
+        A.wait_for(lambda: os.path.islink(metrics), lambda link: not link, 10,
+                   'the link at the metrics path replaced')
         with open(metrics) as f:
             self.assertIn('hvarbiter_periods_total', f.read())
         with open(victim) as f:
