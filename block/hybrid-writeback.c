@@ -12,6 +12,7 @@
 
 #include "qemu/osdep.h"
 #include "qemu/cutils.h"
+#include "qemu/units.h"
 #include "qemu/memalign.h"
 #include "block/block-io.h"
 #include "block/block_int.h"
@@ -44,56 +45,167 @@ void hybrid_slot_set_dirty(BDRVHybridState *s, HybridSlot *slot,
     slot->flags |= HYBRID_SLOT_LISTED;
 }
 
+/* One write-back request covers at most this much (a run of blocks) */
+#define HYBRID_WRITEBACK_MAX_BYTES  (1 * MiB)
+
+static uint32_t hybrid_writeback_max_blocks(BDRVHybridState *s)
+{
+    return MAX(1, HYBRID_WRITEBACK_MAX_BYTES >> s->block_shift);
+}
+
+/* A bounce buffer for hybrid_writeback_run() */
+static uint8_t *hybrid_writeback_bounce(BDRVHybridState *s)
+{
+    return qemu_blockalign(s->bs,
+                           (size_t)hybrid_writeback_max_blocks(s) <<
+                           s->block_shift);
+}
+
 /*
- * Write the dirty span of @slot to the child.  The caller holds BUSY.
- * On failure the span is dirty again and the error is returned.
+ * Extend a write-back that starts at locked block @idx over the blocks
+ * after it, as long as each continues the previous one's dirty span (that
+ * span reaches the end of its block, the next one starts at 0) and nobody
+ * else holds it.  Takes BUSY on them (free: nothing yields in between).
+ * Returns the number of blocks in the run, @idx's included.  A sequential
+ * writer's blocks then go to the child in a few large requests instead of
+ * one per block.
+ */
+static uint32_t hybrid_writeback_extend(BDRVHybridState *s, uint64_t idx)
+{
+    uint32_t n = 1, max = hybrid_writeback_max_blocks(s);
+    HybridSlot *prev = &s->slots[idx];
+
+    while (n < max && idx + n < s->ram_blocks &&
+           (prev->flags & HYBRID_SLOT_DIRTY) &&
+           prev->dirty_hi == s->block_size) {
+        HybridSlot *slot = &s->slots[idx + n];
+
+        if ((slot->flags & (HYBRID_SLOT_DIRTY | HYBRID_SLOT_BUSY |
+                            HYBRID_SLOT_LOADED)) !=
+            (HYBRID_SLOT_DIRTY | HYBRID_SLOT_LOADED) ||
+            slot->dirty_lo != 0) {
+            break;
+        }
+        slot->flags |= HYBRID_SLOT_BUSY;
+        prev = slot;
+        n++;
+    }
+    return n;
+}
+
+/*
+ * Write the dirty spans of the @n blocks from @idx, which the caller holds
+ * BUSY and which hybrid_writeback_extend() found contiguous, to the child
+ * in one request.  On failure the spans are dirty again and the error is
+ * returned.
  */
 static int coroutine_fn GRAPH_RDLOCK
-hybrid_writeback_slot(BDRVHybridState *s, HybridSlot *slot, uint8_t *bounce)
+hybrid_writeback_run(BDRVHybridState *s, uint64_t idx, uint32_t n,
+                     uint8_t *bounce)
 {
-    uint64_t idx = slot - s->slots;
-    uint32_t lo, hi, len;
-    const uint8_t *src;
+    HybridSlot *first = &s->slots[idx];
+    uint32_t lo, hi = 0, len = 0, i;
+    bool zero = true;
     int ret;
 
-    assert(slot->flags & HYBRID_SLOT_BUSY);
-    if (!(slot->flags & HYBRID_SLOT_DIRTY)) {
+    assert(first->flags & HYBRID_SLOT_BUSY);
+    if (!(first->flags & HYBRID_SLOT_DIRTY)) {
+        assert(n == 1);
         return 0;
     }
-    lo = slot->dirty_lo;
-    hi = MIN(slot->dirty_hi, hybrid_block_len(s, idx));
-    slot->flags &= ~HYBRID_SLOT_DIRTY;
-    s->dirty_bytes -= slot->dirty_hi - slot->dirty_lo;
-    len = hi > lo ? hi - lo : 0;
+    lo = first->dirty_lo;
 
     /* Snapshot: guest writes may change RAM while the child write runs */
-    src = hybrid_ram_peek(s, idx);
+    for (i = 0; i < n; i++) {
+        HybridSlot *slot = &s->slots[idx + i];
+        uint32_t blo = i ? 0 : lo;
+        const uint8_t *src;
+
+        assert((slot->flags & HYBRID_SLOT_BUSY) &&
+               (slot->flags & HYBRID_SLOT_DIRTY));
+        hi = MIN(slot->dirty_hi, hybrid_block_len(s, idx + i));
+        slot->flags &= ~HYBRID_SLOT_DIRTY;
+        s->dirty_bytes -= slot->dirty_hi - slot->dirty_lo;
+        if (hi <= blo) {
+            continue;
+        }
+        src = hybrid_ram_peek(s, idx + i);
+        if (src && zero && !buffer_is_zero(src + blo, hi - blo)) {
+            /* Not all zeroes after all: copy what was skipped */
+            if (len) {
+                memset(bounce, 0, len);
+            }
+            zero = false;
+        }
+        if (!zero) {
+            if (src) {
+                memcpy(bounce + len, src + blo, hi - blo);
+            } else {
+                memset(bounce + len, 0, hi - blo);
+            }
+        }
+        len += hi - blo;
+    }
+
     if (len == 0) {
         ret = 0;
-    } else if (!src || buffer_is_zero(src + lo, len)) {
+    } else if (zero) {
         ret = bdrv_co_pwrite_zeroes(s->bs->file,
                                     hybrid_host_offset(s, (idx << s->block_shift) + lo),
                                     len, 0);
     } else {
-        memcpy(bounce, src + lo, len);
         ret = bdrv_co_pwrite(s->bs->file,
                              hybrid_host_offset(s, (idx << s->block_shift) + lo),
                              len, bounce, 0);
     }
     trace_hybrid_writeback(s, idx, lo, len, ret);
+    for (i = 0; i < n; i++) {
+        HybridSlot *slot = &s->slots[idx + i];
+
+        if (ret < 0) {
+            hybrid_slot_set_dirty(s, slot, i ? 0 : lo,
+                                  i + 1 < n ? s->block_size : MAX(hi, lo));
+            continue;
+        }
+        if (!(slot->flags & HYBRID_SLOT_DIRTY)) {
+            hybrid_region_clear_dirty(s, idx + i);
+            QTAILQ_REMOVE(&s->dirty_list, slot, dirty_next);
+            slot->flags &= ~HYBRID_SLOT_LISTED;
+            /* Quiet now: worth hashing for dedup */
+            hybrid_ram_intern(s, idx + i);
+        }
+    }
     if (ret < 0) {
-        hybrid_slot_set_dirty(s, slot, lo, hi);
         return ret;
     }
     s->flushed_bytes += len;
-    if (!(slot->flags & HYBRID_SLOT_DIRTY)) {
-        hybrid_region_clear_dirty(s, idx);
-        QTAILQ_REMOVE(&s->dirty_list, slot, dirty_next);
-        slot->flags &= ~HYBRID_SLOT_LISTED;
-        /* Quiet now: worth hashing for dedup */
-        hybrid_ram_intern(s, idx);
-    }
     return 0;
+}
+
+/* Unlock the @n blocks of a run from @idx */
+static void coroutine_fn hybrid_writeback_unlock(BDRVHybridState *s,
+                                                 uint64_t idx, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        hybrid_slot_unlock(s, &s->slots[idx + i]);
+    }
+}
+
+/*
+ * Write back the dirty span of block @idx, and of the dirty blocks that
+ * continue it; the caller holds BUSY on @idx.
+ */
+static int coroutine_fn GRAPH_RDLOCK
+hybrid_writeback_from(BDRVHybridState *s, uint64_t idx, uint8_t *bounce)
+{
+    uint32_t n = hybrid_writeback_extend(s, idx);
+    int ret = hybrid_writeback_run(s, idx, n, bounce);
+
+    /* @idx itself stays locked for the caller */
+    if (n > 1) {
+        hybrid_writeback_unlock(s, idx + 1, n - 1);
+    }
+    return ret;
 }
 
 /*
@@ -151,13 +263,13 @@ static void coroutine_fn hybrid_flusher_entry(void *opaque)
 
     GRAPH_RDLOCK_GUARD();
 
-    bounce = qemu_blockalign(bs, s->block_size);
+    bounce = hybrid_writeback_bounce(s);
     while (hybrid_flusher_should_run(s) &&
            (slot = hybrid_flusher_pick(s)) != NULL) {
         int ret;
 
         hybrid_slot_lock(s, slot);
-        ret = hybrid_writeback_slot(s, slot, bounce);
+        ret = hybrid_writeback_from(s, slot - s->slots, bounce);
         hybrid_slot_unlock(s, slot);
         if (ret < 0 && !s->flush_error) {
             /* Sticky until a guest flush manages to write everything */
@@ -185,6 +297,13 @@ void hybrid_flusher_kick(BDRVHybridState *s)
     }
 }
 
+static int hybrid_cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+
+    return x < y ? -1 : x > y;
+}
+
 /* Write back every span that is dirty now */
 static int coroutine_fn GRAPH_RDLOCK hybrid_flush_ram(BlockDriverState *bs)
 {
@@ -207,15 +326,17 @@ static int coroutine_fn GRAPH_RDLOCK hybrid_flush_ram(BlockDriverState *bs)
     QTAILQ_FOREACH(slot, &s->dirty_list, dirty_next) {
         todo[n++] = slot - s->slots;
     }
+    /* In block order, so that contiguous blocks go out as one run */
+    qsort(todo, n, sizeof(*todo), hybrid_cmp_u64);
 
-    bounce = qemu_blockalign(bs, s->block_size);
+    bounce = hybrid_writeback_bounce(s);
     for (i = 0; i < n; i++) {
         int r;
 
         slot = &s->slots[todo[i]];
         /* Waits for an in-flight write-back of this block, if any */
         hybrid_slot_lock(s, slot);
-        r = hybrid_writeback_slot(s, slot, bounce);
+        r = hybrid_writeback_from(s, todo[i], bounce);
         hybrid_slot_unlock(s, slot);
         if (r < 0 && ret == 0) {
             ret = r;
@@ -248,20 +369,36 @@ hybrid_co_flush_to_os(BlockDriverState *bs)
     return hybrid_backing_flush_end(s, alloc, hybrid_flush_ram(bs));
 }
 
+/* Bytes a write of [lo, hi) would add to dirty_bytes in @slot's block */
+static uint32_t hybrid_dirty_growth(HybridSlot *slot, uint32_t lo, uint32_t hi)
+{
+    if (!(slot->flags & HYBRID_SLOT_DIRTY)) {
+        return hi - lo;
+    }
+    return MAX(slot->dirty_hi, hi) - MIN(slot->dirty_lo, lo) -
+           (slot->dirty_hi - slot->dirty_lo);
+}
+
 /*
- * May an async-mode write complete in RAM only?  Not while a write-back
- * error is pending: until a flush writes everything back, new writes go
- * through to the persistent tier as in sync mode, so that nothing more is
- * acknowledged that could not be made durable, and each writer sees the
- * persistent tier's own answer (docs/hybrid-format.rst, "Crash
- * consistency").  Async writers wait here while too much is dirty.
+ * May an async-mode write of [lo, hi) of @slot's block complete in RAM
+ * only?  Not while a write-back error is pending: until a flush writes
+ * everything back, new writes go through to the persistent tier as in sync
+ * mode, so that nothing more is acknowledged that could not be made
+ * durable, and each writer sees the persistent tier's own answer
+ * (docs/hybrid-format.rst, "Crash consistency").  Async writers wait here
+ * while too much is dirty, unless the write falls inside the block's dirty
+ * span: a rewrite of data not yet written back adds nothing to write back
+ * (a sequential writer looping over a working set that fits dirty-limit
+ * otherwise waited on the flusher at disk speed).
  */
-bool coroutine_fn hybrid_may_defer_write(BDRVHybridState *s)
+bool coroutine_fn hybrid_may_defer_write(BDRVHybridState *s, HybridSlot *slot,
+                                         uint32_t lo, uint32_t hi)
 {
     if (s->mode == HYBRID_MODE_SYNC) {
         return false;
     }
-    while (!s->flush_error && s->dirty_bytes >= s->dirty_limit) {
+    while (!s->flush_error && s->dirty_bytes >= s->dirty_limit &&
+           hybrid_dirty_growth(slot, lo, hi) > 0) {
         trace_hybrid_dirty_wait(s, s->dirty_bytes);
         hybrid_flusher_kick(s);
         qemu_co_queue_wait(&s->dirty_queue, NULL);

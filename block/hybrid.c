@@ -229,7 +229,7 @@ hybrid_write_ram_block(BDRVHybridState *s, uint64_t idx, uint32_t boff,
                        BdrvRequestFlags flags)
 {
     HybridSlot *slot = &s->slots[idx];
-    bool sync = !hybrid_may_defer_write(s);
+    bool sync = !hybrid_may_defer_write(s, slot, boff, boff + len);
     bool locked = false, cow;
     int ret = 0;
 

@@ -468,7 +468,8 @@ hybrid_write_through(BDRVHybridState *s, int64_t offset, int64_t bytes,
 void hybrid_slot_set_dirty(BDRVHybridState *s, HybridSlot *slot,
                            uint32_t lo, uint32_t hi);
 void hybrid_flusher_kick(BDRVHybridState *s);
-bool coroutine_fn hybrid_may_defer_write(BDRVHybridState *s);
+bool coroutine_fn hybrid_may_defer_write(BDRVHybridState *s, HybridSlot *slot,
+                                         uint32_t lo, uint32_t hi);
 int coroutine_fn GRAPH_RDLOCK hybrid_co_flush_to_os(BlockDriverState *bs);
 
 /* hybrid-restore.c */

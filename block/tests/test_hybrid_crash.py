@@ -9,6 +9,7 @@ many more rounds."""
 
 import os
 import random
+import re
 import sys
 import unittest
 
@@ -123,6 +124,25 @@ class HybridErrorTest(unittest.TestCase):
         self.assertEqual(r.returncode, 0)
         self.assertFalse(H.img_info(self.img)['format-specific']['data']['dirty'])
         out = H.qemu_io('-r', '-f', 'hybrid', '-c', 'read -P 3 2M 64k',
+                        self.img).stdout
+        self.assertNotIn('failed', out)
+
+    def test_async_error_in_a_run_redirties_the_whole_run(self):
+        """async: 1 MiB of contiguous blocks goes back as one request; a
+        one-shot EIO on it leaves every block of it dirty, and the next
+        flush writes them all."""
+        out = H.qemu_io('-t', 'writeback', '--trace', 'hybrid_writeback',
+                        '--image-opts', self.opts('async', 5, once=True),
+                        '-c', 'write -P 6 512k 1M', '-c', 'flush',
+                        '-c', 'flush', check=False)
+        self.assertIn('block 8 offset 0 len 1048576 ret -5', out.stderr)
+        # written again, as one or more runs (the rest of the first flush
+        # picks up the blocks after the failed one)
+        ok = re.findall(r'block (\d+) offset 0 len (\d+) ret 0', out.stderr)
+        self.assertEqual(sorted(int(b) for b, _ in ok)[0], 8, ok)
+        self.assertEqual(sum(int(n) for _, n in ok), MiB, ok)
+        self.assertNotIn('could not write back', out.stderr)
+        out = H.qemu_io('-f', 'hybrid', '-c', 'read -P 6 512k 1M',
                         self.img).stdout
         self.assertNotIn('failed', out)
 
