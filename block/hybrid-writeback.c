@@ -13,7 +13,6 @@
 #include "qemu/osdep.h"
 #include "qemu/cutils.h"
 #include "qemu/units.h"
-#include "qemu/memalign.h"
 #include "block/block-io.h"
 #include "block/block_int.h"
 #include "hybrid.h"
@@ -53,37 +52,35 @@ static uint32_t hybrid_writeback_max_blocks(BDRVHybridState *s)
     return MAX(1, HYBRID_WRITEBACK_MAX_BYTES >> s->block_shift);
 }
 
-/* A bounce buffer for hybrid_writeback_run() */
-static uint8_t *hybrid_writeback_bounce(BDRVHybridState *s)
-{
-    return qemu_blockalign(s->bs,
-                           (size_t)hybrid_writeback_max_blocks(s) <<
-                           s->block_shift);
-}
-
 /*
  * Extend a write-back that starts at locked block @idx over the blocks
  * after it, as long as each continues the previous one's dirty span (that
- * span reaches the end of its block, the next one starts at 0) and nobody
- * else holds it.  Takes BUSY on them (free: nothing yields in between).
- * Returns the number of blocks in the run, @idx's included.  A sequential
- * writer's blocks then go to the child in a few large requests instead of
- * one per block.
+ * span reaches the end of its block, the next one starts at 0), has data
+ * in RAM exactly when @idx has (zeroed blocks go as write-zeroes), and
+ * nobody else holds it.  Takes BUSY on them (free: nothing yields in
+ * between).  Returns the number of blocks in the run, @idx's included.  A
+ * sequential writer's blocks then go to the child in a few large requests
+ * instead of one per block.
  */
 static uint32_t hybrid_writeback_extend(BDRVHybridState *s, uint64_t idx)
 {
     uint32_t n = 1, max = hybrid_writeback_max_blocks(s);
     HybridSlot *prev = &s->slots[idx];
+    bool data;
 
+    if (!(prev->flags & HYBRID_SLOT_DIRTY)) {
+        return 1;
+    }
+    data = hybrid_ram_peek(s, idx) != NULL;
     while (n < max && idx + n < s->ram_blocks &&
-           (prev->flags & HYBRID_SLOT_DIRTY) &&
            prev->dirty_hi == s->block_size) {
         HybridSlot *slot = &s->slots[idx + n];
 
         if ((slot->flags & (HYBRID_SLOT_DIRTY | HYBRID_SLOT_BUSY |
                             HYBRID_SLOT_LOADED)) !=
             (HYBRID_SLOT_DIRTY | HYBRID_SLOT_LOADED) ||
-            slot->dirty_lo != 0) {
+            slot->dirty_lo != 0 ||
+            (hybrid_ram_peek(s, idx + n) != NULL) != data) {
             break;
         }
         slot->flags |= HYBRID_SLOT_BUSY;
@@ -96,15 +93,20 @@ static uint32_t hybrid_writeback_extend(BDRVHybridState *s, uint64_t idx)
 /*
  * Write the dirty spans of the @n blocks from @idx, which the caller holds
  * BUSY and which hybrid_writeback_extend() found contiguous, to the child
- * in one request.  On failure the spans are dirty again and the error is
- * returned.
+ * in one request, made from RAM itself: a guest write to a block under
+ * write-back waits for its BUSY (hybrid_write_ram_block), as the kernel's
+ * writes wait for a page under write-back on a device that wants stable
+ * pages, and nothing else changes a block's RAM (or, with dedup, its
+ * chunk) without holding BUSY.  On failure the spans are dirty again and
+ * the error is returned.
  */
 static int coroutine_fn GRAPH_RDLOCK
-hybrid_writeback_run(BDRVHybridState *s, uint64_t idx, uint32_t n,
-                     uint8_t *bounce)
+hybrid_writeback_run(BDRVHybridState *s, uint64_t idx, uint32_t n)
 {
     HybridSlot *first = &s->slots[idx];
-    uint32_t lo, hi = 0, len = 0, i;
+    QEMUIOVector qiov;
+    uint64_t host, len;
+    uint32_t lo, hi = 0, i;
     bool zero = true;
     int ret;
 
@@ -114,51 +116,38 @@ hybrid_writeback_run(BDRVHybridState *s, uint64_t idx, uint32_t n,
         return 0;
     }
     lo = first->dirty_lo;
-
-    /* Snapshot: guest writes may change RAM while the child write runs */
+    host = hybrid_host_offset(s, (idx << s->block_shift) + lo);
+    qemu_iovec_init(&qiov, n);
     for (i = 0; i < n; i++) {
         HybridSlot *slot = &s->slots[idx + i];
         uint32_t blo = i ? 0 : lo;
-        const uint8_t *src;
+        const uint8_t *src = hybrid_ram_peek(s, idx + i);
 
         assert((slot->flags & HYBRID_SLOT_BUSY) &&
                (slot->flags & HYBRID_SLOT_DIRTY));
         hi = MIN(slot->dirty_hi, hybrid_block_len(s, idx + i));
         slot->flags &= ~HYBRID_SLOT_DIRTY;
         s->dirty_bytes -= slot->dirty_hi - slot->dirty_lo;
-        if (hi <= blo) {
+        if (hi <= blo || !src) {
             continue;
         }
-        src = hybrid_ram_peek(s, idx + i);
-        if (src && zero && !buffer_is_zero(src + blo, hi - blo)) {
-            /* Not all zeroes after all: copy what was skipped */
-            if (len) {
-                memset(bounce, 0, len);
-            }
+        if (zero && !buffer_is_zero(src + blo, hi - blo)) {
             zero = false;
         }
-        if (!zero) {
-            if (src) {
-                memcpy(bounce + len, src + blo, hi - blo);
-            } else {
-                memset(bounce + len, 0, hi - blo);
-            }
-        }
-        len += hi - blo;
+        qemu_iovec_add(&qiov, (void *)(src + blo), hi - blo);
     }
-
+    len = n > 1 || hi > lo ? ((uint64_t)(n - 1) << s->block_shift) + hi - lo : 0;
     if (len == 0) {
         ret = 0;
     } else if (zero) {
-        ret = bdrv_co_pwrite_zeroes(s->bs->file,
-                                    hybrid_host_offset(s, (idx << s->block_shift) + lo),
-                                    len, 0);
+        /* No data in RAM, or only zeroes */
+        ret = bdrv_co_pwrite_zeroes(s->bs->file, host, len, 0);
     } else {
-        ret = bdrv_co_pwrite(s->bs->file,
-                             hybrid_host_offset(s, (idx << s->block_shift) + lo),
-                             len, bounce, 0);
+        assert(qiov.size == len);
+        ret = bdrv_co_pwritev(s->bs->file, host, len, &qiov, 0);
     }
     trace_hybrid_writeback(s, idx, lo, len, ret);
+    qemu_iovec_destroy(&qiov);
     for (i = 0; i < n; i++) {
         HybridSlot *slot = &s->slots[idx + i];
 
@@ -196,10 +185,10 @@ static void coroutine_fn hybrid_writeback_unlock(BDRVHybridState *s,
  * continue it; the caller holds BUSY on @idx.
  */
 static int coroutine_fn GRAPH_RDLOCK
-hybrid_writeback_from(BDRVHybridState *s, uint64_t idx, uint8_t *bounce)
+hybrid_writeback_from(BDRVHybridState *s, uint64_t idx)
 {
     uint32_t n = hybrid_writeback_extend(s, idx);
-    int ret = hybrid_writeback_run(s, idx, n, bounce);
+    int ret = hybrid_writeback_run(s, idx, n);
 
     /* @idx itself stays locked for the caller */
     if (n > 1) {
@@ -258,18 +247,16 @@ static void coroutine_fn hybrid_flusher_entry(void *opaque)
 {
     BDRVHybridState *s = opaque;
     BlockDriverState *bs = s->bs;
-    uint8_t *bounce;
     HybridSlot *slot;
 
     GRAPH_RDLOCK_GUARD();
 
-    bounce = hybrid_writeback_bounce(s);
     while (hybrid_flusher_should_run(s) &&
            (slot = hybrid_flusher_pick(s)) != NULL) {
         int ret;
 
         hybrid_slot_lock(s, slot);
-        ret = hybrid_writeback_from(s, slot - s->slots, bounce);
+        ret = hybrid_writeback_from(s, slot - s->slots);
         hybrid_slot_unlock(s, slot);
         if (ret < 0 && !s->flush_error) {
             /* Sticky until a guest flush manages to write everything */
@@ -278,7 +265,6 @@ static void coroutine_fn hybrid_flusher_entry(void *opaque)
         }
         qemu_co_queue_restart_all(&s->dirty_queue);
     }
-    qemu_vfree(bounce);
     s->flush_workers--;
     qemu_co_queue_restart_all(&s->dirty_queue);
     bdrv_dec_in_flight(bs);
@@ -310,7 +296,6 @@ static int coroutine_fn GRAPH_RDLOCK hybrid_flush_ram(BlockDriverState *bs)
     BDRVHybridState *s = bs->opaque;
     g_autofree uint64_t *todo = NULL;
     uint64_t n = 0, i, cap = 0;
-    uint8_t *bounce;
     HybridSlot *slot;
     int ret = 0;
 
@@ -329,20 +314,18 @@ static int coroutine_fn GRAPH_RDLOCK hybrid_flush_ram(BlockDriverState *bs)
     /* In block order, so that contiguous blocks go out as one run */
     qsort(todo, n, sizeof(*todo), hybrid_cmp_u64);
 
-    bounce = hybrid_writeback_bounce(s);
     for (i = 0; i < n; i++) {
         int r;
 
         slot = &s->slots[todo[i]];
         /* Waits for an in-flight write-back of this block, if any */
         hybrid_slot_lock(s, slot);
-        r = hybrid_writeback_from(s, todo[i], bounce);
+        r = hybrid_writeback_from(s, todo[i]);
         hybrid_slot_unlock(s, slot);
         if (r < 0 && ret == 0) {
             ret = r;
         }
     }
-    qemu_vfree(bounce);
 
     if (ret == 0) {
         s->flush_error = 0;

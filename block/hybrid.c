@@ -233,7 +233,12 @@ hybrid_write_ram_block(BDRVHybridState *s, uint64_t idx, uint32_t boff,
     bool locked = false, cow;
     int ret = 0;
 
-    if (sync || !(slot->flags & HYBRID_SLOT_LOADED)) {
+    /*
+     * BUSY on a loaded block in async mode: its write-back is being made
+     * from RAM (hybrid_writeback_run), which must not change under it.
+     */
+    if (sync || (slot->flags & (HYBRID_SLOT_BUSY | HYBRID_SLOT_LOADED)) !=
+                HYBRID_SLOT_LOADED) {
         hybrid_slot_lock(s, slot);
         locked = true;
     }

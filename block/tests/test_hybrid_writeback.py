@@ -1,8 +1,8 @@
 """Async write-back of the hybrid format: what goes to the persistent tier
 in how many requests, and when a writer waits at dirty-limit.
 
-Contiguous dirty blocks are written back as one request of up to 1 MiB
-(the trace event hybrid_writeback shows each request); a rewrite of data
+Contiguous dirty blocks are written back as one request of up to 1 MiB,
+made from RAM itself (the trace event hybrid_writeback shows each request); a rewrite of data
 that is still dirty adds nothing to write back and does not wait at
 dirty-limit, while a write of new data does."""
 
@@ -75,15 +75,16 @@ class WritebackRunTest(unittest.TestCase):
         self.assert_reads((0, 8 * MiB, 4 * KiB), (6, 8196 * KiB, 1016 * KiB),
                           (0, 9 * MiB - 4 * KiB, 4 * KiB))
 
-    def test_zero_and_data_blocks_in_one_run(self):
-        """Zeroed blocks ahead of data go out in the same request (as
-        zeroes); a run of zeroed blocks only, as one write-zeroes."""
+    def test_zeroed_blocks_go_as_write_zeroes_runs(self):
+        """Blocks with no data in RAM (zeroed) make runs of their own, sent
+        as write-zeroes; the data blocks after them, a run of their own."""
         H.qemu_io('-f', 'hybrid', '-c', 'write -P 9 12M 4M', self.img)
-        got = self.writebacks('write -z 12M 64k', 'write -P 7 12352k 64k',
+        got = self.writebacks('write -z 12M 128k', 'write -P 7 12416k 128k',
                               'write -z 14M 256k')
-        self.assertEqual(sorted(got), [(192, 0, 2 * BLOCK), (224, 0, 4 * BLOCK)])
-        self.assert_reads((0, 12 * MiB, BLOCK), (7, 12 * MiB + BLOCK, BLOCK),
-                          (9, 12 * MiB + 2 * BLOCK, 2 * MiB - 2 * BLOCK),
+        self.assertEqual(sorted(got), [(192, 0, 2 * BLOCK), (194, 0, 2 * BLOCK),
+                                       (224, 0, 4 * BLOCK)])
+        self.assert_reads((0, 12 * MiB, 2 * BLOCK), (7, 12 * MiB + 2 * BLOCK, 2 * BLOCK),
+                          (9, 12 * MiB + 4 * BLOCK, 2 * MiB - 4 * BLOCK),
                           (0, 14 * MiB, 256 * KiB), (9, 14 * MiB + 256 * KiB, 256 * KiB))
 
     def test_dedup_blocks_go_back_in_one_request(self):
@@ -144,6 +145,43 @@ class DirtyLimitTest(unittest.TestCase):
         with self.assertRaises(TimeoutError):
             self.io._wait_prompt(2)
         self.assertEqual(self.info()['dirty-bytes'], dirty)
+
+
+@unittest.skipUnless(H.have_binaries(), f'QEMU tools not built in {H.BIN}')
+class StableDuringWritebackTest(unittest.TestCase):
+    """Write-back is made from RAM itself: a write to a block whose
+    write-back is in flight waits for it to complete, so the persistent
+    tier never gets a mix of the old and new data of one request."""
+
+    def setUp(self):
+        self.tmp = H.TempDir()
+        self.img = self.tmp('st.hyb')
+        H.qemu_img('create', '-q', '-f', 'hybrid', '-o', 'ram-size=4M', self.img, '4M')
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def test_rewrite_waits_for_the_write_back_in_flight(self):
+        # 16 KiB/s: after the first request, a 64 KiB write-back takes 4 s
+        io = H.QemuIo(f'driver=hybrid,mode=async,dirty-limit=64k,'
+                      f'file.driver=throttle,file.throttle-group=tg0,'
+                      f'file.file.driver=file,file.file.filename={self.img}',
+                      ['--object', 'throttle-group,id=tg0,x-bps-write=16384',
+                       '--trace', 'hybrid_writeback'])
+        try:
+            io.cmd('write -P 1 0 64k')
+            # half the limit dirty: the flusher takes block 2 at once
+            io.cmd('write -P 2 128k 64k')
+            out = io.cmd('write -P 3 132k 4k', timeout=30)
+            wb = out.find('block 2 offset 0 len 65536 ret 0')
+            self.assertGreaterEqual(wb, 0, out)
+            self.assertLess(wb, out.index('wrote 4096/4096'), out)
+            io.cmd('flush', timeout=60)
+        finally:
+            io.kill()
+        out = H.qemu_io('-f', 'hybrid', '-c', 'read -P 2 128k 4k', '-c', 'read -P 3 132k 4k',
+                        '-c', 'read -P 2 136k 56k', self.img).stdout
+        self.assertNotIn('failed', out)
 
 
 if __name__ == '__main__':
