@@ -37,6 +37,8 @@
 #include "qemu/cutils.h"
 #include "qemu/iov.h"
 #include "qemu/madvise.h"
+#include "qemu/memalign.h"
+#include "block/block-io.h"
 #include "block/block_int.h"
 #include "hybrid.h"
 #include "trace.h"
@@ -211,6 +213,30 @@ void hybrid_ram_free(BDRVHybridState *s)
 
 /* ---- dedup chunk table ---- */
 
+/*
+ * A detached chunk with uninitialized data, or NULL.  One allocation: the
+ * data first, aligned as the persistent tier wants its buffers (write-back
+ * goes out of it directly), then the header.
+ */
+static HybridChunk *chunk_new(BDRVHybridState *s)
+{
+    uint8_t *p = qemu_try_memalign(bdrv_opt_mem_align(s->bs),
+                                   s->block_size + sizeof(HybridChunk));
+    HybridChunk *c;
+
+    if (!p) {
+        return NULL;
+    }
+    c = (HybridChunk *)(p + s->block_size);
+    *c = (HybridChunk) { .data = p };
+    return c;
+}
+
+static void chunk_free(HybridChunk *c)
+{
+    qemu_vfree(c->data);
+}
+
 static HybridChunk *chunk_find(BDRVHybridState *s, uint64_t fp,
                                const uint8_t *data)
 {
@@ -272,7 +298,7 @@ static void chunk_unref(BDRVHybridState *s, HybridChunk *c)
         } else {
             s->nb_private--;
         }
-        g_free(c);
+        chunk_free(c);
     }
 }
 
@@ -286,7 +312,7 @@ static HybridChunk *chunk_intern(BDRVHybridState *s, HybridChunk *c)
     HybridChunk *match;
 
     if (buffer_is_zero(c->data, s->block_size)) {
-        g_free(c);
+        chunk_free(c);
         return NULL;
     }
     c->fp = hybrid_fingerprint(c->data, s->block_size);
@@ -294,7 +320,7 @@ static HybridChunk *chunk_intern(BDRVHybridState *s, HybridChunk *c)
     if (match) {
         trace_hybrid_dedup_hit(s, c->fp);
         match->refcnt++;
-        g_free(c);
+        chunk_free(c);
         return match;
     }
     c->refcnt = 1;
@@ -363,7 +389,7 @@ int hybrid_ram_fill(BDRVHybridState *s, uint64_t idx, const uint8_t *buf)
             if (c) {
                 c->refcnt++;
             } else {
-                c = g_try_malloc(sizeof(*c) + s->block_size);
+                c = chunk_new(s);
                 if (!c) {
                     return -ENOMEM;
                 }
@@ -455,7 +481,7 @@ int hybrid_ram_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
             }
             c = old;
         } else {
-            c = g_try_malloc(sizeof(*c) + bsz);
+            c = chunk_new(s);
             if (!c) {
                 return -ENOMEM;
             }

@@ -147,7 +147,7 @@ typedef struct HybridChunk {
     uint32_t refcnt;            /* slots pointing here */
     bool interned;              /* in the table; else private (refcnt 1) */
     struct HybridChunk *next;   /* chain of chunks with an equal fp */
-    uint8_t data[];             /* block_size bytes */
+    uint8_t *data;              /* block_size bytes, just before the header */
 } HybridChunk;
 
 enum {
