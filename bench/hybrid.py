@@ -74,6 +74,7 @@ class Bench:
         img = H.binary('qemu-img')
         sh(img, 'convert', '-O', 'raw', src, self.p('raw.img'))
         sh('cp', src, self.p('tmpfs.raw', shm=True))
+        sh('cp', src, self.p('tmpfs-aa.raw', shm=True))
         sh(img, 'convert', '-O', 'qcow2', src, self.p('qcow2.img'))
         for name, o in (('sync', 'mode=sync'), ('async', 'mode=async'),
                         ('dedup', 'mode=async,dedup=on')):
@@ -107,6 +108,10 @@ class Bench:
              f'read-zeroes=off,size={self.size}'),
             ('raw-tmpfs', f'driver=raw,node-name=NODE,file.driver=file,'
              f'file.filename={self.p("tmpfs.raw", shm=True)}'),
+            # A/A control: the same baseline again, its own copy; how far
+            # apart two identical nodes land in this run is the noise
+            ('raw-tmpfs-aa', f'driver=raw,node-name=NODE,file.driver=file,'
+             f'file.filename={self.p("tmpfs-aa.raw", shm=True)}'),
         ]
 
     # ---- one node ----
@@ -290,6 +295,10 @@ class Bench:
                   f' | ≥ 0.7 |',
                   f'| hybrid-async 128K write / raw-tmpfs (dd0) | '
                   f'{ratio("hybrid-async", t, "seqwrite-128k-dd0")} | ≥ 1.0 |',
+                  f'| A/A: raw-tmpfs-aa / raw-tmpfs, 128K write (dd0) | '
+                  f'{ratio("raw-tmpfs-aa", t, "seqwrite-128k-dd0")} | 1.0 ± noise |',
+                  f'| A/A: raw-tmpfs-aa / raw-tmpfs, 4K random write (dd0) | '
+                  f'{ratio("raw-tmpfs-aa", t, "randwrite-4k-dd0")} | 1.0 ± noise |',
                   f'| hybrid-dedup 128K write / hybrid-async (dd0) | '
                   f'{ratio("hybrid-dedup", n.get("hybrid-async", {}), "seqwrite-128k-dd0")}'
                   f' | ≥ 0.8 |', '']
