@@ -210,6 +210,8 @@ static void infoFunc(RedisModuleInfoCtx *ctx, int for_crash_report) {
                                      __atomic_load_n(&hm.mig.last_clear_us, __ATOMIC_RELAXED));
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_unmap_us",
                                      __atomic_load_n(&hm.mig.last_unmap_us, __ATOMIC_RELAXED));
+    RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_drop_thread_idle",
+                                     __atomic_load_n(&hm.mig.last_clear_idle, __ATOMIC_RELAXED));
     uint64_t zbytes, zpurges;
     zeroFreeStats(&zbytes, &zpurges);
     RedisModule_InfoAddFieldLongLong(ctx, "zero_freed_active", zeroFreeEnabled());

@@ -32,8 +32,8 @@
  *     any other access promotes it.
  *   - All background work runs in time-bounded slices (appassist.slice-us).
  *   - Everything runs on Redis's main thread, except the lazy drop's unmap
- *     thread (migrate.c), which shares only hm.mig.last_clear_us and
- *     last_unmap_us (atomics).
+ *     thread (migrate.c), which shares only hm.mig.last_clear_us,
+ *     last_unmap_us and last_clear_idle (atomics).
  */
 #ifndef HYBRIDMEM_H
 #define HYBRIDMEM_H
@@ -226,6 +226,8 @@ typedef struct HmMigration {            /* migrate.c */
     long long dropped_items;
     /* Wall time of the last drop's clear and unmap (written by the thread). */
     long long last_clear_us, last_unmap_us;
+    /* 1 if the last lazy drop's thread ran at SCHED_IDLE (atomic too). */
+    int last_clear_idle;
 } HmMigration;
 
 typedef struct HmPort {                 /* port.c */

@@ -92,6 +92,9 @@ class ReturnedMemoryTest(ServerTestCase):
                 self.assertGreaterEqual(rss0 - s.rss(), 0.9 * dropped)
             self.wait_for(lambda: rss0 - s.rss() >= 0.9 * dropped, timeout=10,
                           what='the arena unmapped')
+            # The thread runs at SCHED_IDLE: the server's requests first.
+            self.assertEqual(c.info('appassist')['appassist_last_prepare_drop_thread_idle'],
+                             1 if lazy == 'yes' else 0)
             # The freed figure counts the arena being unmapped too.
             self.assertGreaterEqual(rep[b'freed_bytes'], dropped)
             c.execute_command('APPASSIST.RESUME')
