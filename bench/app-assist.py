@@ -72,6 +72,7 @@ sys.path.insert(0, os.path.join(TOP, 'tests', 'avocado'))
 
 import hvlib  # noqa: E402
 from hvlib.vm import free_port  # noqa: E402
+import app_assist_pooled as pooled  # noqa: E402
 
 MiB = 1 << 20
 PORT_NAME = 'org.qemu.app-assist.0'
@@ -505,6 +506,13 @@ def main():
                     help='rewrite the table and charts from a previous app-assist.json')
     ap.add_argument('--reuse', default=None,
                     help='a previous app-assist.json: keep its rows for configurations not run now')
+    ap.add_argument('--repeat', type=int, default=1,
+                    help='pooled mode: run the configurations this many times, interleaved '
+                         '(every other round in reverse order), and write app-assist-pooled.md '
+                         'with means, 95 %% confidence intervals and ratios against --baseline; '
+                         'CONFIG@tag runs CONFIG again under another name (an A/A control)')
+    ap.add_argument('--baseline', default='postcopy-stock-redis',
+                    help='pooled mode: the configuration the ratios are against')
     args = ap.parse_args()
     args.cmdline = ' '.join(sys.argv[1:])
     args.started = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
@@ -519,6 +527,26 @@ def main():
     build = os.environ.get('HYBRIDVM_BUILD') or os.path.join(TOP, 'build')
     logdir = args.logdir or os.path.join(build, 'bench', time.strftime('app-assist-%Y%m%d-%H%M%S'))
     log(f'logs in {logdir}')
+    if args.repeat > 1:
+        labels = args.configs.split(',')
+        for label in labels:
+            if label.split('@')[0] not in CONFIGS:
+                ap.error(f'unknown configuration {label}')
+        if args.baseline not in labels:
+            ap.error(f'the baseline {args.baseline} is not among --configs')
+        runs = []
+        for rnd in range(args.repeat):
+            for label in (labels if rnd % 2 == 0 else labels[::-1]):
+                try:
+                    row = run_config(label.split('@')[0], args, os.path.join(logdir, f'{rnd}'))
+                except Exception as exc:  # noqa: BLE001 -- a failed run is reported, not pooled
+                    log(f'{label} round {rnd}: FAILED: {exc!r}')
+                    row = {'failed': str(exc)[:200]}
+                row.update(config=label, round=rnd)
+                runs.append(row)
+                pooled.write_report(runs, args, args.out)
+        log(f'report in {args.out}/app-assist-pooled.md')
+        return
     rows = []
     for config in args.configs.split(','):
         if config not in CONFIGS:
