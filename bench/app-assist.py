@@ -513,6 +513,8 @@ def main():
                          'CONFIG@tag runs CONFIG again under another name (an A/A control)')
     ap.add_argument('--baseline', default='postcopy-stock-redis',
                     help='pooled mode: the configuration the ratios are against')
+    ap.add_argument('--name', default='app-assist-pooled',
+                    help='pooled mode: the report files NAME.md/.json/.png')
     args = ap.parse_args()
     args.cmdline = ' '.join(sys.argv[1:])
     args.started = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
@@ -545,7 +547,7 @@ def main():
                 row.update(config=label, round=rnd)
                 runs.append(row)
                 pooled.write_report(runs, args, args.out)
-        log(f'report in {args.out}/app-assist-pooled.md')
+        log(f'report in {args.out}/{args.name}.md')
         return
     rows = []
     for config in args.configs.split(','):

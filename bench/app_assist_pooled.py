@@ -5,7 +5,8 @@ under two names (CONFIG and CONFIG@aa) is the A/A control: how far apart
 two identical configurations land in the same run is the noise any other
 ratio must be read against.
 
-Writes app-assist-pooled.md, .json and .png into the output directory.
+Writes NAME.md, .json and .png (--name, default app-assist-pooled) into
+the output directory.
 Only measured figures go there; a failed run is listed and not pooled."""
 
 import json
@@ -118,7 +119,7 @@ def fmt(x, nd=2):
 def write_report(runs, args, out):
     os.makedirs(out, exist_ok=True)
     labels, stats, ratios = analyse(runs, args.baseline)
-    with open(os.path.join(out, 'app-assist-pooled.json'), 'w') as f:
+    with open(os.path.join(out, f'{args.name}.json'), 'w') as f:
         json.dump({'args': {k: v for k, v in vars(args).items()}, 'runs': runs,
                    'stats': stats, 'ratios': ratios}, f, indent=1, default=str)
     failed = [r for r in runs if 'failed' in r]
@@ -173,8 +174,8 @@ def write_report(runs, args, out):
             lines.append(f'- `{label}` set-up: {sh["mean"]:.1f} % [{lo:.1f}, {hi:.1f}] of the '
                          f'total, goal <= {SETUP_GOAL:.0f} %: '
                          f'{verdict(lo, hi, ("<=", SETUP_GOAL))}.')
-    lines += ['', '![ratios](app-assist-pooled.png)', '']
-    with open(os.path.join(out, 'app-assist-pooled.md'), 'w') as f:
+    lines += ['', f'![ratios]({args.name}.png)', '']
+    with open(os.path.join(out, f'{args.name}.md'), 'w') as f:
         f.write('\n'.join(lines))
     chart(ratios, args, out)
 
@@ -208,5 +209,5 @@ def chart(ratios, args, out):
         ax.set_yticklabels(names, fontsize=8)
         ax.set_xlabel(f'x {args.baseline}', fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, 'app-assist-pooled.png'), dpi=100)
+    fig.savefig(os.path.join(out, f'{args.name}.png'), dpi=100)
     plt.close('all')
