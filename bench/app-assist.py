@@ -53,6 +53,11 @@ Configurations (--configs, comma-separated):
                 of the inflation's guest CPU time)
   ours-nowait-ioa0
                 ours-nowait-lazy in the same init_on_alloc=0 guest
+  ours-loadtuned
+                ours measured with the settings the loader uses to demote fast
+                (interval-ms 1, slice-us 1000, hot-percent 0, min-idle-ms 0)
+                left in place, as runs before 2026-11-26 were; every other
+                configuration gets the module's defaults back after loading
   postcopy-stock-redis-ioa0
                 stock post-copy of stock Redis in the same init_on_alloc=0
                 guest: the baseline for the two above
@@ -81,14 +86,18 @@ LINK_PORTS = ('mkdir -p /dev/virtio-ports; for p in /sys/class/virtio-ports/vpor
 CONFIGS = ['precopy', 'precopy-fph', 'postcopy', 'postcopy-stock-redis', 'design', 'ours',
            'ours-balloon', 'ours-nowait', 'ours-nowait-lazy', 'ours-fpr', 'ours-balloon-fpr',
            'postcopy-stock-redis-fpr', 'ours-iof', 'postcopy-stock-redis-iof', 'ours-ioa0',
-           'ours-nowait-ioa0', 'postcopy-stock-redis-ioa0']
+           'ours-nowait-ioa0', 'postcopy-stock-redis-ioa0', 'ours-loadtuned']
 STOCK_REDIS = ('design',) + tuple(c for c in CONFIGS if c.startswith('postcopy-stock-redis'))
 OURS = [c for c in CONFIGS if c.startswith('ours')]
 NOWAIT = ('ours-nowait', 'ours-nowait-lazy', 'ours-nowait-ioa0')
 LAZY = ('ours-nowait-lazy', 'ours-nowait-ioa0')
 # Configurations that keep freed pages' data (appassist.zero-freed no): the
 # balloon and free-page-reporting experiments.
-ZERO_OFF = tuple(c for c in OURS if c not in ('ours', 'ours-iof'))
+ZERO_OFF = tuple(c for c in OURS if c not in ('ours', 'ours-iof', 'ours-loadtuned'))
+# Configurations that keep the loader's settings (a 1 ms interval of 1 ms
+# slices) while they are measured; every other one gets the module's
+# defaults back after loading, as a server in service has them.
+LOAD_TUNED = ('ours-loadtuned',)
 # The kind of guest is the configuration's suffix, and a configuration is
 # compared with the stock baseline of the same kind: free-page reporting on
 # the balloon (fpr), a guest that zeroes freed pages (iof) or one that does
@@ -122,7 +131,7 @@ def guest_args(config, trace=None):
 Load = hvlib.RedisLoad
 
 
-def load_data(g, args, module, lazy=False, zero_off=False):
+def load_data(g, args, module, lazy=False, zero_off=False, keep_tuning=False):
     r = g.redis(timeout=120)
     if zero_off:
         r.config_set('appassist.zero-freed', 'no')
@@ -141,8 +150,9 @@ def load_data(g, args, module, lazy=False, zero_off=False):
     nhot = int(n * args.hot)
     log(f'{g.name}: loaded {n} items in {time.monotonic() - t0:.0f} s')
     if module:
-        for k, v in {'hot-percent': 0, 'min-idle-ms': 0, 'interval-ms': 1,
-                     'slice-us': 1000}.items():
+        tuning = {'hot-percent': 0, 'min-idle-ms': 0, 'interval-ms': 1, 'slice-us': 1000}
+        defaults = {k: r.config_get(f'appassist.{k}')[f'appassist.{k}'] for k in tuning}
+        for k, v in tuning.items():
             r.config_set(f'appassist.{k}', v)
         while r.info('appassist')['appassist_cold_items'] < n:
             r.execute_command('APPASSIST.DEMOTE', 1000)
@@ -161,6 +171,9 @@ def load_data(g, args, module, lazy=False, zero_off=False):
             log(f'{g.name}: compaction pass {time.monotonic() - t1:.1f} s, {moved} keys '
                 f'relocated, used_memory_rss {rss0} -> {r.info("memory")["used_memory_rss"]}')
             info = r.info('appassist')
+        if not keep_tuning:
+            for k, v in defaults.items():
+                r.config_set(f'appassist.{k}', v)
         if lazy:
             r.config_set('appassist.lazy-drop', 'yes')
         mem = r.info('memory')
@@ -271,7 +284,8 @@ def run_config(config, args, logdir):
         src.launch()
         src.wait_console(r'HV-READY redis', timeout=180)
         src.run(LINK_PORTS)
-        hot = load_data(src, args, module, lazy=config in LAZY, zero_off=config in ZERO_OFF)
+        hot = load_data(src, args, module, lazy=config in LAZY, zero_off=config in ZERO_OFF,
+                        keep_tuning=config in LOAD_TUNED)
         if module:
             r = src.redis()
             deadline = time.monotonic() + 30

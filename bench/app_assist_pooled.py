@@ -23,6 +23,7 @@ T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
 METRICS = [
     ('total time (ms)', 'total time', ('<=', 0.6)),
     ('load during: ops/s', 'Redis ops/s during the migration', ('>=', 1.0)),
+    ('load before: ops/s', 'Redis ops/s before the migration', None),
     ('load during: p99 (ms)', 'Redis p99 during the migration', ('<=', 1.1)),
     ('transferred (MiB)', 'bytes transferred', None),
     ('setup share (%)', 'set-up (prepare + balloon) share of the total', None),

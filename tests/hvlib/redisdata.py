@@ -18,7 +18,9 @@ def load_hot_cold(client, data, hot_fraction, batch=5000, timeout=600):
     open.  Returns (hot, cold) lists of (key, value)."""
     for i in range(0, len(data), batch):
         client.mset(dict(data[i:i + batch]))
-    for k, v in {'hot-percent': 0, 'min-idle-ms': 0, 'interval-ms': 1}.items():
+    tuning = {'hot-percent': 0, 'min-idle-ms': 0, 'interval-ms': 1}
+    defaults = {k: client.config_get(f'appassist.{k}')[f'appassist.{k}'] for k in tuning}
+    for k, v in tuning.items():
         client.config_set(f'appassist.{k}', v)
     deadline = time.monotonic() + timeout
     while client.info('appassist')['appassist_cold_items'] < len(data):
@@ -30,6 +32,10 @@ def load_hot_cold(client, data, hot_fraction, batch=5000, timeout=600):
     hot, cold = data[:nhot], data[nhot:]
     for i in range(0, nhot, batch):
         client.mget([k for k, _ in hot[i:i + batch]])
+    # Back to the module's defaults (demotion stays off): what is measured
+    # next is a server in service, not the loader's 1 ms timer.
+    for k, v in defaults.items():
+        client.config_set(f'appassist.{k}', v)
     cold_now = client.info('appassist')['appassist_cold_items']
     if cold_now != len(cold):
         raise GuestError(f'{cold_now} cold items after reading the hot ones back, expected {len(cold)}')
