@@ -195,6 +195,7 @@ static void infoFunc(RedisModuleInfoCtx *ctx, int for_crash_report) {
     RedisModule_InfoAddFieldLongLong(ctx, "last_compaction_rss_after", hm.compact.last_rss_after);
     RedisModule_InfoAddFieldLongLong(ctx, "background_slices", hm.bg.slices);
     RedisModule_InfoAddFieldLongLong(ctx, "background_bites", hm.bg.bites);
+    RedisModule_InfoAddFieldLongLong(ctx, "background_bites_idle", hm.bg.bites_idle);
     RedisModule_InfoAddFieldULongLong(ctx, "background_step_max_us", hm.bg.step_max_us);
     RedisModule_InfoAddFieldULongLong(ctx, "background_step_max_cpu_us", hm.bg.step_max_cpu_us);
     RedisModule_InfoAddFieldULongLong(ctx, "background_cpu_us", hm.bg.cpu_us);

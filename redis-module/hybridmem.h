@@ -194,6 +194,7 @@ typedef struct HmBackground {           /* background.c: who runs the work (slic
     uint64_t served_at_tick, served_at_bite;
     uint64_t last_bite_us;
     long long slices, bites;
+    long long bites_idle;       /* bites skipped: nothing under way or due */
     uint64_t step_max_us;       /* longest slice or bite (wall) */
     uint64_t step_max_cpu_us;   /* ...in thread CPU time, after hmReadBackSettle */
     uint64_t cpu_us;            /* CPU time of all slices and bites */

@@ -87,6 +87,31 @@ class BackgroundTest(ServerTestCase):
         self.assertGreater(after['appassist_demotions'], before['appassist_demotions'])
         self.assertHealthy(srv)
 
+    def test_bites_with_nothing_to_do_are_skipped(self):
+        """With nothing under way or due (demotion off, nothing expiring, no
+        holes to reclaim), the event loop's bites skip the background work:
+        each one read the thread CPU clock three times, system calls that
+        under TCG doubled those of a GET. With work due, they run again."""
+        srv = self.server(configs={'demote': 'no', 'interval-ms': 1, 'slice-us': 1000})
+        self.load(srv)
+        c = srv.client()
+        before = self.info(c)
+        for _ in range(3000):
+            c.get('k1')
+        after = self.info(c)
+        idle = after['appassist_background_bites_idle'] - before['appassist_background_bites_idle']
+        self.assertGreater(idle, 300, (before, after))
+        self.assertEqual(after['appassist_background_bites'], before['appassist_background_bites'])
+        # Demotion on: a pass is due, the bites do the work again
+        c.config_set('appassist.demote', 'yes')
+        c.config_set('appassist.hot-percent', 0)
+        c.config_set('appassist.min-idle-ms', 0)
+        for _ in range(3000):
+            c.get('k1')
+        self.assertGreater(self.info(c)['appassist_background_bites'],
+                           after['appassist_background_bites'])
+        self.assertHealthy(srv)
+
     def test_passes_that_cannot_demote_back_off(self):
         """Over budget with everything in use (here: nothing idle for
         min-idle-ms), a pass demotes nothing, and the next would find the
