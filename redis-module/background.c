@@ -33,11 +33,16 @@ static void expiredCb(void *priv, const ColdItem *it) {
         hmKeyListPush(((void **)priv)[0], RedisModule_CreateString(hm.dctx, it->key, it->klen));
 }
 
+/* 1 if the sweep has work: a cycle under way or due. Nothing can expire:
+ * no walk (it reads every item's index slot, a cache miss each
+ * (docs/redis-module.md, "Design history")). */
+static int sweepDue(uint64_t now_us) {
+    if (arenaExpiring(hm.arena) == 0 || arenaHasSpilled(hm.arena)) return 0;
+    return hm.sweep.cursor != 0 || now_us >= hm.sweep.next_us;
+}
+
 static void sweepSlice(uint64_t deadline) {
-    /* Nothing can expire: no walk (it reads every item's index slot, a
-     * cache miss each (docs/redis-module.md, "Design history")). */
-    if (arenaExpiring(hm.arena) == 0 || arenaHasSpilled(hm.arena)) return;
-    if (hm.sweep.cursor == 0 && hmNowUs() < hm.sweep.next_us) return;
+    if (!sweepDue(hmNowUs())) return;
     long long now = hmNowMs();
     unsigned budget = HM_SWEEP_ITEMS;
     while (budget && hmNowUs() < deadline) {
@@ -84,10 +89,8 @@ static int backgroundPending(void) {
  * thread CPU clock three times (system calls, not vDSO): under TCG, at one
  * bite per request, that doubled the system calls of a GET. */
 static int backgroundDue(uint64_t now) {
-    return backgroundPending() ||
-           (hm.cfg.demote && now >= hm.pass.next_us && hmBackgroundAllowed()) ||
-           (arenaExpiring(hm.arena) && !arenaHasSpilled(hm.arena) && now >= hm.sweep.next_us) ||
-           hmReclaimWanted() || (hm.compact.wanted && hm.compact.mallctl);
+    return backgroundPending() || (now >= hm.pass.next_us && demotionAllowed()) ||
+           sweepDue(now) || hmReclaimWanted();
 }
 
 /* The background work (unspill, arena rehash, a demotion or compaction
