@@ -196,6 +196,8 @@ static void infoFunc(RedisModuleInfoCtx *ctx, int for_crash_report) {
     RedisModule_InfoAddFieldLongLong(ctx, "background_slices", hm.bg.slices);
     RedisModule_InfoAddFieldLongLong(ctx, "background_bites", hm.bg.bites);
     RedisModule_InfoAddFieldLongLong(ctx, "background_bites_idle", hm.bg.bites_idle);
+    RedisModule_InfoAddFieldLongLong(ctx, "background_bites_armed", hm.bg.bites_armed);
+    RedisModule_InfoAddFieldLongLong(ctx, "background_bite_arms", hm.bg.bite_arms);
     RedisModule_InfoAddFieldULongLong(ctx, "background_step_max_us", hm.bg.step_max_us);
     RedisModule_InfoAddFieldULongLong(ctx, "background_step_max_cpu_us", hm.bg.step_max_cpu_us);
     RedisModule_InfoAddFieldULongLong(ctx, "background_cpu_us", hm.bg.cpu_us);
@@ -351,6 +353,7 @@ int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
     /* A server that does not offer the event: the timer keeps all the work. */
     hm.bg.bites_on = RedisModule_SubscribeToServerEvent(ctx, RedisModuleEvent_EventLoop, hmBgBite) ==
                      REDISMODULE_OK;
+    hm.bg.bites_armed = hm.bg.bites_on;     /* the timer disarms them when nothing is due */
 
     hm.dctx = RedisModule_GetDetachedThreadSafeContext(ctx);
     hmCompactInit(ctx);

@@ -190,7 +190,9 @@ typedef struct HmSweep {                /* background.c: expiry sweep of the are
 
 typedef struct HmBackground {           /* background.c: who runs the work (sliceTimer, hmBgBite) */
     RedisModuleTimerID timer;
-    int bites_on;               /* subscribed to the event loop's BEFORE_SLEEP */
+    int bites_on;               /* the server offers the event loop's BEFORE_SLEEP */
+    int bites_armed;            /* subscribed to it now (hmBitesArm) */
+    long long bite_arms;        /* times subscribed */
     uint64_t served_at_tick, served_at_bite;
     uint64_t last_bite_us;
     long long slices, bites;
@@ -341,6 +343,7 @@ int hmCompactCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
 int hmBackgroundAllowed(void);
 void hmArmTimer(void);
 void hmBgBite(RedisModuleCtx *ctx, RedisModuleEvent e, uint64_t sub, void *data);
+void hmBitesArm(void);
 
 /* ------------------------------------------------------------ migrate.c */
 

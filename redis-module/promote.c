@@ -81,6 +81,7 @@ int hmPromoteKey(RedisModuleString *key, int visit) {
         arenaBorrow(hm.arena, k, klen);
         hmVisitMark(kh);
         hmKeyListPush(&hm.visit.back, RedisModule_CreateStringFromString(NULL, key));
+        hmBitesArm();             /* the bite settles it before the loop sleeps */
     } else {
         if (!expired) hmScanLogNote(k, klen, arenaCursorOf(hm.arena, ref));
         arenaDelete(hm.arena, k, klen);
