@@ -79,7 +79,8 @@ void hmArmTimer(void) {
 
 /* 1 while some background work is under way (not merely due). */
 static int backgroundPending(void) {
-    return hm.state == ST_RESUMING || arenaRehashing(hm.arena) || hm.pass.cursor || hm.compact.cursor ||
+    return hm.state == ST_RESUMING || arenaRehashing(hm.arena) || (hm.pass.cursor && demotionAllowed()) ||
+           hm.compact.cursor ||
            (hm.reclaim.active && hmReclaimAllowed()) ||
            (hm.compact.wanted && hm.compact.mallctl) || hm.sweep.cursor != 0;
 }

@@ -96,6 +96,15 @@ static int setBool(const char *name, int v, void *priv, RedisModuleString **err)
     return REDISMODULE_OK;
 }
 
+/* Demotion turned off: the pass under way ends here (hmPassAbandon). */
+static int applyDemote(RedisModuleCtx *ctx, void *priv, RedisModuleString **err) {
+    (void)ctx;
+    (void)priv;
+    (void)err;
+    if (!hm.cfg.demote) hmPassAbandon();
+    return REDISMODULE_OK;
+}
+
 int hmRegisterConfigs(RedisModuleCtx *ctx) {
     struct { const char *name; long long def, min, max; unsigned flags; } nums[] = {
         {"planned-memory", 0, 0, LLONG_MAX, REDISMODULE_CONFIG_MEMORY},
@@ -122,7 +131,7 @@ int hmRegisterConfigs(RedisModuleCtx *ctx) {
             tri_names, tri_values, 3, getEnum, setEnum, hmApplyZeroFreed, &hm.cfg.zero_freed) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
     if (RedisModule_RegisterBoolConfig(ctx, "demote", 1, REDISMODULE_CONFIG_DEFAULT,
-            getBool, setBool, NULL, &hm.cfg.demote) == REDISMODULE_ERR)
+            getBool, setBool, applyDemote, &hm.cfg.demote) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
     /* Like Redis's enable-debug-command: the test helpers APPASSIST.DEMOTE
      * and APPASSIST.COMPACT exist only if this is yes at load time (OnLoad

@@ -323,6 +323,7 @@ int hmDemoteKey(RedisModuleString *key);
 
 int hmScanApply(RedisModuleScanCursor *cursor, RedisModuleScanCB cb,
                 int (*fn)(RedisModuleString *), uint64_t deadline);
+void hmPassAbandon(void);
 void hmDemoteSlice(uint64_t deadline, long long now_ms);
 int hmDemoteCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
 

@@ -138,11 +138,7 @@ void hmPrepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms) {
     uint64_t items = 0;
     int complete = 1;
     int lazy = 0, arena_zeroed = 0;
-    if (hm.pass.cursor) {
-        /* abandon the running demotion pass; demotion is paused */
-        RedisModule_ScanCursorDestroy(hm.pass.cursor);
-        hm.pass.cursor = NULL;
-    }
+    hmPassAbandon();            /* demotion is paused */
     hmCompactAbandon();
     if (hm.state == ST_RESUMING) hm.state = ST_PREPARED;
     switch (hm.cfg.policy) {

@@ -160,6 +160,18 @@ int hmScanApply(RedisModuleScanCursor *cursor, RedisModuleScanCB cb,
     return more;
 }
 
+/* Drop the pass under way, with what it counted so far: PREPARE (demotion
+ * pauses) and demotion turned off. A cursor left behind kept the
+ * background work "under way" for good: every bite ran a step that could
+ * do nothing, and compaction, which waits for passes, never ran. */
+void hmPassAbandon(void) {
+    if (!hm.pass.cursor) return;
+    RedisModule_ScanCursorDestroy(hm.pass.cursor);
+    hm.pass.cursor = NULL;
+    memset(hm.pass.bytes, 0, sizeof(hm.pass.bytes));
+    hm.pass.items = 0;
+}
+
 /* Run the demotion pass until 'deadline'; 'now_ms': see lruAgeMs. */
 void hmDemoteSlice(uint64_t deadline, long long now_ms) {
     RedisModuleCtx *ctx = hm.dctx;

@@ -116,6 +116,29 @@ class BackgroundTest(ServerTestCase):
         self.assertGreater(i['appassist_background_bites'], after['appassist_background_bites'])
         self.assertHealthy(srv)
 
+    def test_demotion_off_mid_pass_leaves_nothing_under_way(self):
+        """Demotion turned off in the middle of a pass ends the pass: its
+        cursor left behind kept the background work "under way" for good, so
+        every round of the event loop ran a bite that could do nothing."""
+        srv = self.server(configs={**configs(), 'slice-us': 50, 'interval-ms': 10})
+        self.load(srv)
+        c = srv.client()
+        c.config_set('appassist.demote', 'yes')
+        self.wait_for(lambda: self.info(c)['appassist_demotions'] > 0, what='the pass to start')
+        c.config_set('appassist.demote', 'no')
+        self.assertLess(self.info(c)['appassist_cold_items'], N, 'the pass ended before the test')
+        self.wait_for(lambda: self.info(c)['appassist_background_bites_armed'] == 0,
+                      what='the timer to disarm the bites')
+        before = self.info(c)
+        for _ in range(1000):
+            c.get('k1')
+        after = self.info(c)
+        self.assertEqual(after['appassist_background_bites'], before['appassist_background_bites'])
+        # Back on, a new pass demotes the rest.
+        c.config_set('appassist.demote', 'yes')
+        self.wait_all_cold(c, 0.05, 'demotion did not finish after it was turned back on')
+        self.assertHealthy(srv)
+
     def test_visit_settles_with_bites_disarmed(self):
         """A read of a cold item lends it to the keyspace for the command; it
         goes back before the loop sleeps even when the bites were disarmed:
