@@ -255,6 +255,8 @@ class Arbiter:
                          for n, l in self.links.items()}
         s['container_errors'] = dict(self.cont_err)
         s['actions'] = dict(self.actions)
+        s['probe'] = dict(policy=self.probe.policy, restarts=self.probe.restarts,
+                          error=self.probe.error)
         return s
 
     def metrics(self):

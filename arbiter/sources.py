@@ -5,11 +5,10 @@ disk's IOPS and latency histogram (QEMU's blockstats).  Each reader is
 bounded and turns a missing or malformed file into SourceError.
 """
 
-import mmap
 import os
-import random
+import subprocess
+import sys
 import threading
-import time
 
 MAX_FILE = 1 << 20
 
@@ -140,54 +139,81 @@ def percentile(values, q):
 class Probe(threading.Thread):
     """The latency a container-path request sees: 4 KiB O_DIRECT reads at
     random aligned offsets of the device, probe_iops a second, one at a
-    time; the last window_s seconds of latencies are kept.  It reads only,
-    and at 200/s costs 0.8 MB/s."""
+    time, made and timed by a process of its own at real-time priority
+    (probe_worker.py says why); this thread keeps the last window_s seconds
+    of its latencies, and starts it again (after 1 s) if it dies.  It reads
+    only, and at 200/s costs 0.8 MB/s."""
 
-    BS = 4096
+    WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'probe_worker.py')
+    MAX_LINE = 512
 
     def __init__(self, path, iops, window_s):
         super().__init__(name='probe', daemon=True)
-        self.path, self.interval, self.window = path, 1.0 / iops, window_s
+        self.path, self.iops, self.window = path, iops, window_s
         self.samples = []           # (t, latency_s)
         self.lock = threading.Lock()
         self.error = None
+        self.policy = None          # the worker's scheduling: fifo, nice-10, normal
+        self.restarts = 0
+        self.proc = None
         self.stop_ev = threading.Event()
+        # The same checks the worker makes, so a bad device fails here.
         try:
-            self.fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         except OSError as e:
             raise SourceError(f'{path}: cannot open for the latency probe: {e.strerror}') \
                 from None
-        size = os.lseek(self.fd, 0, os.SEEK_END)
-        self.blocks = max(1, size // self.BS)
-        self.buf = mmap.mmap(-1, self.BS)       # page-aligned, as O_DIRECT wants
-        self.rnd = random.Random(0x5eed)
+        os.close(fd)
 
-    def run(self):
-        nxt = time.monotonic()
-        while not self.stop_ev.is_set():
-            off = self.rnd.randrange(self.blocks) * self.BS
-            t0 = time.perf_counter()
+    def spawn(self):
+        return subprocess.Popen([sys.executable, '-I', self.WORKER, self.path, str(self.iops),
+                                 str(os.getpid())],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, close_fds=True)
+
+    def record(self, line):
+        """One line of the worker's output; anything malformed is an error."""
+        kind, _, rest = line.partition(' ')
+        if kind == 'S':
             try:
-                os.preadv(self.fd, [self.buf], off)
-            except OSError as e:
-                self.error = f'{self.path}: probe read at {off}: {e.strerror}'
-                self.stop_ev.wait(1.0)
-                continue
-            lat = time.perf_counter() - t0
-            now = time.monotonic()
+                t, lat = (float(x) for x in rest.split())
+            except ValueError:
+                self.error = f'probe: malformed line {line[:80]!r}'
+                return
             with self.lock:
-                self.samples.append((now, lat))
-                cut = now - self.window
+                self.samples.append((t, lat))
+                cut = t - self.window
                 i = 0
                 while i < len(self.samples) and self.samples[i][0] < cut:
                     i += 1
                 if i:
                     del self.samples[:i]
             self.error = None
-            nxt += self.interval
-            if nxt < now:
-                nxt = now           # no catching up after a stall
-            self.stop_ev.wait(max(0.0, nxt - time.monotonic()))
+        elif kind == 'E':
+            self.error = rest[:200]
+        elif kind == 'P':
+            self.policy = rest[:16]
+        else:
+            self.error = f'probe: malformed line {line[:80]!r}'
+
+    def run(self):
+        while not self.stop_ev.is_set():
+            try:
+                self.proc = self.spawn()
+            except OSError as e:
+                self.error = f'probe: cannot start {self.WORKER}: {e.strerror}'
+                self.stop_ev.wait(1.0)
+                continue
+            for raw in iter(lambda: self.proc.stdout.readline(self.MAX_LINE), b''):
+                self.record(raw.decode('ascii', 'replace').strip())
+            self.proc.stdout.close()
+            rc = self.proc.wait()
+            if self.stop_ev.is_set():
+                break
+            self.restarts += 1
+            if self.error is None:
+                self.error = f'probe: its process exited ({rc})'
+            self.stop_ev.wait(1.0)
 
     def window_stats(self, pct=99.0):
         """p50, p99 and the pct-th percentile (pct_ms) of the window."""
@@ -201,9 +227,14 @@ class Probe(threading.Thread):
 
     def stop(self):
         self.stop_ev.set()
+        p = self.proc
+        if p and p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                p.kill()
         self.join(timeout=5)
-        os.close(self.fd)
-        self.buf.close()
 
 
 # Latency histogram bins set on every VM disk (ns): log-spaced, 50 us..5 s.
