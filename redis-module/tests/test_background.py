@@ -109,11 +109,15 @@ class BackgroundTest(ServerTestCase):
         c.config_set('appassist.demote', 'yes')
         c.config_set('appassist.hot-percent', 0)
         c.config_set('appassist.min-idle-ms', 0)
-        for _ in range(3000):
-            c.get('k1')
-        i = self.info(c)
-        self.assertGreater(i['appassist_background_bite_arms'], after['appassist_background_bite_arms'])
-        self.assertGreater(i['appassist_background_bites'], after['appassist_background_bites'])
+
+        def working():
+            # the timer's next tick (up to 100 ms away) sees the pass due
+            for _ in range(200):
+                c.get('k1')
+            i = self.info(c)
+            return (i['appassist_background_bite_arms'] > after['appassist_background_bite_arms'] and
+                    i['appassist_background_bites'] > after['appassist_background_bites'])
+        self.wait_for(working, what='the timer to arm the bites and the bites to work')
         self.assertHealthy(srv)
 
     def test_demotion_off_mid_pass_leaves_nothing_under_way(self):
