@@ -25,6 +25,7 @@ import time
 
 BS = 4096
 PR_SET_PDEATHSIG = 1
+LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 # ioprio_set(2): a real-time task's I/O is in the real-time I/O class
@@ -41,8 +42,7 @@ def best_effort_io():
     nr = SYS_IOPRIO_SET.get(os.uname().machine)
     if nr is None:
         return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.syscall(nr, IOPRIO_WHO_PROCESS, 0, IOPRIO_BE_4) == 0
+    return LIBC.syscall(nr, IOPRIO_WHO_PROCESS, 0, IOPRIO_BE_4) == 0
 
 
 def set_policy():
@@ -69,10 +69,7 @@ def main(argv):
     if not 1 <= iops <= 100000:
         sys.stderr.write(f'probe_worker: IOPS {iops} out of range\n')
         return 2
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    LIBC.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
     if os.getppid() != parent:
         return 0
     out = sys.stdout
