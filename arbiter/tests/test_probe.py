@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -28,11 +27,7 @@ def alive(pid):
 
 
 def wait_for(pred, timeout=10.0, what='condition'):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError('timed out waiting for ' + what)
-        time.sleep(0.05)
+    A.wait_for(pred, bool, timeout, what)
 
 
 @unittest.skipIf(WHY, WHY)
