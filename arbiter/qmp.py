@@ -18,11 +18,21 @@ MAX_LINE = 4 << 20      # a query-blockstats of many disks is a few tens of KiB
 MAX_EVENTS = 1000
 
 
-class QMPError(Exception):
+class LinkError(Exception):
+    """The VM could not be asked (connect, timeout, garbage, closed): the
+    link is dropped and made again later.  Also raised by the libvirt link
+    (libvirtlink.py)."""
+
+
+class LinkCommandError(LinkError):
+    """The VM was asked and answered with an error: the link stays."""
+
+
+class QMPError(LinkError):
     """The VM could not be asked (connect, timeout, garbage, closed)."""
 
 
-class QMPCommandError(QMPError):
+class QMPCommandError(QMPError, LinkCommandError):
     """QEMU answered with an error object: class and desc are QEMU's."""
 
     def __init__(self, path, cmd, cls, desc):

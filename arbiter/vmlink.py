@@ -1,14 +1,14 @@
-"""One VM as the arbiter sees it: a thread that owns the VM's QMP
-connection, samples the watched disk's counters and latency histogram when
-asked, and applies the throttle group limits the control loop wants.  A VM
-that hangs, goes away or answers garbage only stalls its own thread; the
-loop sees its sample go stale and leaves it out.
+"""One VM as the arbiter sees it: a thread that owns the VM's link (a QMP
+monitor of the arbiter's own, or libvirt), samples the watched disk's
+counters and latency when asked, and applies the limits the control loop
+wants.  A VM that hangs, goes away or answers garbage only stalls its own
+thread; the loop sees its sample go stale and leaves it out.
 """
 
 import threading
 import time
 
-from .qmp import QMP, QMPCommandError, QMPError
+from .qmp import QMP, LinkCommandError, LinkError, QMPCommandError, QMPError
 from .sources import HIST_NS, SourceError, vm_disk_sample
 
 BACKOFF_MIN, BACKOFF_MAX = 0.5, 10.0
@@ -25,20 +25,74 @@ def set_limits(qmp, group, limits):
             value={k: int(v) for k, v in limits.items()})
 
 
+class QMPLink:
+    """A VM reached through a QMP monitor of the arbiter's own: the limits
+    are its throttle group object's, the figures query-blockstats' with a
+    latency histogram the arbiter sets on the disk."""
+
+    def __init__(self, conf, timeout):
+        self.conf = conf
+        self.qmp = QMP(conf.qmp, timeout)
+        self.timeout = timeout
+
+    @property
+    def connected(self):
+        return self.qmp.connected
+
+    def connect(self):
+        self.qmp.connect()
+
+    def close(self):
+        self.qmp.close()
+
+    def attach(self, log):
+        """Check the throttle group, find the disk, set its histogram.
+        Returns (disk, its current limits, whether it has a histogram)."""
+        try:
+            cur = self.qmp.cmd('qom-get', path=group_path(self.conf.group), property='limits')
+        except QMPCommandError as e:
+            raise QMPError(f'{self.conf.qmp}: throttle group {self.conf.group!r}: {e.desc}') \
+                from None
+        qdev = vm_disk_sample(self.qmp.cmd('query-blockstats'), self.conf.device)[0]
+        try:
+            self.qmp.cmd('block-latency-histogram-set', id=qdev, boundaries=HIST_NS)
+            histogram = True
+        except QMPCommandError as e:
+            # a disk with no guest device (a storage daemon's export): no
+            # histogram, IOPS only
+            histogram = False
+            log(dict(event='no-histogram', vm=self.conf.name, error=e.desc))
+        return qdev, cur, histogram
+
+    def sample(self, disk):
+        """(operations, bytes, histogram bins or None, total latency in ns
+        or None) of the disk so far."""
+        _, ops, nbytes, bins = vm_disk_sample(self.qmp.cmd('query-blockstats'), disk)
+        return ops, nbytes, bins, None
+
+    def set_limits(self, limits):
+        set_limits(self.qmp, self.conf.group, limits)
+
+
+def open_link(conf, timeout):
+    """The link a VM's configuration names (not connected yet)."""
+    return QMPLink(conf, timeout)
+
+
 def restore_defaults(conf, timeout, log=None):
     """Connect to every VM and put its default limits back (the watchdog
     and a clean exit).  Returns {vm: error or None}."""
     out = {}
     for vm in conf.vms:
-        q = QMP(vm.qmp, timeout)
+        link = open_link(vm, timeout)
         try:
-            q.connect()
-            set_limits(q, vm.group, vm.default_limits())
+            link.connect()
+            link.set_limits(vm.default_limits())
             out[vm.name] = None
-        except QMPError as e:
+        except LinkError as e:
             out[vm.name] = str(e)
         finally:
-            q.close()
+            link.close()
         if log:
             log(dict(event='restore-default', vm=vm.name, limits=vm.default_limits(),
                      error=out[vm.name]))
@@ -49,7 +103,7 @@ class VMLink(threading.Thread):
     def __init__(self, conf, timeout, log):
         super().__init__(name=f'vm-{conf.name}', daemon=True)
         self.conf = conf
-        self.qmp = QMP(conf.qmp, timeout)
+        self.link = open_link(conf, timeout)
         self.log = log
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -80,8 +134,8 @@ class VMLink(threading.Thread):
     def stop(self):
         self.stop_ev.set()
         self.wake.set()
-        self.join(timeout=self.qmp.timeout + 1)
-        self.qmp.close()
+        self.join(timeout=self.link.timeout + 1)
+        self.link.close()
 
     # the thread
     def run(self):
@@ -92,27 +146,31 @@ class VMLink(threading.Thread):
                 break
             try:
                 self._step()
-            except QMPCommandError as e:
-                if self.state != 'error':
-                    self.log(dict(event='vm-error', vm=self.conf.name, error=str(e)))
-                self.state, self.error = 'error', str(e)
+            except LinkCommandError as e:
+                self._refused(str(e))
                 with self.lock:
                     if self.want is not None:
                         self.applied = self.want    # not again every period
-            except QMPError as e:
+            except LinkError as e:
                 self._failed(str(e))
             except SourceError as e:
-                if self.state != 'error':
-                    self.log(dict(event='vm-error', vm=self.conf.name, error=str(e)))
-                self.state, self.error = 'error', str(e)
-                if self.qdev is None:       # attach again, later
-                    self.qmp.close()
-                    self.next_try = time.monotonic() + self.backoff
-                    self.backoff = min(BACKOFF_MAX, self.backoff * 2)
+                self._refused(str(e))
+
+    def _refused(self, why):
+        """The VM answered, with an error or with figures that lack the
+        disk.  The link stays, unless the attach itself failed: then it is
+        made again later (the disk may be plugged in meanwhile)."""
+        if self.state != 'error':
+            self.log(dict(event='vm-error', vm=self.conf.name, error=why))
+        self.state, self.error = 'error', why
+        if self.qdev is None:
+            self.link.close()
+            self.next_try = time.monotonic() + self.backoff
+            self.backoff = min(BACKOFF_MAX, self.backoff * 2)
 
     def _failed(self, why):
         was = self.state
-        self.qmp.close()
+        self.link.close()
         self.state = 'absent' if 'cannot connect' in why else 'unresponsive'
         self.error = why
         self.next_try = time.monotonic() + self.backoff
@@ -122,21 +180,20 @@ class VMLink(threading.Thread):
             self.log(dict(event='vm-' + self.state, vm=self.conf.name, error=why))
 
     def _step(self):
-        if not self.qmp.connected:
+        if not self.link.connected:
             if time.monotonic() < self.next_try:
                 return
-            self.qmp.connect()
+            self.link.connect()
             self._attach()
             self.backoff = BACKOFF_MIN
         if self.sample_due:
             self.sample_due = False
-            st = self.qmp.cmd('query-blockstats')
-            qdev, ops, nbytes, bins = vm_disk_sample(st, self.qdev or self.conf.device)
-            self.sample = (time.monotonic(), ops, nbytes, bins)
+            ops, nbytes, bins, lat_ns = self.link.sample(self.qdev)
+            self.sample = (time.monotonic(), ops, nbytes, bins, lat_ns)
         with self.lock:
             want = self.want
         if want is not None and want != self.applied:
-            set_limits(self.qmp, self.conf.group, want)
+            self.link.set_limits(want)
             self.applied = want
         if self.state != 'ok':
             self.log(dict(event='vm-ok', vm=self.conf.name, qdev=self.qdev,
@@ -144,25 +201,13 @@ class VMLink(threading.Thread):
         self.state, self.error = 'ok', None
 
     def _attach(self):
-        """Check the throttle group, find the disk, set its histogram.  On a
-        re-attach the limits found are logged (a previous run's or the
-        watchdog's) and kept until the loop decides."""
-        try:
-            cur = self.qmp.cmd('qom-get', path=group_path(self.conf.group), property='limits')
-        except QMPCommandError as e:
-            raise QMPError(f'{self.conf.qmp}: throttle group {self.conf.group!r}: {e.desc}') \
-                from None
+        """Find the disk and its limits.  On a re-attach the limits found
+        are logged (a previous run's or the watchdog's) and kept until the
+        loop decides."""
+        self.qdev = None
+        qdev, cur, self.histogram = self.link.attach(self.log)
         self.attached_limits = cur
         self.adopt = True           # the loop takes these over (a re-attach)
-        stats = self.qmp.cmd('query-blockstats')
-        self.qdev = vm_disk_sample(stats, self.conf.device)[0]
         self.sample = None
-        try:
-            self.qmp.cmd('block-latency-histogram-set', id=self.qdev, boundaries=HIST_NS)
-            self.histogram = True
-        except QMPCommandError as e:
-            # a disk with no guest device (a storage daemon's export): no
-            # histogram, IOPS only
-            self.histogram = False
-            self.log(dict(event='no-histogram', vm=self.conf.name, error=e.desc))
+        self.qdev = qdev
         self.log(dict(event='attach', vm=self.conf.name, qdev=self.qdev, limits=cur))
