@@ -93,16 +93,39 @@ class Section:
         return sorted(set(self.cp.options(self.name)) - self.seen)
 
 
+# libvirt: a connection URI (printable, no spaces), a domain name (no '/'
+# or control characters, as libvirt's own rule), a disk's target (vda)
+LIBVIRT_URI_RE = re.compile(r'^[a-z][a-z0-9+.-]{0,31}://[\x21-\x7e]{0,1000}$')
+DOMAIN_RE = re.compile(r'^[^\x00-\x1f\x7f/]{1,200}$')
+DEVICE_RE = re.compile(r'^[A-Za-z0-9_./-]{1,128}$')
+
+
 class VMConf:
-    """One VM: its QMP socket, the throttle group the arbiter drives, the
-    disk whose latency it watches, the default limits (restored whenever
-    the arbiter lets go), the floor and the VM's own latency SLO."""
+    """One VM: how the arbiter reaches it (a QMP socket of its own and the
+    throttle group it drives, or a libvirt connection, the domain and the
+    disk whose live <iotune> it drives), the disk whose latency it
+    watches, the default limits (restored whenever the arbiter lets go),
+    the floor and the VM's own latency SLO."""
 
     def __init__(self, s, name):
         self.name = name
-        self.qmp = s.path('qmp', required=True)
-        self.group = s.text('throttle-group', required=True)
-        self.device = s.text('device', pattern=re.compile(r'^[A-Za-z0-9_./-]{1,128}$'))
+        self.libvirt = s.text('libvirt', pattern=LIBVIRT_URI_RE)
+        if self.libvirt:
+            if s.cp.has_option(s.name, 'qmp'):
+                raise ConfigError(f'[vm {name}] qmp and libvirt: give one of them')
+            self.qmp = None
+            self.domain = s.text('domain', required=True, pattern=DOMAIN_RE)
+            # libvirt's group_name: the disks given it share the limits
+            self.group = s.text('throttle-group')
+            self.device = s.text('device', required=True, pattern=DEVICE_RE)
+        else:
+            if not s.cp.has_option(s.name, 'qmp'):
+                raise ConfigError(f'[vm {name}] qmp (a QMP socket) or libvirt (a URI) '
+                                  'is required')
+            self.qmp = s.path('qmp', required=True)
+            self.domain = None
+            self.group = s.text('throttle-group', required=True)
+            self.device = s.text('device', pattern=DEVICE_RE)
         # 0: no limit.  QEMU's own bounds: THROTTLE_VALUE_MAX = 1e15.
         self.default_iops = s.num('default-iops', 0, 0, 10**9, int)
         self.default_bps = s.size('default-bps', 0, 0, 1 << 40)

@@ -190,11 +190,14 @@ class Arbiter:
                 continue                    # first sample, or QEMU restarted
             dt = s[0] - prev[0]
             ops, nbytes = s[1] - prev[1], s[2] - prev[2]
-            p99 = None
+            p99 = mean = None
             if s[3] is not None and prev[3] is not None:
                 p99 = hist_percentile([max(0, a - b) for a, b in zip(s[3], prev[3])], 0.99)
+            if s[4] is not None and prev[4] is not None and ops > 0:
+                mean = max(0, s[4] - prev[4]) / ops / 1e6     # libvirt: total ns only
             out[name] = dict(iops=ops / dt, bps=nbytes / dt,
-                             bytes_per_op=nbytes / ops if ops else None, p99_ms=p99)
+                             bytes_per_op=nbytes / ops if ops else None, p99_ms=p99,
+                             mean_ms=mean)
         return out
 
     def adopt(self, name, link):
@@ -292,6 +295,8 @@ class Arbiter:
         g('vm_iops', 'VM disk I/O per second', [({'vm': n}, m.get('iops')) for n, m in vms.items()])
         g('vm_p99_seconds', 'VM disk p99 latency (QEMU histogram)',
           [({'vm': n}, m.get('p99_ms') and m['p99_ms'] / 1e3) for n, m in vms.items()])
+        g('vm_mean_seconds', 'VM disk mean latency (libvirt: no histogram)',
+          [({'vm': n}, m.get('mean_ms') and m['mean_ms'] / 1e3) for n, m in vms.items()])
         g('vm_limit_iops', 'IOPS limit set by the arbiter (0: the VM\'s default)',
           [({'vm': n}, st.limit or 0) for n, st in self.states.items()])
         g('vm_up', 'The arbiter reaches the VM',

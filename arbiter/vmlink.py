@@ -76,6 +76,9 @@ class QMPLink:
 
 def open_link(conf, timeout):
     """The link a VM's configuration names (not connected yet)."""
+    if conf.libvirt:
+        from .libvirtlink import LibvirtLink
+        return LibvirtLink(conf, timeout)
     return QMPLink(conf, timeout)
 
 

@@ -40,7 +40,7 @@ $SUDO apt-get install -y -q --no-install-recommends \
     redis-server redis-tools libhiredis-dev \
     fio \
     ceph-mon ceph-osd ceph-common librbd-dev uuid-runtime \
-    libvirt-daemon-system libvirt-clients libvirt-daemon-driver-qemu
+    libvirt-daemon-system libvirt-clients libvirt-daemon-driver-qemu python3-libvirt
 
 # Python venv with pinned packages: meson for QEMU's configure, avocado for the functional tests.
 venv=$build/venv

@@ -225,10 +225,10 @@ def wait_for(get, pred, timeout, what, check=lambda: None):
 
 
 class Daemon:
-    def __init__(self, conf_path, tmp, state='state'):
+    def __init__(self, conf_path, tmp, state='state', python=sys.executable):
         self.conf = conf_path
         self.out = open(tmp(f'{state}.out'), 'a+')
-        self.proc = subprocess.Popen([sys.executable, HVARBITER, 'run', conf_path],
+        self.proc = subprocess.Popen([python, HVARBITER, 'run', conf_path],
                                      stdout=self.out, stderr=subprocess.STDOUT)
         self.log_path = tmp(f'{state}/decisions.jsonl')
         self.sock = tmp(f'{state}/arbiter.sock')

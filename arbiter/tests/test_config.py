@@ -80,13 +80,33 @@ class ConfigTest(unittest.TestCase):
         self.refused(GOOD.replace('slo-p99-ms', 'slo-p99'), "[vm web1] unknown key: slo-p99")
         self.refused(GOOD + '\n[vms web2]\n', 'unknown section [vms web2]')
         self.refused(GOOD + '\n[vm a/b]\nqmp=/x\nthrottle-group=t\n', 'unknown section')
-        self.refused(GOOD.replace('qmp = /run/vm/web1.qmp', ''), '[vm web1] qmp: is required')
+        self.refused(GOOD.replace('qmp = /run/vm/web1.qmp', ''),
+                     '[vm web1] qmp (a QMP socket) or libvirt (a URI) is required')
         self.refused(GOOD.replace('qmp = /run/vm/web1.qmp', 'qmp = web1.qmp'),
                      'not an absolute path')
         self.refused(GOOD.replace('throttle-group = tg0', 'throttle-group = ../../x'),
                      'not a valid name')
         self.refused(GOOD + '\n[vm web1]\nqmp=/y\n', 'web1')        # duplicate section
         self.refused('[device]\npath=/dev/x\n', 'no [arbiter] section')
+
+    def test_libvirt_vm(self):
+        """A VM libvirt manages: a URI, the domain and its disk; a QMP
+        socket beside them, or QMP-only keys missing, are errors."""
+        lv = GOOD.replace('qmp = /run/vm/web1.qmp\nthrottle-group = tg0',
+                          'libvirt = qemu:///system\ndomain = web 1 (prod)\ndevice = vda')
+        v = self.load(lv).vms[0]
+        self.assertEqual((v.libvirt, v.domain, v.device, v.group, v.qmp),
+                         ('qemu:///system', 'web 1 (prod)', 'vda', None, None))
+        v = self.load(lv.replace('device = vda', 'device = vda\nthrottle-group = shared')).vms[0]
+        self.assertEqual(v.group, 'shared')
+        self.refused(lv.replace('device = vda', 'device = vda\nqmp = /x.qmp'),
+                     '[vm web1] qmp and libvirt: give one of them')
+        self.refused(lv.replace('domain = web 1 (prod)\n', ''), '[vm web1] domain: is required')
+        self.refused(lv.replace('device = vda', ''), '[vm web1] device: is required')
+        for uri in ('qemu:///system now', 'file', '://x', 'qemu:///sys\x01'):
+            self.refused(lv.replace('qemu:///system', uri), '[vm web1] libvirt')
+        for dom in ('a/b', 'x' * 201):
+            self.refused(lv.replace('web 1 (prod)', dom), '[vm web1] domain')
 
     def test_not_a_file(self):
         with self.assertRaises(ConfigError):

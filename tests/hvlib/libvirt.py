@@ -204,13 +204,14 @@ class LibvirtPair:
 
 def domain_xml(name, paths, mem_mib=512, redis_port=6379, console_log=None,
                console_sock=None, append='hv.redis=1', qemu_args=(), disks=(),
-               hybrid_root=None, hybrid_opts=''):
+               hybrid_root=None, hybrid_opts='', block_disks=()):
     """Domain XML for the test guest under TCG with our QEMU as the emulator.
 
     libvirt 9.0 cannot express a slirp host forward for virtio-net with our
     options, nor a hybrid disk (it does not know the format), so those go
     through <qemu:commandline>.  `disks` are (path, format) pairs attached as
-    virtio disks; `hybrid_root` is a hybrid image booted as the root disk
+    virtio disks, then `block_disks` (host block devices: raw, cache='none',
+    io='native'); `hybrid_root` is a hybrid image booted as the root disk
     (/dev/vda: it takes the first virtio-blk slot), with extra -blockdev
     options in `hybrid_opts` (e.g. 'mode=async').  With `console_sock` the
     serial console is a unix socket to type into, logged to `console_log`
@@ -224,7 +225,7 @@ def domain_xml(name, paths, mem_mib=512, redis_port=6379, console_log=None,
             # Fixed slots, clear of the ones libvirt assigns to its own devices.
             '-device', 'virtio-net-pci,netdev=hn0,romfile=,bus=pci.0,addr=0x1f']
     if hybrid_root:
-        if disks:  # /dev/vda follows PCI order: keep the root disk the only one
+        if disks or block_disks:  # /dev/vda follows PCI order: keep the root disk the only one
             raise ValueError('hybrid_root cannot be combined with other disks')
         opts = f',{hybrid_opts}' if hybrid_opts else ''
         args += ['-blockdev', f'driver=hybrid,node-name=hroot,file.driver=file,'
@@ -239,6 +240,13 @@ def domain_xml(name, paths, mem_mib=512, redis_port=6379, console_log=None,
       <source file={quoteattr(path)}/>
       <target dev='vd{chr(ord("a") + i)}' bus='virtio'/>
     </disk>""" for i, (path, fmt) in enumerate(disks))
+    disk_xml += '\n'.join(
+        f"""
+    <disk type='block' device='disk'>
+      <driver name='qemu' type='raw' cache='none' io='native'/>
+      <source dev={quoteattr(dev)}/>
+      <target dev='vd{chr(ord("a") + len(disks) + i)}' bus='virtio'/>
+    </disk>""" for i, dev in enumerate(block_disks))
     if console_sock:
         serial = (f"""    <serial type='unix'>
       <source mode='bind' path={quoteattr(console_sock)}/>
