@@ -8,10 +8,12 @@ disk (that device, behind throttle group tg0).  The container: fio, 4 KiB
 random reads at QD4, in its own namespaces under a blkio cgroup
 (arbiter/hvctr-run).  Configurations, interleaved in each of --rounds
 rounds:
-  container solo, VM solo      each side alone
+  container solo, VM solo      each side alone (then the container alone
+                               again: the probe's baseline is the least of
+                               the two, Scenario.probe_baseline)
   contended, contended (A/A)   both, no control (twice: the A/A spread)
   arbitrated                   both, hvarbiter (its target: --target-x times
-                               the probe's solo p90 of the round; the
+                               that baseline, the probe's p90; the
                                container's p99 is held to 2x its solo p99)
   static N MB/s                both, the VM's group fixed at N MB/s
   BFQ weights                  both, the device's scheduler BFQ, container
@@ -105,11 +107,18 @@ class Bench:
         sc, a = self.sc, self.a
         solo = sc.solo_with_probe()
         self.record(rnd, solo, probe_ms=solo['probe_ms'])
+        self.record(rnd, sc.phase('VM solo', container=False))
+        # the probe's baseline: the least of two solo phases with another
+        # between them (Scenario.probe_baseline); only the first counts in
+        # the table's solo row
+        again = sc.solo_with_probe('container solo again')
+        self.record(rnd, again, probe_ms=again['probe_ms'])
+        probe_ms = sc.probe_baseline(solo, again)
         # the container's p99 (fio's) against twice its solo figure; the
         # arbiter in its probe's terms (docs/arbiter.md, "Calibration")
         target = max(0.5, 2 * solo['container']['p99_ms'])
-        arb_target = a.target_x * (solo['probe_ms'] or solo['container']['p99_ms'])
-        order = ['VM solo', 'contended', 'arbitrated', 'contended (A/A)'] + \
+        arb_target = a.target_x * (probe_ms or solo['container']['p99_ms'])
+        order = ['contended', 'arbitrated', 'contended (A/A)'] + \
             [f'static {m} MB/s' for m in a.statics] + ['BFQ weights']
         k = rnd % len(order)
         for name in order[k:] + order[:k]:
@@ -218,7 +227,7 @@ class Bench:
                  'Work W = (container bytes + gap x VM bytes) / 4 KiB a second, '
                  f'gap = {gap:.2f} (calibration below).  Target: the container\'s p99 at '
                  'most 2 x its solo p99 of the round (0.5 ms at least); the arbiter is told '
-                 f'{a.target_x:g} x its probe\'s solo p90 of the round.  The '
+                 f'{a.target_x:g} x its probe\'s solo p90 (the least of the round\'s two solo phases).  The '
                  'VM-path rows drive 1 MiB reads at QD4 through a qemu-storage-daemon '
                  '(NBD) instead of the guest: the block layer without the guest\'s CPU.', '',
                  '| configuration | container IOPS | container p50 (ms) | container p99 (ms) '
@@ -270,6 +279,20 @@ class Bench:
             else:
                 rows.append(('work, best static meeting the target', 'no static setting met it',
                              ''))
+            # paired, round by round: the arbiter against the best static
+            # setting that met that round's own target
+            ratios = []
+            for r in arb:
+                st = [x for x in self.rows if x['round'] == r['round'] and
+                      x['phase'].startswith('static') and
+                      x['container']['p99_ms'] <= r['target_ms']]
+                if st:
+                    ratios.append(S.work(r, gap) / max(S.work(x, gap) for x in st))
+            if ratios:
+                gm = math.exp(statistics.mean(math.log(x) for x in ratios))
+                rows.append(('per round: work arbitrated / best static meeting that round\'s '
+                             'target (geometric mean; each round)',
+                             f'{gm:.2f}x; ' + ', '.join(f'{x:.2f}' for x in ratios), '>= 1'))
         if 'contended (A/A)' in s:
             rows.append(('A/A: contended / contended again, container IOPS',
                          f'{s["contended"]["iops"][0] / s["contended (A/A)"]["iops"][0]:.2f}x',
