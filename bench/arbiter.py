@@ -289,10 +289,12 @@ class Bench:
                 if st:
                     ratios.append(S.work(r, gap) / max(S.work(x, gap) for x in st))
             if ratios:
-                gm = math.exp(statistics.mean(math.log(x) for x in ratios))
+                m, h = ci([math.log(x) for x in ratios])
+                band = f' [{math.exp(m - h):.2f}, {math.exp(m + h):.2f}]' if h is not None else ''
                 rows.append(('per round: work arbitrated / best static meeting that round\'s '
-                             'target (geometric mean; each round)',
-                             f'{gm:.2f}x; ' + ', '.join(f'{x:.2f}' for x in ratios), '>= 1'))
+                             'target (geometric mean, 95 % CI; each round)',
+                             f'{math.exp(m):.2f}x{band}; ' + ', '.join(f'{x:.2f}' for x in ratios),
+                             '>= 1'))
         if 'contended (A/A)' in s:
             rows.append(('A/A: contended / contended again, container IOPS',
                          f'{s["contended"]["iops"][0] / s["contended (A/A)"]["iops"][0]:.2f}x',
