@@ -108,6 +108,29 @@ class ConfigTest(unittest.TestCase):
         for dom in ('a/b', 'x' * 201):
             self.refused(lv.replace('web 1 (prod)', dom), '[vm web1] domain')
 
+    def test_libvirt_without_bindings_refused_at_start(self):
+        """A libvirt VM under a python3 without the bindings: check and run
+        refuse at once, naming the package, rather than leave the VM
+        absent for good."""
+        import subprocess
+        r = subprocess.run([sys.executable, '-c', 'import libvirt'], capture_output=True)
+        if r.returncode == 0:
+            self.skipTest(f'{sys.executable} has the libvirt bindings')
+        lv = GOOD.replace('qmp = /run/vm/web1.qmp\nthrottle-group = tg0',
+                          'libvirt = qemu:///system\ndomain = web1\ndevice = vda')
+        with tempfile.NamedTemporaryFile('w', suffix='.conf', delete=False) as f:
+            f.write(lv)
+        self.addCleanup(os.unlink, f.name)
+        os.chmod(f.name, 0o644)
+        hv = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'hvarbiter')
+        for cmd in ('check', 'run'):
+            r = subprocess.run([sys.executable, hv, cmd, f.name], capture_output=True, text=True,
+                               timeout=60)
+            self.assertNotEqual(r.returncode, 0)
+            self.assertIn('[vm web1] libvirt: the libvirt Python bindings are not installed',
+                          r.stderr)
+            self.assertIn('python3-libvirt', r.stderr)
+
     def test_not_a_file(self):
         with self.assertRaises(ConfigError):
             Config('/nonexistent/arbiter.conf')
