@@ -23,9 +23,11 @@ class PolicyTest(unittest.TestCase):
         self.st = {'a': policy.VMState(vmconf()), 'b': policy.VMState(vmconf(default_iops=4000))}
         self.idle = 0
 
-    def step(self, cont_p99, cont_iops=1000, vm_iops=None, vm_p99=None, target=2.0):
+    def step(self, cont_p99, cont_iops=1000, vm_iops=None, vm_p99=None, target=2.0,
+             vm_mean=None):
         vm_iops = vm_iops or {'a': 3000, 'b': 3000}
-        vm_in = {n: dict(iops=i, bytes_per_op=4096, p99_ms=(vm_p99 or {}).get(n))
+        vm_in = {n: dict(iops=i, bytes_per_op=4096, p99_ms=(vm_p99 or {}).get(n),
+                         mean_ms=(vm_mean or {}).get(n))
                  for n, i in vm_iops.items()}
         action, r, self.idle, notes = policy.decide(
             self.st, vm_in, dict(iops=cont_iops, lat_ms=cont_p99, pressure=None),
@@ -97,6 +99,19 @@ class PolicyTest(unittest.TestCase):
         self.assertGreater(self.st['a'].limit, la)          # raised a step
         self.assertLess(self.st['b'].limit, lb)             # the other one takes the cut
         self.assertIn('over its SLO', notes['a'])
+
+    def test_libvirt_vm_slo_on_its_mean(self):
+        """No histogram (libvirt): the SLO is checked on the mean latency,
+        and a p99 where there is one wins over the mean."""
+        self.step(4.0)
+        la, lb = self.st['a'].limit, self.st['b'].limit
+        _, _, notes = self.step(4.0, vm_mean={'a': 80.0, 'b': 5.0})
+        self.assertGreater(self.st['a'].limit, la)
+        self.assertLess(self.st['b'].limit, lb)
+        self.assertIn('over its SLO (mean 80.0', notes['a'])
+        la = self.st['a'].limit
+        self.step(4.0, vm_p99={'a': 5.0}, vm_mean={'a': 80.0})
+        self.assertLess(self.st['a'].limit, la)             # its p99 is within the SLO
 
     def test_unreachable_vm_left_alone(self):
         self.step(4.0, vm_iops={'a': 3000})
