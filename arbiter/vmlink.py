@@ -84,18 +84,31 @@ def open_link(conf, timeout):
 
 def restore_defaults(conf, timeout, log=None):
     """Connect to every VM and put its default limits back (the watchdog
-    and a clean exit).  Returns {vm: error or None}."""
-    out = {}
-    for vm in conf.vms:
+    and a clean exit), all VMs at once: one that hangs (a QMP socket is
+    bounded by the timeout, but a libvirt connection being opened is not)
+    holds back no other.  Returns {vm: error or None}."""
+    done = {}                   # a late thread writes here, never into out
+
+    def one(vm):
         link = open_link(vm, timeout)
         try:
             link.connect()
             link.set_limits(vm.default_limits())
-            out[vm.name] = None
+            done[vm.name] = None
         except LinkError as e:
-            out[vm.name] = str(e)
+            done[vm.name] = str(e)
         finally:
             link.close()
+
+    threads = [threading.Thread(target=one, args=(vm,), daemon=True) for vm in conf.vms]
+    for t in threads:
+        t.start()
+    wait = 3 * timeout + 2
+    deadline = time.monotonic() + wait
+    out = {}
+    for vm, t in zip(conf.vms, threads):
+        t.join(max(0.0, deadline - time.monotonic()))
+        out[vm.name] = f'no answer within {wait:g} s' if t.is_alive() else done[vm.name]
         if log:
             log(dict(event='restore-default', vm=vm.name, limits=vm.default_limits(),
                      error=out[vm.name]))
