@@ -132,6 +132,9 @@ class ArbiterTest(unittest.TestCase):
         for k in ('iops', 'lat_ms', 'p99_ms', 'probe_samples'):
             self.assertIn(k, c['container'])
         self.assertGreater(c['container']['iops'], 0)
+        if os.path.exists('/sys/fs/cgroup/unified/cgroup.controllers'):
+            # the container's io.pressure (its v2 cgroup) is read each period
+            self.assertIsNotNone(c['container']['pressure'])
         self.assertGreater(c['vms']['vm0']['iops'], 0)
         self.assertGreater(c['ratio'], 1)
 

@@ -1,6 +1,7 @@
 """The control law on its own (policy.decide): steps scaled and clamped to
 1-16 %, the hysteresis band, the floor, the default, the lift when the
-containers go idle, and a VM's own SLO."""
+containers go idle, the stall share (io.pressure) as an input, and a VM's
+own SLO."""
 
 import os
 import sys
@@ -24,14 +25,14 @@ class PolicyTest(unittest.TestCase):
         self.idle = 0
 
     def step(self, cont_p99, cont_iops=1000, vm_iops=None, vm_p99=None, target=2.0,
-             vm_mean=None):
+             vm_mean=None, pressure=None, target_pressure=0):
         vm_iops = vm_iops or {'a': 3000, 'b': 3000}
         vm_in = {n: dict(iops=i, bytes_per_op=4096, p99_ms=(vm_p99 or {}).get(n),
                          mean_ms=(vm_mean or {}).get(n))
                  for n, i in vm_iops.items()}
         action, r, self.idle, notes = policy.decide(
-            self.st, vm_in, dict(iops=cont_iops, lat_ms=cont_p99, pressure=None),
-            target, 0, 20, self.idle)
+            self.st, vm_in, dict(iops=cont_iops, lat_ms=cont_p99, pressure=pressure),
+            target, target_pressure, 20, self.idle)
         return action, r, notes
 
     def test_cut_is_scaled_and_clamped(self):
@@ -112,6 +113,23 @@ class PolicyTest(unittest.TestCase):
         la = self.st['a'].limit
         self.step(4.0, vm_p99={'a': 5.0}, vm_mean={'a': 80.0})
         self.assertLess(self.st['a'].limit, la)             # its p99 is within the SLO
+
+    def test_pressure_is_an_input(self):
+        """io.pressure: with target-pressure set, a stall share over it
+        cuts even when the probe is within its target (r is the larger of
+        the two ratios); unset, it is not looked at; and a container that
+        stalls is not idle, whatever its counted I/O."""
+        a, r, _ = self.step(1.0, pressure=0.3, target_pressure=0.1)
+        self.assertEqual(a, 'cut')
+        self.assertAlmostEqual(r, 3.0)
+        self.setUp()
+        a, r, _ = self.step(1.0, pressure=0.3)
+        self.assertEqual(a, 'raise' if r < policy.LOW else 'hold')
+        self.assertAlmostEqual(r, 0.5)
+        self.setUp()
+        for _ in range(policy.IDLE_PERIODS + 1):
+            a, _, _ = self.step(None, cont_iops=0, pressure=0.05, target_pressure=0.1)
+        self.assertEqual(a, 'raise')           # stalling: not idle; under target
 
     def test_unreachable_vm_left_alone(self):
         self.step(4.0, vm_iops={'a': 3000})
