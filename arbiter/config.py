@@ -8,6 +8,7 @@ import configparser
 import os
 import re
 import stat
+import urllib.parse
 
 MiB = 1 << 20
 # QEMU's documentation of throttling: below about 2 MB/s a guest may fail
@@ -100,6 +101,30 @@ DOMAIN_RE = re.compile(r'^[^\x00-\x1f\x7f/]{1,200}$')
 DEVICE_RE = re.compile(r'^[A-Za-z0-9_./-]{1,128}$')
 
 
+def local_libvirt_uri(uri):
+    """Why a libvirt URI is refused, or None.  The arbiter throttles disks
+    on this host's device, as root: only this host's QEMU driver is
+    accepted (qemu:///system, qemu:///session, or qemu+unix with an
+    absolute socket=), never a host name (another machine) nor a
+    transport that runs a program (qemu+ext's command=, ssh's)."""
+    u = urllib.parse.urlsplit(uri)
+    if u.scheme not in ('qemu', 'qemu+unix'):
+        return 'not a local QEMU URI (qemu:///system, qemu+unix:///system?socket=PATH)'
+    if u.netloc:
+        return 'names a host: the arbiter drives this host\'s VMs only'
+    if u.path not in ('/system', '/session'):
+        return 'the path must be /system or /session'
+    try:
+        q = urllib.parse.parse_qs(u.query, keep_blank_values=True, strict_parsing=bool(u.query))
+    except ValueError:
+        return 'malformed parameters'
+    if set(q) - {'socket'} or len(q.get('socket', [])) > 1:
+        return 'takes no parameter but one socket='
+    if q and not os.path.isabs(q['socket'][0]):
+        return 'socket= must be an absolute path'
+    return None
+
+
 class VMConf:
     """One VM: how the arbiter reaches it (a QMP socket of its own and the
     throttle group it drives, or a libvirt connection, the domain and the
@@ -111,6 +136,9 @@ class VMConf:
         self.name = name
         self.libvirt = s.text('libvirt', pattern=LIBVIRT_URI_RE)
         if self.libvirt:
+            why = local_libvirt_uri(self.libvirt)
+            if why:
+                raise ConfigError(f'[vm {name}] libvirt: {self.libvirt!r}: {why}')
             if s.cp.has_option(s.name, 'qmp'):
                 raise ConfigError(f'[vm {name}] qmp and libvirt: give one of them')
             self.qmp = None

@@ -105,8 +105,32 @@ class ConfigTest(unittest.TestCase):
         self.refused(lv.replace('device = vda', ''), '[vm web1] device: is required')
         for uri in ('qemu:///system now', 'file', '://x', 'qemu:///sys\x01'):
             self.refused(lv.replace('qemu:///system', uri), '[vm web1] libvirt')
+        v = self.load(lv.replace('qemu:///system', 'qemu+unix:///system?socket=/run/x/sock')).vms[0]
+        self.assertEqual(v.libvirt, 'qemu+unix:///system?socket=/run/x/sock')
         for dom in ('a/b', 'x' * 201):
             self.refused(lv.replace('web 1 (prod)', dom), '[vm web1] domain')
+
+    def test_libvirt_uri_stays_on_this_host(self):
+        """The daemon runs as root and connects where the URI says: a URI
+        that would run a program (qemu+ext's command=, ssh's), reach
+        another machine, or open another driver or an in-process QEMU is
+        refused before anything connects."""
+        lv = GOOD.replace('qmp = /run/vm/web1.qmp\nthrottle-group = tg0',
+                          'libvirt = URI\ndomain = web1\ndevice = vda')
+        for uri, why in (
+                ('qemu+ext:///system?command=/tmp/evil', 'not a local QEMU URI'),
+                ('qemu+ssh://root@elsewhere/system', 'not a local QEMU URI'),
+                ('qemu+tcp://10.0.0.1/system', 'not a local QEMU URI'),
+                ('qemu://elsewhere/system', 'names a host'),
+                ('qemu+unix://elsewhere/system?socket=/s', 'names a host'),
+                ('lxc:///system', 'not a local QEMU URI'),
+                ('test:///default', 'not a local QEMU URI'),
+                ('qemu:///embed?root=/tmp/x', 'the path must be /system or /session'),
+                ('qemu+unix:///system?command=/tmp/evil', 'takes no parameter but one socket='),
+                ('qemu+unix:///system?socket=/a&socket=/b', 'takes no parameter but one socket='),
+                ('qemu+unix:///system?socket=run/sock', 'socket= must be an absolute path'),
+                ('qemu+unix:///system?socket', 'malformed parameters')):
+            self.refused(lv.replace('URI', uri), '[vm web1] libvirt', why)
 
     def test_libvirt_without_bindings_refused_at_start(self):
         """A libvirt VM under a python3 without the bindings: check and run
