@@ -104,16 +104,28 @@ class LibvirtArbiterTest(unittest.TestCase):
         else:
             self.con.run('rm -f /tmp/go; wait', timeout=120)
 
+    def start_cutting(self, d, ctr, seconds):
+        """The guest streaming and a container over the (tiny) target for
+        `seconds`: returns the container's fio once the daemon has applied
+        a cut through libvirt."""
+        self.load(True)
+        self.addCleanup(self.load, False)
+        p = A.container(ctr, self.loop.dev, seconds)
+        try:
+            d.wait(lambda s: (s['vm_state']['v']['limits'] or {}).get('iops-total', 0) > 0,
+                   what='a cut applied through libvirt')
+        except BaseException:
+            p.kill()                # the runner takes its container with it
+            p.communicate()
+            raise
+        return p
+
     def test_1_cuts_through_blkdeviotune_and_lets_go(self):
         d, ctr = self.daemon(extra_vm='throttle-group = arbgrp\n')
         d.wait(lambda s: s['vm_state']['v']['state'] == 'ok', what='the domain attached')
         self.assertFalse(d.status()['vm_state']['v']['histogram'])
-        self.load(True)
-        self.addCleanup(self.load, False)
-        p = A.container(ctr, self.loop.dev, 8)
+        p = self.start_cutting(d, ctr, 8)
         try:
-            d.wait(lambda s: (s['vm_state']['v']['limits'] or {}).get('iops-total', 0) > 0,
-                   what='a cut applied through libvirt')
             live = iotune(self.host, 'vda', '--live')
             # the loop steps every period, virsh takes longer than one: the
             # live value is one the arbiter decided
@@ -140,12 +152,8 @@ class LibvirtArbiterTest(unittest.TestCase):
 
     def test_2_watchdog_restores_through_libvirt(self):
         d, ctr = self.daemon(state='wd')
-        self.load(True)
-        self.addCleanup(self.load, False)
-        p = A.container(ctr, self.loop.dev, 6)
+        p = self.start_cutting(d, ctr, 6)
         try:
-            d.wait(lambda s: (s['vm_state']['v']['limits'] or {}).get('iops-total', 0) > 0,
-                   what='a cut applied')
             self.assertGreater(int(iotune(self.host, 'vda', '--live')['total_iops_sec']), 0)
             d.terminate(signal.SIGKILL)
             A.wait_for(lambda: int(iotune(self.host, 'vda', '--live')['total_iops_sec']),
