@@ -49,9 +49,10 @@ def _event_loop():
 
 # Errors that mean the domain or the connection is gone, not that the
 # request was wrong: the link is dropped and made again.
-_GONE = ('VIR_ERR_NO_DOMAIN', 'VIR_ERR_OPERATION_INVALID', 'VIR_ERR_NO_CONNECT',
-         'VIR_ERR_SYSTEM_ERROR', 'VIR_ERR_RPC', 'VIR_ERR_AUTH_FAILED',
-         'VIR_ERR_OPERATION_TIMEOUT')
+_GONE = frozenset(getattr(libvirt, n) for n in (
+    'VIR_ERR_NO_DOMAIN', 'VIR_ERR_OPERATION_INVALID', 'VIR_ERR_NO_CONNECT',
+    'VIR_ERR_SYSTEM_ERROR', 'VIR_ERR_RPC', 'VIR_ERR_AUTH_FAILED',
+    'VIR_ERR_OPERATION_TIMEOUT')) if libvirt else frozenset()
 
 
 class LibvirtLink:
@@ -105,22 +106,20 @@ class LibvirtLink:
             return fn(*args)
         except libvirt.libvirtError as e:
             msg = f'{self.where}: {what}: {e.get_error_message()}'
-            code = e.get_error_code()
-            gone = {getattr(libvirt, n, None) for n in _GONE}
             alive = False
             try:
                 alive = self.conn.isAlive() == 1
             except libvirt.libvirtError:
                 pass
-            if code in gone or not alive:
+            if e.get_error_code() in _GONE or not alive:
                 raise LinkError(msg) from None
             raise LinkCommandError(msg) from None
 
     def attach(self, log):
-        """Check the disk and read its live limits.  Returns (disk, its
-        current limits in QEMU's terms, False: no histogram)."""
+        """Read the disk's live limits (a disk the domain lacks is refused
+        here).  Returns (disk, its current limits in QEMU's terms, False:
+        no histogram)."""
         disk = self.conf.device
-        self._call('domblkstat', self.dom.blockStatsFlags, disk, 0)
         tune = self._call('blkdeviotune', self.dom.blockIoTune, disk,
                           libvirt.VIR_DOMAIN_AFFECT_LIVE)
         if not isinstance(tune, dict):
