@@ -136,6 +136,10 @@ class ArbiterTest(unittest.TestCase):
             # the container's io.pressure (its v2 cgroup) is read each period
             self.assertIsNotNone(c['container']['pressure'])
         self.assertGreater(c['vms']['vm0']['iops'], 0)
+        # and the VM's latency, from the histogram the daemon set on its disk
+        self.assertTrue(st['vm_state']['vm0']['histogram'])
+        self.assertTrue([r for r in recs if r.get('action') and
+                         (r['vms'].get('vm0') or {}).get('p99_ms')], 'no VM p99 in any period')
         self.assertGreater(c['ratio'], 1)
 
     def test_killed_daemon_leaves_the_default_limits(self):
