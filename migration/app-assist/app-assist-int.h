@@ -32,6 +32,9 @@ bool aa_port_guest_open(AppAssistPort *port);
  */
 bool aa_port_request(AppAssistPort *port, const char *cmd, const char *arg,
                      bool want_reply);
+/* The same with any number of arguments and a reply of kind @kind. */
+bool aa_port_request_argv(AppAssistPort *port, int argc, const char **argv,
+                          AARespKind kind, bool want_reply);
 AppAssistPortStatus aa_port_status(AppAssistPort *port);
 const AAReply *aa_port_reply(AppAssistPort *port);  /* status answered */
 const char *aa_port_error(AppAssistPort *port);     /* other statuses */
@@ -39,5 +42,14 @@ void aa_port_expire(AppAssistPort *port);           /* waiting -> timeout */
 
 /* Called by a port (BQL held) whenever its status changes. */
 void app_assist_wakeup(void);
+
+/* app-assist.c, for pages.c. */
+AppAssistInfo *aa_current_info(void);       /* BQL held; NULL before a phase */
+void aa_wait_wakeup(int64_t ms);            /* BQL not held */
+int64_t aa_now_ms(void);
+void aa_set_reason(const char *fmt, ...) G_GNUC_PRINTF(1, 2);  /* BQL held */
+/* PREPARE may offer page lists: the migration can send pages as zero
+ * without reading them (see pages.c). */
+bool aa_pages_usable(void);
 
 #endif

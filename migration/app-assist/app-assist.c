@@ -103,9 +103,19 @@ void app_assist_wakeup(void)
     qemu_sem_post(&aa_state.wake);
 }
 
-static int64_t aa_now_ms(void)
+int64_t aa_now_ms(void)
 {
     return qemu_clock_get_ms(QEMU_CLOCK_REALTIME);
+}
+
+AppAssistInfo *aa_current_info(void)
+{
+    return aa_state.info;
+}
+
+void aa_wait_wakeup(int64_t ms)
+{
+    qemu_sem_timedwait(&aa_state.wake, MAX(ms, 0));
 }
 
 /* One QAPI event per real state change, always through here. */
@@ -114,8 +124,7 @@ static void aa_send_event(void)
     qapi_event_send_migration_app_assist(aa_state.info);
 }
 
-static void aa_set_reason(const char *fmt, ...) G_GNUC_PRINTF(1, 2);
-static void aa_set_reason(const char *fmt, ...)
+void aa_set_reason(const char *fmt, ...)
 {
     AppAssistInfo *info = aa_state.info;
     g_autofree char *why = NULL;
@@ -786,12 +795,22 @@ void app_assist_hmp_print(Monitor *mon, AppAssistInfo *info)
                    info->balloon_target >> 20, info->balloon_reached >> 20);
     monitor_printf(mon, "  prepare time: %" PRIu64 " ms, balloon time: %"
                    PRIu64 " ms\n", info->prepare_time, info->balloon_time);
+    if (info->has_dropped_pages) {
+        monitor_printf(mon, "  dropped pages (sent as zero unless written): %"
+                       PRIu64 ", not RAM: %" PRIu64 ", in %" PRIu64 " ms\n",
+                       info->dropped_pages, info->rejected_pages,
+                       info->pages_time);
+    }
     for (p = info->ports; p; p = p->next) {
         monitor_printf(mon, "  port %s: %s", p->value->id,
                        AppAssistPortStatus_str(p->value->status));
         if (p->value->has_freed_bytes) {
             monitor_printf(mon, ", freed %" PRIu64 " kbytes",
                            p->value->freed_bytes >> 10);
+        }
+        if (p->value->has_dropped_pages) {
+            monitor_printf(mon, ", %" PRIu64 " pages listed",
+                           p->value->dropped_pages);
         }
         if (p->value->error) {
             monitor_printf(mon, " (%s)", p->value->error);

@@ -17,6 +17,14 @@
  */
 void app_assist_source_run(MigrationState *s);
 
+/*
+ * Migration thread, after qemu_savevm_state_setup() (dirty logging on),
+ * without the BQL: take the lists of pages the applications dropped, so that
+ * the migration sends them as zero pages unread (pages.c).  Bounded by
+ * app-assist-deadline; never fails the migration.
+ */
+void app_assist_source_pages(MigrationState *s);
+
 /* query-migrate: add the app-assist section when there is one. */
 void app_assist_fill_info(MigrationInfo *info);
 

@@ -138,6 +138,15 @@ bool aa_port_request(AppAssistPort *port, const char *cmd, const char *arg,
                      bool want_reply)
 {
     const char *argv[2] = { cmd, arg };
+
+    return aa_port_request_argv(port, arg ? 2 : 1, argv, AA_RESP_KIND_FIELDS,
+                                want_reply);
+}
+
+bool aa_port_request_argv(AppAssistPort *port, int argc, const char **argv,
+                          AARespKind kind, bool want_reply)
+{
+    const char *cmd = argv[0];
     char *buf = NULL;
     int len;
 
@@ -148,7 +157,7 @@ bool aa_port_request(AppAssistPort *port, const char *cmd, const char *arg,
                  "no application has the port open");
         return false;
     }
-    len = redisFormatCommandArgv(&buf, arg ? 2 : 1, argv, NULL);
+    len = redisFormatCommandArgv(&buf, argc, argv, NULL);
     if (len < 0 || (size_t)len > sizeof(port->out) - port->out_len) {
         /* The guest is not reading what we sent before. */
         redisFreeCommand(buf);
@@ -162,6 +171,7 @@ bool aa_port_request(AppAssistPort *port, const char *cmd, const char *arg,
 
     trace_app_assist_port_send(aa_port_id(port), cmd, (int)port->out_len);
     aa_resp_parser_reset(port->parser);
+    aa_resp_parser_expect(port->parser, kind);
     memset(&port->reply, 0, sizeof(port->reply));
     port->error[0] = '\0';
     port->waiting = want_reply;

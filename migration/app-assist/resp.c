@@ -45,6 +45,8 @@ struct AARespParser {
     size_t fed;                 /* bytes fed since the last reset */
     int nodes;                  /* objects created for the current reply */
     bool done;                  /* a reply was returned: ignore the rest */
+    AARespKind kind;            /* what the reply must be */
+    char *page_data;            /* a PAGES reply's data, until reset */
     bool failed;                /* sticky until reset */
     char err[2 * AA_RESP_ERRLEN];     /* room for a format plus a message */
 };
@@ -117,11 +119,27 @@ static AANode *node_new(const redisReadTask *task, int type)
     return n;
 }
 
+/*
+ * The longest string allowed where @task stands: AA_RESP_MAX_PAGE_DATA for
+ * the second element of a PAGES reply, AA_RESP_MAX_STRING anywhere else.
+ */
+static size_t max_string(const redisReadTask *task)
+{
+    AARespParser *p = task->privdata;
+
+    if (p && p->kind == AA_RESP_KIND_PAGES && task->type == REDIS_REPLY_STRING &&
+        task->parent && !task->parent->parent && task->idx == 1) {
+        return AA_RESP_MAX_PAGE_DATA;
+    }
+    return AA_RESP_MAX_STRING;
+}
+
 static void *create_string(const redisReadTask *task, char *str, size_t len)
 {
+    size_t max = max_string(task);
     AANode *n;
 
-    if (len > AA_RESP_MAX_STRING &&
+    if (len > max &&
         task->type != REDIS_REPLY_ERROR && task->type != REDIS_REPLY_STATUS) {
         return NULL;
     }
@@ -130,8 +148,8 @@ static void *create_string(const redisReadTask *task, char *str, size_t len)
         return NULL;
     }
     /* Error and status lines are kept truncated: they are only shown. */
-    if (len > AA_RESP_MAX_STRING) {
-        len = AA_RESP_MAX_STRING;
+    if (len > max) {
+        len = max;
     }
     n->str = malloc(len + 1);
     if (!n->str) {
@@ -210,6 +228,7 @@ void aa_resp_parser_free(AARespParser *p)
 {
     if (p) {
         redisReaderFree(p->reader);
+        free(p->page_data);
         free(p);
     }
 }
@@ -231,6 +250,14 @@ void aa_resp_parser_reset(AARespParser *p)
     p->fed = 0;
     p->nodes = 0;
     p->done = false;
+    p->kind = AA_RESP_KIND_FIELDS;
+    free(p->page_data);
+    p->page_data = NULL;
+}
+
+void aa_resp_parser_expect(AARespParser *p, AARespKind kind)
+{
+    p->kind = kind;
 }
 
 const char *aa_resp_error(const AARespParser *p)
@@ -315,9 +342,39 @@ static const AAKey aa_keys[] = {
     AA_KEY("used-memory-rss", rss, 1),
     AA_KEY("time-us", time_us, 1),
     AA_KEY("took-us", time_us, 1),
+    AA_KEY("page-list", page_list, 1),
     AA_KEY("time-ms", time_us, 1000),
     AA_KEY("took-ms", time_us, 1000),
 };
+
+/* A PAGES reply: [remaining-runs, data]; the data is decoded by the caller. */
+static bool interpret_pages(AARespParser *p, const AANode *root, AAReply *out)
+{
+    AANode *data;
+
+    if (root->nelem != 2 || !root->elem[0] || !root->elem[1]) {
+        aa_set_error(p, "a PAGES reply is not [remaining, data]%s", NULL);
+        return false;
+    }
+    if (!node_to_u64(root->elem[0], &out->pages_remaining)) {
+        aa_set_error(p, "remaining runs are not a non-negative integer%s",
+                     NULL);
+        return false;
+    }
+    data = root->elem[1];
+    if (data->type != REDIS_REPLY_STRING) {
+        aa_set_error(p, "page-list data is not a bulk string%s", NULL);
+        return false;
+    }
+    /* Keep the data past node_free(): the parser owns it until reset. */
+    free(p->page_data);
+    p->page_data = data->str;
+    data->str = NULL;
+    out->is_pages = true;
+    out->pages = (const uint8_t *)p->page_data;
+    out->pages_len = data->len;
+    return true;
+}
 
 static bool interpret(AARespParser *p, const AANode *root, AAReply *out)
 {
@@ -338,6 +395,9 @@ static bool interpret(AARespParser *p, const AANode *root, AAReply *out)
     default:
         aa_set_error(p, "reply is not an array of key/value pairs%s", NULL);
         return false;
+    }
+    if (p->kind == AA_RESP_KIND_PAGES) {
+        return interpret_pages(p, root, out);
     }
 
     if (root->nelem % 2) {
@@ -427,4 +487,87 @@ AARespState aa_resp_feed(AARespParser *p, const void *buf, size_t len,
     }
     p->done = true;
     return AA_RESP_DONE;
+}
+
+/* ------------------------------------------------------------ page lists */
+
+static bool get_varint(const uint8_t **pos, const uint8_t *end, uint64_t *out)
+{
+    uint64_t v = 0;
+    int shift;
+
+    for (shift = 0; shift < 64; shift += 7) {
+        uint8_t b;
+
+        if (*pos == end) {
+            return false;
+        }
+        b = *(*pos)++;
+        if (shift == 63 && (b & 0x7e)) {
+            return false;           /* more than 64 bits */
+        }
+        v |= (uint64_t)(b & 0x7f) << shift;
+        if (!(b & 0x80)) {
+            *out = v;
+            return true;
+        }
+    }
+    return false;                   /* an eleventh byte */
+}
+
+long aa_pages_decode(const uint8_t *buf, size_t len, AAPageRunFn fn,
+                     void *opaque, const char **err)
+{
+    const uint8_t *pos = buf, *end = buf + len;
+    uint64_t prev_end = 0;
+    long runs = 0;
+
+    while (pos < end) {
+        uint64_t zz, count_1, first;
+        int64_t delta;
+
+        if (!get_varint(&pos, end, &zz) || !get_varint(&pos, end, &count_1)) {
+            *err = "truncated or over-long varint in the page list";
+            return -1;
+        }
+        delta = (int64_t)(zz >> 1) ^ -(int64_t)(zz & 1);
+        if (delta < 0 ? (uint64_t)-(delta + 1) >= prev_end
+                      : (uint64_t)delta >= AA_MAX_FRAME - prev_end) {
+            *err = "a run of the page list starts outside 0-2^40 frames";
+            return -1;
+        }
+        first = prev_end + delta;
+        if (count_1 >= AA_MAX_FRAME - first) {
+            *err = "a run of the page list ends past 2^40 frames";
+            return -1;
+        }
+        if (!fn(opaque, first, count_1 + 1)) {
+            *err = "the page list was refused";
+            return -1;
+        }
+        prev_end = first + count_1 + 1;
+        runs++;
+    }
+    return runs;
+}
+
+static size_t put_varint(uint8_t *out, uint64_t v)
+{
+    size_t n = 0;
+
+    do {
+        out[n++] = (v & 0x7f) | (v > 0x7f ? 0x80 : 0);
+        v >>= 7;
+    } while (v);
+    return n;
+}
+
+size_t aa_pages_encode_run(uint8_t *out, uint64_t prev_end, uint64_t first,
+                           uint64_t count)
+{
+    int64_t delta = (int64_t)(first - prev_end);
+    uint64_t zz = ((uint64_t)delta << 1) ^ (uint64_t)(delta >> 63);
+    size_t n = put_varint(out, zz);
+
+    return n + put_varint(out + n, count - 1);
 }

@@ -22,6 +22,17 @@
 #define AA_RESP_MAX_DEPTH       1           /* one flat array of scalars */
 #define AA_RESP_MAX_STRING      256         /* a key or a value */
 #define AA_RESP_ERRLEN          128
+/* The one long string allowed: the data of an APPASSIST.PAGES reply. */
+#define AA_RESP_MAX_PAGE_DATA   (60 * 1024)
+/* Page lists count 4 KiB frames of guest-physical memory, below 2^52. */
+#define AA_PAGE_SHIFT           12
+#define AA_MAX_FRAME            (1ULL << 40)
+
+/* What the request expects (set after each reset; FIELDS by default). */
+typedef enum AARespKind {
+    AA_RESP_KIND_FIELDS,    /* PREPARE: a flat key/value array */
+    AA_RESP_KIND_PAGES,     /* PAGES: [remaining-runs, page-list data] */
+} AARespKind;
 
 typedef enum AARespState {
     AA_RESP_MORE,   /* no complete reply yet: feed more */
@@ -42,6 +53,15 @@ typedef struct AAReply {
     uint64_t used_memory;
     uint64_t rss;
     uint64_t time_us;
+    /* PREPARE: the application will give the pages it dropped (PAGES). */
+    bool has_page_list;
+    uint64_t page_list;
+    /* PAGES reply: runs still to come after this chunk, and its data
+     * (owned by the parser, valid until its next reset). */
+    bool is_pages;
+    uint64_t pages_remaining;
+    const uint8_t *pages;
+    size_t pages_len;
 } AAReply;
 
 typedef struct AARespParser AARespParser;
@@ -53,6 +73,9 @@ void aa_resp_parser_free(AARespParser *p);
 /* Forget any partial reply and any error: ready for the next request. */
 void aa_resp_parser_reset(AARespParser *p);
 
+/* The reply to come is of this kind (until the next reset). */
+void aa_resp_parser_expect(AARespParser *p, AARespKind kind);
+
 /*
  * Feed @len bytes.  On AA_RESP_DONE, *@out holds the reply and bytes after it
  * are ignored until the next reset.  AA_RESP_ERROR is sticky until reset.
@@ -62,5 +85,23 @@ AARespState aa_resp_feed(AARespParser *p, const void *buf, size_t len,
 
 /* Why the last feed failed (valid after AA_RESP_ERROR). */
 const char *aa_resp_error(const AARespParser *p);
+
+/*
+ * The data of a PAGES reply: runs of 4 KiB guest-physical frames, each two
+ * LEB128 varints, (a) the zigzag-encoded distance from the end of the
+ * previous run in this chunk (the first run's from frame 0) to its first
+ * frame, (b) its length minus one.  Calls @fn(@opaque, first, count) per run
+ * in order; every run lies below AA_MAX_FRAME.  Returns the number of runs, or
+ * -1 with *@err set (a truncated or over-long varint, a run outside the range,
+ * @fn returning false).  Nothing is called for a chunk after its first error.
+ */
+typedef bool (*AAPageRunFn)(void *opaque, uint64_t first, uint64_t count);
+long aa_pages_decode(const uint8_t *buf, size_t len, AAPageRunFn fn,
+                     void *opaque, const char **err);
+
+/* Encode one run after @prev_end into @out (at least 20 bytes); returns the
+ * bytes written.  The applications' side of the format, used by the tests. */
+size_t aa_pages_encode_run(uint8_t *out, uint64_t prev_end, uint64_t first,
+                           uint64_t count);
 
 #endif

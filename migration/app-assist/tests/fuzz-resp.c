@@ -71,11 +71,46 @@ static AARespState feed_pieces(AARespParser *p, const unsigned char *data,
     return st;
 }
 
+static bool run_in_range(void *opaque, uint64_t first, uint64_t count)
+{
+    uint64_t *frames = opaque;
+
+    CHECK(count >= 1 && first < AA_MAX_FRAME && count <= AA_MAX_FRAME - first);
+    *frames += count;
+    return *frames < (1ULL << 22) || (first & 1);   /* refuse some lists */
+}
+
+/* The same bytes as the reply to APPASSIST.PAGES, and its data decoded. */
+static void one_pages_input(AARespParser *p, const unsigned char *data,
+                            size_t len, int random_split)
+{
+    AAReply reply;
+    AARespState st;
+
+    aa_resp_parser_reset(p);
+    aa_resp_parser_expect(p, AA_RESP_KIND_PAGES);
+    st = feed_pieces(p, data, len, &reply, random_split);
+    if (st == AA_RESP_DONE && reply.is_pages) {
+        const char *err = NULL;
+        uint64_t frames = 0;
+        long runs;
+
+        CHECK(reply.pages_len <= AA_RESP_MAX_PAGE_DATA);
+        CHECK(reply.pages_len == 0 || reply.pages);
+        runs = aa_pages_decode(reply.pages, reply.pages_len, run_in_range,
+                               &frames, &err);
+        CHECK(runs >= 0 || err);
+        CHECK(runs <= (long)reply.pages_len / 2);
+    }
+}
+
 static void one_input(AARespParser *p, const unsigned char *data, size_t len,
                       int random_split)
 {
     AAReply reply;
     AARespState st;
+
+    one_pages_input(p, data, len, random_split);
 
     aa_resp_parser_reset(p);
     st = feed_pieces(p, data, len, &reply, random_split);
@@ -124,7 +159,20 @@ static size_t gen(unsigned char *buf, size_t cap)
 {
     size_t len = 0, i, n;
 
-    switch (rnd() % 4) {
+    switch (rnd() % 5) {
+    case 4: {                               /* a PAGES reply, random data */
+        size_t dl = rnd() % 2 ? rnd() % 64 : rnd() % (AA_RESP_MAX_PAGE_DATA + 16);
+
+        len = snprintf((char *)buf, cap, "*2\r\n:%u\r\n$%zu\r\n", rnd() % 3, dl);
+        if (len + dl + 2 > cap) {
+            return len;
+        }
+        for (i = 0; i < dl; i++) {
+            buf[len++] = rnd() % 3 ? rnd() : (rnd() % 2 ? 0x80 : 0xff);
+        }
+        memcpy(buf + len, "\r\n", 2);
+        return len + 2;
+    }
     case 0:                                 /* noise */
         n = rnd() % 512;
         for (i = 0; i < n && len < cap; i++) {

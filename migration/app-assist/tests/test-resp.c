@@ -164,6 +164,123 @@ static void test_sticky_and_reset(void)
     EXPECT(aa_resp_feed(p, "garbage", 7, &r) == AA_RESP_DONE);
 }
 
+/* Feed @len bytes of @s as a PAGES reply. */
+static AARespState parse_pages(const char *s, size_t len, AAReply *r)
+{
+    aa_resp_parser_reset(p);
+    aa_resp_parser_expect(p, AA_RESP_KIND_PAGES);
+    return aa_resp_feed(p, s, len, r);
+}
+
+typedef struct Runs {
+    uint64_t first[8], count[8];
+    int n;
+    int refuse_at;              /* refuse the run with this index (or -1) */
+} Runs;
+
+static bool collect(void *opaque, uint64_t first, uint64_t count)
+{
+    Runs *rs = opaque;
+
+    if (rs->n == rs->refuse_at || rs->n == 8) {
+        return false;
+    }
+    rs->first[rs->n] = first;
+    rs->count[rs->n] = count;
+    rs->n++;
+    return true;
+}
+
+static void test_pages(void)
+{
+    /* Runs in any order, the way pagemap gives them: 5+3, 1+1, 2^40-1 +1. */
+    static const uint64_t first[] = { 5, 1, (1ULL << 40) - 1 };
+    static const uint64_t count[] = { 3, 1, 1 };
+    uint8_t data[64];
+    char msg[160];
+    size_t len = 0, mlen;
+    uint64_t prev = 0;
+    const char *err = NULL;
+    AAReply r;
+    Runs rs = { .refuse_at = -1 };
+    int i;
+
+    for (i = 0; i < 3; i++) {
+        len += aa_pages_encode_run(data + len, prev, first[i], count[i]);
+        prev = first[i] + count[i];
+    }
+    mlen = snprintf(msg, sizeof(msg), "*2\r\n:7\r\n$%zu\r\n", len);
+    memcpy(msg + mlen, data, len);
+    memcpy(msg + mlen + len, "\r\n", 2);
+    EXPECT(parse_pages(msg, mlen + len + 2, &r) == AA_RESP_DONE);
+    EXPECT(r.is_pages && r.pages_remaining == 7 && r.pages_len == len);
+    EXPECT(aa_pages_decode(r.pages, r.pages_len, collect, &rs, &err) == 3);
+    for (i = 0; i < 3; i++) {
+        EXPECT(rs.first[i] == first[i] && rs.count[i] == count[i]);
+    }
+    /* An empty list. */
+    EXPECT(PARSE("*2\r\n:0\r\n$0\r\n\r\n", 0, &r) == AA_RESP_ERROR); /* fields */
+    EXPECT(parse_pages("*2\r\n:0\r\n$0\r\n\r\n", 14, &r) == AA_RESP_DONE);
+    EXPECT(r.is_pages && r.pages_len == 0 && r.pages_remaining == 0);
+    /* Wrong shapes. */
+    EXPECT(parse_pages("*2\r\n:-1\r\n$0\r\n\r\n", 15, &r) == AA_RESP_ERROR);
+    EXPECT(parse_pages("*1\r\n:0\r\n", 8, &r) == AA_RESP_ERROR);
+    EXPECT(parse_pages("*2\r\n$1\r\nx\r\n:0\r\n", 15, &r) == AA_RESP_ERROR);
+    EXPECT(parse_pages("-ERR no\r\n", 9, &r) == AA_RESP_DONE && r.is_error);
+    /* A long string is allowed only as the data of a PAGES reply. */
+    {
+        static char big[AA_RESP_MAX_PAGE_DATA + 64];
+        size_t n = snprintf(big, sizeof(big), "*2\r\n:0\r\n$%d\r\n", 1000);
+
+        memset(big + n, 0, 1000);
+        memcpy(big + n + 1000, "\r\n", 2);
+        EXPECT(parse_pages(big, n + 1002, &r) == AA_RESP_DONE);
+        EXPECT(parse(big, n + 1002, 0, &r) == AA_RESP_ERROR);
+        n = snprintf(big, sizeof(big), "*2\r\n:0\r\n$%d\r\n",
+                     AA_RESP_MAX_PAGE_DATA + 1);
+        EXPECT(parse_pages(big, n, &r) == AA_RESP_MORE ||
+               aa_resp_feed(p, "", 0, &r) == AA_RESP_ERROR);
+        memset(big + n, 0, sizeof(big) - n);
+        EXPECT(aa_resp_feed(p, big + n, AA_RESP_MAX_PAGE_DATA + 3, &r) ==
+               AA_RESP_ERROR);
+        /* ... and not in the first element, nor nested. */
+        n = snprintf(big, sizeof(big), "*2\r\n$300\r\n");
+        EXPECT(parse_pages(big, n, &r) == AA_RESP_MORE);
+        memset(big, 'x', 300);
+        memcpy(big + 300, "\r\n:0\r\n", 7);
+        EXPECT(aa_resp_feed(p, big, 307, &r) == AA_RESP_ERROR);
+    }
+    /* Hostile data: truncated, over-long varints, runs out of range. */
+    {
+        static const uint8_t trunc[] = { 0x80 };
+        static const uint8_t half[] = { 0x02 };
+        static const uint8_t eleven[] = { 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+                                          0xff, 0xff, 0xff, 0xff, 0x01, 0x00 };
+        static const uint8_t backwards[] = { 0x01, 0x00 };     /* -1 from 0 */
+        uint8_t far[24];
+        size_t n;
+
+        rs.n = 0;
+        EXPECT(aa_pages_decode(trunc, 1, collect, &rs, &err) == -1);
+        EXPECT(aa_pages_decode(half, 1, collect, &rs, &err) == -1);
+        EXPECT(aa_pages_decode(eleven, sizeof(eleven), collect, &rs, &err) == -1);
+        EXPECT(aa_pages_decode(backwards, 2, collect, &rs, &err) == -1);
+        n = aa_pages_encode_run(far, 0, 1ULL << 40, 1);
+        EXPECT(aa_pages_decode(far, n, collect, &rs, &err) == -1);
+        n = aa_pages_encode_run(far, 0, (1ULL << 40) - 1, 2);
+        EXPECT(aa_pages_decode(far, n, collect, &rs, &err) == -1);
+        n = aa_pages_encode_run(far, 0, 0, UINT64_MAX);
+        EXPECT(aa_pages_decode(far, n, collect, &rs, &err) == -1);
+        EXPECT(rs.n == 0);
+        /* The callback's refusal stops the chunk. */
+        rs.refuse_at = 1;
+        n = aa_pages_encode_run(far, 0, 10, 1);
+        n += aa_pages_encode_run(far + n, 11, 20, 1);
+        EXPECT(aa_pages_decode(far, n, collect, &rs, &err) == -1 && rs.n == 1);
+        EXPECT(err && strstr(err, "refused"));
+    }
+}
+
 int main(void)
 {
     p = aa_resp_parser_new();
@@ -176,6 +293,7 @@ int main(void)
     test_strict_types();
     test_limits();
     test_sticky_and_reset();
+    test_pages();
     aa_resp_parser_free(p);
     if (failures) {
         fprintf(stderr, "test-resp: %d failures\n", failures);
