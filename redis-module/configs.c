@@ -130,6 +130,9 @@ int hmRegisterConfigs(RedisModuleCtx *ctx) {
     if (RedisModule_RegisterEnumConfig(ctx, "zero-freed", TRI_AUTO, REDISMODULE_CONFIG_DEFAULT,
             tri_names, tri_values, 3, getEnum, setEnum, hmApplyZeroFreed, &hm.cfg.zero_freed) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
+    if (RedisModule_RegisterEnumConfig(ctx, "page-list", TRI_AUTO, REDISMODULE_CONFIG_DEFAULT,
+            tri_names, tri_values, 3, getEnum, setEnum, NULL, &hm.cfg.page_list) == REDISMODULE_ERR)
+        return REDISMODULE_ERR;
     if (RedisModule_RegisterBoolConfig(ctx, "demote", 1, REDISMODULE_CONFIG_DEFAULT,
             getBool, setBool, applyDemote, &hm.cfg.demote) == REDISMODULE_ERR)
         return REDISMODULE_ERR;

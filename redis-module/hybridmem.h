@@ -50,6 +50,7 @@
 #include <strings.h>
 
 #include "arena.h"
+#include "pagelist.h"
 #include "resp.h"
 
 #define HM_VERSION              1
@@ -66,7 +67,10 @@
 #define HM_SCAN_GRACE_US        (60 * 1000000ULL) /* see hmScanLogNote */
 #define HM_SCAN_LOG_MAX         65536   /* promotions logged for SCANs */
 #define HM_PORT_INBUF           (2 * RESP_MAX_REQ)
-#define HM_PORT_OUTBUF          (64 * 1024)
+#define HM_PORT_OUTBUF          (128 * 1024)   /* a PAGES chunk and more */
+/* The data of one APPASSIST.PAGES reply: QEMU takes at most 60 KiB
+ * (AA_RESP_MAX_PAGE_DATA in migration/app-assist/resp.h). */
+#define HM_PAGES_CHUNK          (60 * 1024)
 #define HM_BUCKETS              256     /* see idleBucket */
 #define HM_SHARE_BINS           16      /* per bucket, by keyShare (see passEnd) */
 #define HM_SHARE_BIN_SHIFT      12      /* 65536 / HM_SHARE_BINS */
@@ -117,6 +121,7 @@ typedef struct HmConfig {               /* configs.c */
     int demote;                 /* appassist.demote yes|no */
     int lazy_drop;              /* appassist.lazy-drop auto|yes|no */
     int zero_freed;             /* appassist.zero-freed auto|yes|no */
+    int page_list;              /* appassist.page-list auto|yes|no */
     int debug_commands;         /* appassist.enable-debug-commands (load time) */
     RedisModuleString *port_path;
     RedisModuleString *spill_path;
@@ -231,6 +236,17 @@ typedef struct HmMigration {            /* migrate.c */
     long long last_clear_us, last_unmap_us;
     /* 1 if the last lazy drop's thread ran at SCHED_IDLE (atomic too). */
     int last_clear_idle;
+    /* The dropped arena kept mapped for the host's page list (migrate.c):
+     * released at RESUME/ABORT, or cleared and released when the host does
+     * not take the list in time. */
+    struct UnmapJob *parked;
+    PageList pages;
+    int pages_built, pages_served;
+    RedisModuleTimerID park_timer;
+    int park_timer_set;
+    long long park_deadline_ms;
+    long long last_page_runs, last_page_frames, last_page_unlisted, last_page_us;
+    const char *last_release;   /* how the last dropped arena went back */
 } HmMigration;
 
 typedef struct HmPort {                 /* port.c */
@@ -350,8 +366,12 @@ void hmBitesArm(void);
 
 void hmZeroFreedApply(void);
 int hmApplyZeroFreed(RedisModuleCtx *ctx, void *priv, RedisModuleString **err);
-void hmPrepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms);
+/* 'host': PREPARE came from the host port, which may then ask for the
+ * dropped pages (APPASSIST.PAGES). */
+void hmPrepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms, int host);
 void hmResumeFields(RedisModuleCtx *ctx, Fields *fs, int abort);
+/* APPASSIST.PAGES <cursor>|END on the host port (migrate.c). */
+void hmPagesReply(const char *arg, size_t len, RespBuf *out);
 void hmStatusFields(RedisModuleCtx *ctx, Fields *fs);
 int hmPrepareCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
 int hmResumeCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);

@@ -76,12 +76,13 @@ typedef struct UnmapJob {
 
 static void unmapJob(UnmapJob *job) {
     uint64_t t0 = hmNowUs();
-    for (size_t i = 0; job->zero && i < job->n; i++)
+    int zero = job->zero;
+    for (size_t i = 0; zero && i < job->n; i++)
         zeroResident(job->maps[i].addr, job->maps[i].len);
     uint64_t t1 = hmNowUs();
     arenaUnmap(job->maps, job->n);
     free(job);
-    __atomic_store_n(&hm.mig.last_clear_us, (long long)(t1 - t0), __ATOMIC_RELAXED);
+    __atomic_store_n(&hm.mig.last_clear_us, zero ? (long long)(t1 - t0) : 0, __ATOMIC_RELAXED);
     __atomic_store_n(&hm.mig.last_unmap_us, (long long)(hmNowUs() - t1), __ATOMIC_RELAXED);
 }
 
@@ -101,12 +102,142 @@ static void *unmapThread(void *arg) {
     return NULL;
 }
 
+/* Clear (if job->zero) and unmap in the idle thread, or here if there is
+ * no thread. Returns 1 if the thread took it. */
+static int releaseLazily(UnmapJob *job) {
+    pthread_t t;
+    pthread_attr_t attr;
+    int started;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    started = pthread_create(&t, &attr, unmapThread, job) == 0;
+    pthread_attr_destroy(&attr);
+    if (!started) unmapJob(job);
+    return started;
+}
+
+/* ------------------------------------------------------------ page lists
+ *
+ * With a page list (pagelist.h) the dropped arena is parked: kept mapped and
+ * untouched while the host takes the list and migrates, so the guest spends
+ * nothing on it during the migration. It goes back to the guest kernel
+ *   - at RESUME (the destination, where the listed pages arrived as zero
+ *     pages): unmapped without clearing, unless some present page could not
+ *     be listed (shared with a child, say), when it is cleared first;
+ *   - at ABORT (the source keeps its data): cleared and unmapped, as
+ *     zero-freed promises;
+ *   - when the host does not ask for the list within PREPARE's deadline
+ *     (a QEMU without page lists), ends the list early (PAGES END before the
+ *     last run), or no RESUME/ABORT comes within PARK_MAX_MS of the list:
+ *     cleared and unmapped, wherever this process runs by then. Clearing
+ *     after the host took the list is safe: a write to a listed page cancels
+ *     its mark on the host. */
+
+#define PARK_MAX_MS     60000
+
+static void parkTimerStop(void) {
+    if (hm.mig.park_timer_set) RedisModule_StopTimer(hm.dctx, hm.mig.park_timer, NULL);
+    hm.mig.park_timer_set = 0;
+}
+
+static void parkRelease(int clear, const char *why) {
+    UnmapJob *job = hm.mig.parked;
+    parkTimerStop();
+    if (!job) return;
+    hm.mig.parked = NULL;
+    pageListFree(&hm.mig.pages);
+    hm.mig.pages_built = hm.mig.pages_served = 0;
+    hm.mig.last_release = why;
+    job->zero = clear;
+    releaseLazily(job);
+}
+
+static void parkTimerFired(RedisModuleCtx *ctx, void *data) {
+    (void)ctx;
+    (void)data;
+    hm.mig.park_timer_set = 0;
+    parkRelease(1, hm.mig.pages_served ? "cleared: no RESUME or ABORT in time"
+                                       : "cleared: the host did not take the page list");
+}
+
+static void parkTimerStart(long long ms) {
+    parkTimerStop();
+    hm.mig.park_timer = RedisModule_CreateTimer(hm.dctx, ms, parkTimerFired, NULL);
+    hm.mig.park_timer_set = 1;
+}
+
+static int pageListWanted(const UnmapJob *job) {
+    if (hm.cfg.page_list == TRI_NO || !hm.dctx) return 0;
+    return pageListAvailable(job->maps, job->n);
+}
+
+void hmPagesReply(const char *arg, size_t len, RespBuf *out) {
+    static uint8_t chunk[HM_PAGES_CHUNK];
+    char num[24];
+    char *end;
+    unsigned long long cursor;
+    size_t runs, n;
+    if (len == 3 && strncasecmp(arg, "end", 3) == 0) {
+        /* No reply: the host is done asking. */
+        if (hm.mig.parked && !hm.mig.pages_served)
+            parkRelease(1, "cleared: the host ended the page list early");
+        return;
+    }
+    if (len == 0 || len >= sizeof(num)) goto bad;
+    memcpy(num, arg, len);
+    num[len] = '\0';
+    errno = 0;
+    cursor = strtoull(num, &end, 10);
+    if (*end || errno || num[0] == '-') goto bad;
+    if (!hm.mig.parked) {
+        /* Nothing kept for the host (no drop, or released already). */
+        respAddArrayLen(out, 2);
+        respAddInt(out, 0);
+        respAddBulk(out, "", 0);
+        return;
+    }
+    if (!hm.mig.pages_built) {
+        char err[160];
+        uint64_t t0 = hmNowUs();
+        if (cursor != 0) goto bad;
+        if (pageListBuild(&hm.mig.pages, hm.mig.parked->maps, hm.mig.parked->n, err, sizeof(err)) < 0) {
+            RedisModule_Log(hm.dctx, "warning", "appassist: page list: %s", err);
+            parkRelease(1, "cleared: the page list could not be read");
+            respAddError(out, "ERR appassist: the page list could not be read");
+            return;
+        }
+        hm.mig.pages_built = 1;
+        hm.mig.last_page_us = (long long)(hmNowUs() - t0);
+        hm.mig.last_page_runs = (long long)hm.mig.pages.n;
+        hm.mig.last_page_frames = (long long)hm.mig.pages.frames;
+        hm.mig.last_page_unlisted = (long long)hm.mig.pages.unlisted;
+    }
+    if (cursor > hm.mig.pages.n) goto bad;
+    n = pageListEncode(&hm.mig.pages, (size_t)cursor, chunk, sizeof(chunk), &runs);
+    if (cursor + runs == hm.mig.pages.n) {
+        hm.mig.pages_served = 1;
+        parkTimerStart(PARK_MAX_MS);
+    } else {
+        parkTimerStart(hm.mig.park_deadline_ms);
+    }
+    respAddArrayLen(out, 2);
+    respAddInt(out, (long long)(hm.mig.pages.n - cursor - runs));
+    respAddBulk(out, (const char *)chunk, n);
+    return;
+bad:
+    hm.port.errors++;
+    respAddError(out, "ERR appassist: PAGES takes a run index from 0 to the list's length, or END");
+}
+
 /* Drop the arena; returns the bytes of mappings released (or being
- * released by the thread). *zeroed: the released pages end up zero. */
-static uint64_t dropArena(uint64_t *items, int *lazy, int *zeroed) {
+ * released by the thread, or parked for a page list). *zeroed: the released
+ * pages end up zero (or go as zero pages). */
+static uint64_t dropArena(uint64_t *items, int *lazy, int *zeroed, int *listed,
+                          long long deadline_ms) {
     int kernel = kernelZeroesFreedPages(), zero = zeroFreeEnabled();
     int want_lazy = hm.cfg.lazy_drop == TRI_YES || (hm.cfg.lazy_drop == TRI_AUTO && (kernel || zero));
     *lazy = 0;
+    if (listed) *listed = 0;
     *zeroed = kernel;
     if (!want_lazy && !zero) return arenaDrop(hm.arena, items);
     UnmapJob *job = malloc(sizeof(*job));
@@ -118,33 +249,39 @@ static uint64_t dropArena(uint64_t *items, int *lazy, int *zeroed) {
         unmapJob(job);
         return freed;
     }
-    pthread_t t;
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    if (pthread_create(&t, &attr, unmapThread, job) != 0)
-        unmapJob(job);          /* no thread: do it here */
-    else
-        *lazy = 1;
-    pthread_attr_destroy(&attr);
+    *lazy = 1;
+    if (listed && zero && pageListWanted(job)) {
+        hm.mig.parked = job;
+        hm.mig.park_deadline_ms = deadline_ms > 0 ? deadline_ms : 3000;
+        hm.mig.last_release = "parked";
+        parkTimerStart(hm.mig.park_deadline_ms);
+        *listed = 1;
+        return freed;
+    }
+    hm.mig.last_release = zero ? "cleared" : "unmapped";
+    *lazy = releaseLazily(job);
     return freed;
 }
 
-void hmPrepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms) {
+void hmPrepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms, int host) {
     uint64_t t0 = hmNowUs();
     hmReadBackSettle();
     long long rss0 = hmProcessRss();
     int64_t freed = 0;
     uint64_t items = 0;
     int complete = 1;
-    int lazy = 0, arena_zeroed = 0;
+    int lazy = 0, arena_zeroed = 0, listed = 0;
+    /* A drop still parked from a PREPARE that saw no RESUME or ABORT. */
+    parkRelease(1, "cleared: a new PREPARE");
+    hm.mig.last_page_runs = hm.mig.last_page_frames = hm.mig.last_page_unlisted = 0;
+    hm.mig.last_page_us = 0;
     hmPassAbandon();            /* demotion is paused */
     hmCompactAbandon();
     if (hm.state == ST_RESUMING) hm.state = ST_PREPARED;
     switch (hm.cfg.policy) {
     case POLICY_DROP:
         items = arenaCount(hm.arena);
-        freed = (int64_t)dropArena(NULL, &lazy, &arena_zeroed);
+        freed = (int64_t)dropArena(NULL, &lazy, &arena_zeroed, host ? &listed : NULL, deadline_ms);
         hm.mig.dropped_items += (long long)items;
         break;
     case POLICY_SPILL: {
@@ -206,6 +343,7 @@ void hmPrepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms) {
     hmFieldInt(fs, "dropped_bytes", dropped);
     hmFieldInt(fs, "peak_rss", peak);
     hmFieldInt(fs, "lazy", lazy);
+    hmFieldInt(fs, "page_list", listed);
     hmFieldInt(fs, "items", (long long)items);
     hmFieldInt(fs, "used_memory", (long long)hmInfoMemoryField(ctx, "used_memory"));
     hmFieldInt(fs, "rss", rss1);
@@ -224,6 +362,12 @@ void hmResumeFields(RedisModuleCtx *ctx, Fields *fs, int abort) {
     (void)ctx;
     if (hm.state == ST_PREPARED)
         hm.state = arenaHasSpilled(hm.arena) ? ST_RESUMING : ST_NORMAL;
+    if (abort)
+        parkRelease(1, "cleared at ABORT");
+    else if (hm.mig.pages_served && hm.mig.pages.unlisted == 0)
+        parkRelease(0, "unmapped at RESUME");
+    else
+        parkRelease(1, "cleared at RESUME");
     /* The host has taken back what the last PREPARE reported: count the
      * next one from here. */
     hmProcessPeakReset();
@@ -271,7 +415,7 @@ int hmPrepareCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (parseDeadline(argv, argc, &deadline) < 0)
         return RedisModule_ReplyWithError(ctx, "ERR deadline-ms must be an integer between 0 and 86400000");
     Fields fs = {0};
-    hmPrepareFields(ctx, &fs, deadline);
+    hmPrepareFields(ctx, &fs, deadline, 0);
     return hmReplyFields(ctx, &fs);
 }
 

@@ -94,7 +94,10 @@ static void portExecute(const RespRequest *req, RespBuf *out) {
                 return;
             }
         }
-        hmPrepareFields(hm.dctx, &fs, deadline);
+        hmPrepareFields(hm.dctx, &fs, deadline, 1);
+    } else if (hmCmdIs(c, cl, "appassist.pages") && req->argc == 2) {
+        hmPagesReply(req->argv[1], req->argl[1], out);
+        return;
     } else if (hmCmdIs(c, cl, "appassist.resume") && req->argc == 1) {
         hmResumeFields(hm.dctx, &fs, 0);
     } else if (hmCmdIs(c, cl, "appassist.abort") && req->argc == 1) {
