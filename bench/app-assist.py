@@ -18,6 +18,11 @@ Configurations (--configs, comma-separated):
                 module clears what Redis frees (appassist.zero-freed auto)
                 and drops its arena lazily, so what it gave back is zero
                 pages and QEMU has nothing to balloon
+  ours-nolist   ours with appassist.page-list no: the module clears and
+                unmaps its dropped arena in a thread during the migration
+                (how ours worked before page lists); ours gives QEMU the
+                arena's guest-physical pages instead, which go as zero pages
+                unread, and hands the arena back after RESUME
   ours-balloon  ours with appassist.zero-freed no: freed pages keep their
                 data, QEMU inflates the balloon over them and waits for it
                 (the balloon path; every configuration below runs with
@@ -84,7 +89,7 @@ PORT_NAME = 'org.qemu.app-assist.0'
 LINK_PORTS = ('mkdir -p /dev/virtio-ports; for p in /sys/class/virtio-ports/vport*; do '
               'ln -sf /dev/${p##*/} /dev/virtio-ports/$(cat $p/name); done')
 CONFIGS = ['precopy', 'precopy-fph', 'postcopy', 'postcopy-stock-redis', 'design', 'ours',
-           'ours-balloon', 'ours-nowait', 'ours-nowait-lazy', 'ours-fpr', 'ours-balloon-fpr',
+           'ours-nolist', 'ours-balloon', 'ours-nowait', 'ours-nowait-lazy', 'ours-fpr', 'ours-balloon-fpr',
            'postcopy-stock-redis-fpr', 'ours-iof', 'postcopy-stock-redis-iof', 'ours-ioa0',
            'ours-nowait-ioa0', 'postcopy-stock-redis-ioa0', 'ours-loadtuned']
 STOCK_REDIS = ('design',) + tuple(c for c in CONFIGS if c.startswith('postcopy-stock-redis'))
@@ -93,7 +98,11 @@ NOWAIT = ('ours-nowait', 'ours-nowait-lazy', 'ours-nowait-ioa0')
 LAZY = ('ours-nowait-lazy', 'ours-nowait-ioa0')
 # Configurations that keep freed pages' data (appassist.zero-freed no): the
 # balloon and free-page-reporting experiments.
-ZERO_OFF = tuple(c for c in OURS if c not in ('ours', 'ours-iof', 'ours-loadtuned'))
+ZERO_OFF = tuple(c for c in OURS if c not in ('ours', 'ours-nolist', 'ours-iof', 'ours-loadtuned'))
+# Configurations whose module gives QEMU no page list (appassist.page-list no).
+NO_LIST = ('ours-nolist',)
+# The window after the migration that the load is measured in as well.
+AFTER_S = 2.0
 # Configurations that keep the loader's settings (a 1 ms interval of 1 ms
 # slices) while they are measured; every other one gets the module's
 # defaults back after loading, as a server in service has them.
@@ -131,10 +140,12 @@ def guest_args(config, trace=None):
 Load = hvlib.RedisLoad
 
 
-def load_data(g, args, module, lazy=False, zero_off=False, keep_tuning=False):
+def load_data(g, args, module, lazy=False, zero_off=False, keep_tuning=False, no_list=False):
     r = g.redis(timeout=120)
     if zero_off:
         r.config_set('appassist.zero-freed', 'no')
+    if no_list:
+        r.config_set('appassist.page-list', 'no')
     size, n = args.size, args.items
     rng = random.Random(7)
     blob = rng.randbytes(size + 4096)
@@ -224,7 +235,7 @@ def design_prepare(g, args):
     return t_scan, freed, time.monotonic() - t1
 
 
-def migrate(src, dst, config, args):
+def migrate(src, dst, config, args, on_switch=None):
     postcopy = config not in ('precopy', 'precopy-fph')
     caps = []
     if postcopy:
@@ -261,10 +272,14 @@ def migrate(src, dst, config, args):
                  time.monotonic() - t0 - info.get('setup-time', 0) / 1000 >= args.precopy_seconds)):
             src.qmp('migrate-start-postcopy')
             switched = True
+            if on_switch:
+                on_switch()
         if time.monotonic() - t0 > args.timeout:
             raise RuntimeError(f'{config}: migration not done after {args.timeout} s')
         time.sleep(0.02)
     t1 = time.monotonic()
+    if on_switch and not switched:
+        on_switch()
     while dst.qmp('query-status')['status'] != 'running':
         time.sleep(0.05)
     return info, switched, t0, t1
@@ -285,7 +300,7 @@ def run_config(config, args, logdir):
         src.wait_console(r'HV-READY redis', timeout=180)
         src.run(LINK_PORTS)
         hot = load_data(src, args, module, lazy=config in LAZY, zero_off=config in ZERO_OFF,
-                        keep_tuning=config in LOAD_TUNED)
+                        keep_tuning=config in LOAD_TUNED, no_list=config in NO_LIST)
         if module:
             r = src.redis()
             deadline = time.monotonic() + 30
@@ -305,8 +320,10 @@ def run_config(config, args, logdir):
         time.sleep(1.0)
         t_before = time.monotonic()
         loadavg = round(os.getloadavg()[0], 2)
-        info, switched, t0, t1 = migrate(src, dst, config, args)
-        time.sleep(1.0)
+        info, switched, t0, t1 = migrate(src, dst, config, args, on_switch=load.follow)
+        # Two seconds after the migration: the module hands back the arena it
+        # kept for the page list there (RESUME), so its cost shows here.
+        time.sleep(AFTER_S)
         load.stop.set()
         load.thread.join(10)
         ram = info.get('ram', {})
@@ -349,7 +366,11 @@ def run_config(config, args, logdir):
                 row['arena clear / unmap (ms)'] = (
                     f"{i.get('appassist_last_prepare_clear_us', 0) / 1000:.0f} / "
                     f"{i.get('appassist_last_prepare_unmap_us', 0) / 1000:.0f}")
+                row['arena released'] = i.get('appassist_last_prepare_release')
                 r.close()
+            if 'dropped-pages' in aa:
+                row['pages listed (MiB)'] = round(aa['dropped-pages'] * 4096 / MiB, 1)
+                row['page list (ms)'] = aa.get('pages-time')
         before = load.figures(t_before - 1.0, t_before)
         during = load.figures(t0, t1)
         row['load before: ops/s'] = before['ops/s']
@@ -357,6 +378,9 @@ def run_config(config, args, logdir):
         row['load during: p50 (ms)'] = during['p50 (ms)']
         row['load during: p99 (ms)'] = during['p99 (ms)']
         row['load during: max (ms)'] = during['max (ms)']
+        after = load.figures(t1, t1 + AFTER_S)
+        row['load after: ops/s'] = after['ops/s']
+        row['load after: p99 (ms)'] = after['p99 (ms)']
         row['host load avg'] = loadavg
         log(f'{config}: {json.dumps({k: v for k, v in row.items() if k != "app-assist"})}')
         return row
@@ -438,10 +462,11 @@ def write_report(rows, args, out):
         json.dump({'args': vars(args), 'rows': rows}, f, indent=1)
     cols = ['config', 'transferred (MiB)', 'total time (ms)', 'setup time (ms)',
             'prepare (ms)', 'prepare: app (ms)', 'balloon (ms)', 'freed (MiB)', 'zero pages (MiB)',
-            'arena clear / unmap (ms)',
+            'arena clear / unmap (ms)', 'arena released', 'pages listed (MiB)', 'page list (ms)',
             'downtime (ms)',
             'switched to post-copy', 'post-copy requests', 'load before: ops/s', 'load during: ops/s',
             'load during: p50 (ms)', 'load during: p99 (ms)', 'load during: max (ms)',
+            'load after: ops/s', 'load after: p99 (ms)',
             'host load avg', 'measured']
     lines = ['| ' + ' | '.join(cols) + ' |', '|' + '---|' * len(cols)]
     for r in rows:

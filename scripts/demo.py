@@ -122,7 +122,7 @@ def run_qemu(args, mode, log_dir, data):
             res = hvlib.migrate_postcopy(src, dst, precopy_seconds=args.precopy,
                                          bandwidth=args.bandwidth,
                                          capabilities=['app-assist'] if assisted else [],
-                                         timeout=900)
+                                         timeout=900, on_switch=load.follow)
             t1 = time.monotonic()
         finally:
             load.stop.set()

@@ -44,12 +44,14 @@ def _wait_status(guest, want, timeout, bad=('failed', 'cancelled')):
 
 
 def migrate_postcopy(src, dst, precopy_seconds=0.5, bandwidth=None, timeout=300,
-                     capabilities=(), parameters=None):
+                     capabilities=(), parameters=None, on_switch=None):
     """Migrate src to dst (launched with -incoming defer) with post-copy.
 
     Pre-copy runs for `precopy_seconds` (or until it finishes by itself), then
     migrate-start-postcopy switches.  `bandwidth` (bytes/s) caps both phases,
-    e.g. 125_000_000 to model a 1 Gbit/s link.  Returns the source's figures.
+    e.g. 125_000_000 to model a 1 Gbit/s link.  `on_switch()` is called once
+    the guest stops on the source (after migrate-start-postcopy, or when a
+    pre-copy completes).  Returns the source's figures.
     """
     caps = [{'capability': 'postcopy-ram', 'state': True}]
     caps += [{'capability': c, 'state': True} for c in capabilities]
@@ -74,7 +76,11 @@ def migrate_postcopy(src, dst, precopy_seconds=0.5, bandwidth=None, timeout=300,
     switched = src.qmp('query-migrate').get('status') == 'active'
     if switched:
         src.qmp('migrate-start-postcopy')
+        if on_switch:
+            on_switch()
     info = _wait_status(src, ('completed',), timeout=timeout)
+    if on_switch and not switched:
+        on_switch()
 
     deadline = time.monotonic() + 60
     while dst.qmp('query-status').get('status') != 'running':
