@@ -15,7 +15,7 @@ import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hmlib import ServerTestCase, aggressive, asmap  # noqa: E402
-from test_port import Endpoint  # noqa: E402
+from test_port import PortTest  # noqa: E402
 
 ITEMS = 3000
 
@@ -68,28 +68,25 @@ class PageListTest(ServerTestCase):
         if os.geteuid() != 0:
             self.skipTest('reading frames from /proc/self/pagemap needs CAP_SYS_ADMIN (run as root)')
 
+    # The host end of the port, as in test_port.py.
+    listen = PortTest.listen
+    accept = PortTest.accept
+
     def start(self, wrap=None, **configs):
-        path = os.path.join(self.workdir, 'port.sock')
-        import socket
-        ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        ls.bind(path)
-        ls.listen(1)
-        ls.settimeout(10)
-        self.addCleanup(ls.close)
+        path, ls = self.listen()
         s = self.server(start=False, configs=dict(aggressive(), **{'port-path': path}, **configs))
         if wrap:
             argv = s.argv
             s.argv = lambda: wrap + argv()
         s.start()
-        conn, _ = ls.accept()
-        self.addCleanup(conn.close)
+        _, ep = self.accept(ls)
         c = s.client()
         for i in range(ITEMS):
             c.set(f'k{i}', os.urandom(1000))
         self.wait_for(lambda: c.info('appassist')['appassist_cold_items'] == ITEMS,
                       what='demotion')
         c.config_set('appassist.demote', 'no')
-        return s, c, Endpoint(conn.fileno())
+        return s, c, ep
 
     def release(self, c):
         return c.info('appassist')['appassist_last_prepare_release']
