@@ -272,16 +272,18 @@ def migrate(src, dst, config, args, on_switch=None):
                  time.monotonic() - t0 - info.get('setup-time', 0) / 1000 >= args.precopy_seconds)):
             src.qmp('migrate-start-postcopy')
             switched = True
-            if on_switch:
-                on_switch()
+        # The guest runs on the destination (post-copy): tell the load.
+        if switched and on_switch and dst.qmp('query-status')['status'] == 'running':
+            on_switch()
+            on_switch = None
         if time.monotonic() - t0 > args.timeout:
             raise RuntimeError(f'{config}: migration not done after {args.timeout} s')
         time.sleep(0.02)
     t1 = time.monotonic()
-    if on_switch and not switched:
-        on_switch()
     while dst.qmp('query-status')['status'] != 'running':
         time.sleep(0.05)
+    if on_switch:
+        on_switch()
     return info, switched, t0, t1
 
 
@@ -320,7 +322,13 @@ def run_config(config, args, logdir):
         time.sleep(1.0)
         t_before = time.monotonic()
         loadavg = round(os.getloadavg()[0], 2)
-        info, switched, t0, t1 = migrate(src, dst, config, args, on_switch=load.follow)
+        t_switch = []
+
+        def on_switch():
+            t_switch.append(time.monotonic())
+            load.follow()
+
+        info, switched, t0, t1 = migrate(src, dst, config, args, on_switch=on_switch)
         # Two seconds after the migration: the module hands back the arena it
         # kept for the page list there (RESUME), so its cost shows here.
         time.sleep(AFTER_S)
@@ -381,8 +389,18 @@ def run_config(config, args, logdir):
         after = load.figures(t1, t1 + AFTER_S)
         row['load after: ops/s'] = after['ops/s']
         row['load after: p99 (ms)'] = after['p99 (ms)']
+        # GETs per 100 ms from 1 s before the migration to AFTER_S after it,
+        # and when the source stopped (for the JSON: where the time goes).
+        start = t_before - 1.0
+        buckets = [0] * int((t1 + AFTER_S - start) / 0.1 + 1)
+        for t, _ in list(load.samples):
+            if start <= t < t1 + AFTER_S:
+                buckets[int((t - start) / 0.1)] += 1
+        row['load timeline'] = {'start': round(start - t0, 2), 'per_100ms': buckets,
+                                'switch': round(t_switch[0] - t0, 2) if t_switch else None,
+                                'end': round(t1 - t0, 2)}
         row['host load avg'] = loadavg
-        log(f'{config}: {json.dumps({k: v for k, v in row.items() if k != "app-assist"})}')
+        log(f'{config}: {json.dumps({k: v for k, v in row.items() if k not in ("app-assist", "load timeline")})}')
         return row
     finally:
         for g in (dst, src):

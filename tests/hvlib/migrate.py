@@ -50,8 +50,8 @@ def migrate_postcopy(src, dst, precopy_seconds=0.5, bandwidth=None, timeout=300,
     Pre-copy runs for `precopy_seconds` (or until it finishes by itself), then
     migrate-start-postcopy switches.  `bandwidth` (bytes/s) caps both phases,
     e.g. 125_000_000 to model a 1 Gbit/s link.  `on_switch()` is called once
-    the guest stops on the source (after migrate-start-postcopy, or when a
-    pre-copy completes).  Returns the source's figures.
+    the guest runs on the destination (during post-copy, or after a
+    pre-copy).  Returns the source's figures.
     """
     caps = [{'capability': 'postcopy-ram', 'state': True}]
     caps += [{'capability': c, 'state': True} for c in capabilities]
@@ -76,17 +76,20 @@ def migrate_postcopy(src, dst, precopy_seconds=0.5, bandwidth=None, timeout=300,
     switched = src.qmp('query-migrate').get('status') == 'active'
     if switched:
         src.qmp('migrate-start-postcopy')
-        if on_switch:
-            on_switch()
+        while on_switch and src.qmp('query-migrate').get('status') == 'postcopy-active':
+            if dst.qmp('query-status').get('status') == 'running':
+                on_switch()
+                on_switch = None
+            time.sleep(0.02)
     info = _wait_status(src, ('completed',), timeout=timeout)
-    if on_switch and not switched:
-        on_switch()
 
     deadline = time.monotonic() + 60
     while dst.qmp('query-status').get('status') != 'running':
         if time.monotonic() > deadline:
             raise GuestError(f'{dst.name}: not running 60 s after migration completed')
         time.sleep(0.05)
+    if on_switch:
+        on_switch()
 
     ram = info.get('ram', {})
     return MigrationResult(status=info['status'],

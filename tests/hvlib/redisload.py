@@ -27,14 +27,16 @@ class RedisLoad:
         self.client = None
 
     def follow(self):
-        """The guest now runs behind the next port (the source stopped at the
-        switch to post-copy, or at the end of a pre-copy): move there at once,
-        as a client does whose server keeps its address when it migrates
-        (here each QEMU forwards its own host port).  A request in flight is
-        sent again there, its latency counted from its first attempt.
-        Without this the client noticed the move only by timing out twice on
-        the stopped source (2 s each), and those seconds counted as no
-        requests served."""
+        """The guest now runs behind the next port (the destination runs it,
+        in post-copy or after a pre-copy): move there at once, as a client
+        does whose server keeps its address when it migrates (here each QEMU
+        forwards its own host port).  A request in flight on the stopped
+        source is sent again there, its latency counted from its first
+        attempt.  Without this the client noticed the move only by timing out
+        twice on the stopped source (2 s each), and those seconds counted as
+        no requests served.  (Call it once the destination runs: slirp's
+        connection to a guest that does not run yet waits for a SYN
+        retransmission, 2 s here.)"""
         self.target = min(self.target + 1, len(self.ports) - 1)
         client = self.client
         if client is not None:
