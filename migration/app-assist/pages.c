@@ -186,6 +186,7 @@ static const char *aa_take_list(MigrationState *s, const char *id,
         const char *err = NULL;
         const AAReply *r;
         AppAssistPort *port;
+        uint64_t remaining = 0;
         long runs;
 
         bql_lock();
@@ -226,13 +227,15 @@ static const char *aa_take_list(MigrationState *s, const char *id,
         runs = r && r->is_pages ?
                aa_pages_decode(r->pages, r->pages_len, aa_mark_run, ctx, &err)
                : -1;
-        trace_app_assist_pages_chunk(id, cursor, runs,
-                                     r ? r->pages_remaining : 0, ctx->marked);
+        if (r) {
+            remaining = r->pages_remaining;
+        }
+        trace_app_assist_pages_chunk(id, cursor, runs, remaining, ctx->marked);
         bql_unlock();
         if (runs < 0) {
             return err ? err : "the port went away";
         }
-        if (!r->pages_remaining) {
+        if (!remaining) {
             return NULL;
         }
         if (!runs) {
