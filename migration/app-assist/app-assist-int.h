@@ -45,7 +45,13 @@ void app_assist_wakeup(void);
 
 /* app-assist.c, for pages.c. */
 AppAssistInfo *aa_current_info(void);       /* BQL held; NULL before a phase */
-void aa_wait_wakeup(int64_t ms);            /* BQL not held */
+/*
+ * BQL not held: wait until no port waits for a reply -- each one answers or
+ * fails, or is expired at @end (ms, aa_now_ms()) or once @running(@s) is
+ * false.
+ */
+void aa_wait_replies(MigrationState *s, int64_t end,
+                     bool (*running)(MigrationState *s));
 int64_t aa_now_ms(void);
 void aa_set_reason(const char *fmt, ...) G_GNUC_PRINTF(1, 2);  /* BQL held */
 /* PREPARE may offer page lists: the migration can send pages as zero

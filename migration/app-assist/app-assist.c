@@ -113,9 +113,27 @@ AppAssistInfo *aa_current_info(void)
     return aa_state.info;
 }
 
-void aa_wait_wakeup(int64_t ms)
+void aa_wait_replies(MigrationState *s, int64_t end,
+                     bool (*running)(MigrationState *s))
 {
-    qemu_sem_timedwait(&aa_state.wake, MAX(ms, 0));
+    for (;;) {
+        int64_t now = aa_now_ms();
+        AppAssistPort *port = NULL;
+        bool waiting = false;
+
+        bql_lock();
+        while ((port = aa_port_next(port))) {
+            if (now >= end || !running(s)) {
+                aa_port_expire(port);
+            }
+            waiting |= aa_port_status(port) == APP_ASSIST_PORT_STATUS_WAITING;
+        }
+        bql_unlock();
+        if (!waiting) {
+            return;
+        }
+        qemu_sem_timedwait(&aa_state.wake, MIN(AA_POLL_MS, end - now));
+    }
 }
 
 /* One QAPI event per real state change, always through here. */
@@ -214,7 +232,6 @@ static void aa_prepare(MigrationState *s, uint32_t deadline_ms)
     int64_t start = aa_now_ms(), end = start + deadline_ms;
     AppAssistPort *port = NULL;
     uint32_t contacted = 0;
-    bool waiting;
 
     bql_lock();
     while ((port = aa_port_next(port))) {
@@ -226,24 +243,7 @@ static void aa_prepare(MigrationState *s, uint32_t deadline_ms)
     aa_state.prepared = contacted > 0;
     bql_unlock();
 
-    for (;;) {
-        int64_t now = aa_now_ms();
-
-        bql_lock();
-        waiting = false;
-        port = NULL;
-        while ((port = aa_port_next(port))) {
-            if (now >= end || !aa_still_setting_up(s)) {
-                aa_port_expire(port);
-            }
-            waiting |= aa_port_status(port) == APP_ASSIST_PORT_STATUS_WAITING;
-        }
-        bql_unlock();
-        if (!waiting) {
-            break;
-        }
-        qemu_sem_timedwait(&aa_state.wake, MIN(AA_POLL_MS, end - now));
-    }
+    aa_wait_replies(s, end, aa_still_setting_up);
 
     bql_lock();
     aa_collect_ports();

@@ -51,8 +51,6 @@
 #include "app-assist.h"
 #include "app-assist-int.h"
 
-#define AA_PAGES_POLL_MS    50
-
 bool aa_pages_usable(void)
 {
     ZeroPageDetection zpd = migrate_zero_page_detection();
@@ -182,7 +180,7 @@ static const char *aa_take_list(MigrationState *s, const char *id,
     for (;;) {
         g_autofree char *arg = g_strdup_printf("%" PRIu64, cursor);
         const char *argv[2] = { "APPASSIST.PAGES", arg };
-        AppAssistPortStatus st = APP_ASSIST_PORT_STATUS_WAITING;
+        AppAssistPortStatus st;
         const char *err = NULL;
         const AAReply *r;
         AppAssistPort *port;
@@ -198,20 +196,11 @@ static const char *aa_take_list(MigrationState *s, const char *id,
         }
         bql_unlock();
 
-        while (st == APP_ASSIST_PORT_STATUS_WAITING) {
-            int64_t now = aa_now_ms();
-
-            bql_lock();
-            port = aa_port_find(id);
-            if (port && (now >= end || !aa_still_migrating(s))) {
-                aa_port_expire(port);
-            }
-            st = port ? aa_port_status(port) : APP_ASSIST_PORT_STATUS_NO_APP;
-            bql_unlock();
-            if (st == APP_ASSIST_PORT_STATUS_WAITING) {
-                aa_wait_wakeup(MIN(AA_PAGES_POLL_MS, end - now));
-            }
-        }
+        aa_wait_replies(s, end, aa_still_migrating);
+        bql_lock();
+        port = aa_port_find(id);
+        st = port ? aa_port_status(port) : APP_ASSIST_PORT_STATUS_NO_APP;
+        bql_unlock();
         if (st != APP_ASSIST_PORT_STATUS_ANSWERED) {
             return !aa_still_migrating(s) ? "migration cancelled" :
                    st == APP_ASSIST_PORT_STATUS_TIMEOUT ?
