@@ -550,24 +550,3 @@ long aa_pages_decode(const uint8_t *buf, size_t len, AAPageRunFn fn,
     }
     return runs;
 }
-
-static size_t put_varint(uint8_t *out, uint64_t v)
-{
-    size_t n = 0;
-
-    do {
-        out[n++] = (v & 0x7f) | (v > 0x7f ? 0x80 : 0);
-        v >>= 7;
-    } while (v);
-    return n;
-}
-
-size_t aa_pages_encode_run(uint8_t *out, uint64_t prev_end, uint64_t first,
-                           uint64_t count)
-{
-    int64_t delta = (int64_t)(first - prev_end);
-    uint64_t zz = ((uint64_t)delta << 1) ^ (uint64_t)(delta >> 63);
-    size_t n = put_varint(out, zz);
-
-    return n + put_varint(out + n, count - 1);
-}

@@ -99,9 +99,4 @@ typedef bool (*AAPageRunFn)(void *opaque, uint64_t first, uint64_t count);
 long aa_pages_decode(const uint8_t *buf, size_t len, AAPageRunFn fn,
                      void *opaque, const char **err);
 
-/* Encode one run after @prev_end into @out (at least 20 bytes); returns the
- * bytes written.  The applications' side of the format, used by the tests. */
-size_t aa_pages_encode_run(uint8_t *out, uint64_t prev_end, uint64_t first,
-                           uint64_t count);
-
 #endif

@@ -164,6 +164,29 @@ static void test_sticky_and_reset(void)
     EXPECT(aa_resp_feed(p, "garbage", 7, &r) == AA_RESP_DONE);
 }
 
+/* The applications' side of the format (redis-module/pagelist.c does the
+ * same): one run after @prev_end, into at least 20 bytes. */
+static size_t put_varint(uint8_t *out, uint64_t v)
+{
+    size_t n = 0;
+
+    do {
+        out[n++] = (v & 0x7f) | (v > 0x7f ? 0x80 : 0);
+        v >>= 7;
+    } while (v);
+    return n;
+}
+
+static size_t aa_pages_encode_run(uint8_t *out, uint64_t prev_end,
+                                  uint64_t first, uint64_t count)
+{
+    int64_t delta = (int64_t)(first - prev_end);
+    uint64_t zz = ((uint64_t)delta << 1) ^ (uint64_t)(delta >> 63);
+    size_t n = put_varint(out, zz);
+
+    return n + put_varint(out + n, count - 1);
+}
+
 /* Feed @len bytes of @s as a PAGES reply. */
 static AARespState parse_pages(const char *s, size_t len, AAReply *r)
 {
