@@ -38,21 +38,18 @@ int pageListAvailable(const ArenaMapping *maps, size_t n) {
     int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
     int ok = 0;
     if (fd < 0) return 0;
-    for (size_t i = 0; i < n && !ok; i++) {
-        size_t pages = maps[i].len / (size_t)pageSize();
+    /* The first present page among the first 64 of each mapping decides:
+     * without CAP_SYS_ADMIN pagemap shows it present with frame 0. */
+    for (size_t i = 0; i < n; i++) {
+        size_t pages = maps[i].len / (size_t)pageSize(), j;
         uint64_t e[64];
         if (pages > 64) pages = 64;
         if (readEntries(fd, maps[i].addr, pages, e) < 0) break;
-        for (size_t j = 0; j < pages; j++) {
-            if (!(e[j] & PM_PRESENT)) continue;
+        for (j = 0; j < pages && !(e[j] & PM_PRESENT); j++)
+            ;
+        if (j < pages) {
             ok = (e[j] & PM_PFN_MASK) != 0;
             break;
-        }
-        if (pages && !ok) {
-            /* A present page without its frame: no CAP_SYS_ADMIN. */
-            int present = 0;
-            for (size_t j = 0; j < pages; j++) present |= (e[j] & PM_PRESENT) != 0;
-            if (present) break;
         }
     }
     close(fd);
