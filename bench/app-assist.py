@@ -390,7 +390,8 @@ def run_config(config, args, logdir):
         row['load after: ops/s'] = after['ops/s']
         row['load after: p99 (ms)'] = after['p99 (ms)']
         # GETs per 100 ms from 1 s before the migration to AFTER_S after it,
-        # and when the source stopped (for the JSON: where the time goes).
+        # and when the load moved to the destination (its guest running: the
+        # 'switch' of the JSON), for the JSON: where the time goes.
         start = t_before - 1.0
         buckets = [0] * int((t1 + AFTER_S - start) / 0.1 + 1)
         for t, _ in list(load.samples):
