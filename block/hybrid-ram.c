@@ -23,9 +23,11 @@
  *   still need trusting the hash).
  *   A chunk is modified in place when its refcount is 1 (the common case
  *   for guest writes), otherwise the writer gets a private copy first.
- *   In async mode a written chunk stays private (out of the table, not
- *   hashed) until its block has been written back, so a burst of small
- *   writes to one block hashes it once, not once per write.
+ *   In async mode a written chunk stays private (out of the table) until
+ *   its block has been written back, so a burst of small writes to one
+ *   block hashes it once, not once per write.  A write of the whole block
+ *   fingerprints it right away, while its data is in the cache, and the
+ *   table uses that fingerprint unless a partial write came after.
  *
  * Callers run in the node's AioContext and never yield inside these
  * functions, so no locking is needed beyond the slot BUSY protocol of
@@ -315,7 +317,10 @@ static HybridChunk *chunk_intern(BDRVHybridState *s, HybridChunk *c)
         chunk_free(c);
         return NULL;
     }
-    c->fp = hybrid_fingerprint(c->data, s->block_size);
+    if (!c->fp_valid) {
+        c->fp = hybrid_fingerprint(c->data, s->block_size);
+    }
+    c->fp_valid = false;
     match = chunk_find(s, c->fp, c->data);
     if (match) {
         trace_hybrid_dedup_hit(s, c->fp);
@@ -502,6 +507,15 @@ int hybrid_ram_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
             qemu_iovec_to_buf(qiov, qoff, c->data + boff, len);
         } else {
             memset(c->data + boff, 0, len);
+        }
+        /*
+         * A whole block is fingerprinted now, while it is in the cache:
+         * interning it after its write-back would read it from memory
+         * again (docs/hybrid.md, "Design measurements").
+         */
+        c->fp_valid = qiov && len == bsz;
+        if (c->fp_valid) {
+            c->fp = hybrid_fingerprint(c->data, bsz);
         }
         slot->chunk = c;
         if (!defer_intern) {

@@ -146,6 +146,7 @@ typedef struct HybridChunk {
     uint64_t fp;                /* fingerprint, hash table key */
     uint32_t refcnt;            /* slots pointing here */
     bool interned;              /* in the table; else private (refcnt 1) */
+    bool fp_valid;              /* private: fp is data's, taken hot */
     struct HybridChunk *next;   /* chain of chunks with an equal fp */
     uint8_t *data;              /* block_size bytes, just before the header */
 } HybridChunk;

@@ -4,6 +4,7 @@ qemu-storage-daemon (no guest).  Binaries come from $HYBRIDVM_BUILD/bin."""
 import json
 import os
 import sys
+import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -274,6 +275,54 @@ class HybridTest(unittest.TestCase):
             r = qsd.qmp('query-hybrid', **{'node-name': 'nope'})
             self.assertIn('Cannot find node', r['error']['desc'])
             self.assertEqual(len(qsd.cmd('query-hybrid')), 1)   # healthy
+        finally:
+            qsd.stop()
+
+    def test_dedup_fingerprint_after_rewrite(self):
+        """A whole-block write is fingerprinted as it is written; a later
+        partial write to the same block, before write-back, must not leave
+        that fingerprint on the chunk.  Block 0 is written whole (content X)
+        then 4k of it changed (content Y); block 1 is written whole as Y.
+        After the flush they share one chunk, which a stale fingerprint
+        (X's) on block 0 would prevent; and a block rewritten whole to what
+        another holds is shared too."""
+        p = self.create(size='4M', ram_size='4M', dedup='on', mode='async')
+        y = self.tmp('y.bin')
+        with open(y, 'wb') as f:
+            f.write(b'\x08' * 4096 + b'\x07' * (60 * 1024))
+        qsd = H.StorageDaemon(self.tmp, '--blockdev',
+                              f'driver=file,node-name=f0,filename={p}',
+                              '--blockdev', 'driver=hybrid,node-name=h0,'
+                              'file=f0', system=True)
+        try:
+            def io(cmd):
+                out = qsd.cmd('human-monitor-command', **{
+                    'command-line': f'qemu-io h0 "{cmd}"'})
+                self.assertNotIn('failed', out)
+
+            for _ in range(100):
+                if qsd.cmd('query-hybrid')[0]['restore-done']:
+                    break
+                time.sleep(0.1)
+            io('write -P 7 0 64k')
+            io('write -P 8 0 4k')
+            io(f'write -s {y} 64k 64k')
+            io('flush')
+            i = qsd.cmd('query-hybrid')[0]
+            self.assertEqual(i['ram-used'], 65536)
+            # whole rewrites: block 2 written as X then as Y before its
+            # write-back; block 3 as X
+            io('write -P 7 128k 64k')
+            io(f'write -s {y} 128k 64k')
+            io('write -P 7 192k 64k')
+            io('flush')
+            i = qsd.cmd('query-hybrid')[0]
+            self.assertEqual(i['ram-used'], 2 * 65536)
+            io('read -P 8 0 4k')
+            io('read -P 7 4k 60k')
+            io('read -P 8 128k 4k')
+            io('read -P 7 132k 60k')
+            io('read -P 7 192k 64k')
         finally:
             qsd.stop()
 
