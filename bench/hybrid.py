@@ -11,8 +11,16 @@ repeated buffer.  Also: restore throughput against dd of the same image
 dedup.
 
 Usage: bench/hybrid.py [--size 512M] [--runtime 3] [--reps 2] [--out docs/bench]
+       bench/hybrid.py --pooled N [...]
 Binaries from $HYBRIDVM_BUILD/bin (default <repo>/build/bin).
 Writes docs/bench/hybrid.md, hybrid.json and hybrid.png.
+
+--pooled N runs only the large-block ratios of issue 22 (128 KiB reads
+against null-co-data, 128 KiB writes against raw on tmpfs, dedup on against
+off), N interleaved rounds with each round's order rotated, each ratio a
+ratio of means with a bootstrap 95 % interval beside its A/A control (the
+baseline against a second copy of itself); writes hybrid-pooled.md, .json
+and .png.
 """
 
 import argparse
@@ -27,6 +35,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, 'block', 'tests'))
 import hybridlib as H   # noqa: E402
+from pooled_stats import ratio_ci, verdict   # noqa: E402
 
 MiB = 1024 * 1024
 
@@ -114,6 +123,14 @@ class Bench:
              f'file.filename={self.p("tmpfs-aa.raw", shm=True)}'),
         ]
 
+    def pooled_nodes(self):
+        """The nodes of --pooled, with an A/A copy of the read ceiling."""
+        nodes = dict(self.nodes())
+        return [(n, nodes[n]) for n in ('hybrid-async', 'hybrid-dedup',
+                                        'null-co-data', 'raw-tmpfs',
+                                        'raw-tmpfs-aa')] + \
+            [('null-co-data-aa', nodes['null-co-data'])]
+
     # ---- one node ----
 
     def start(self, *blockdevs):
@@ -194,6 +211,117 @@ class Bench:
         finally:
             self.stop(qsd)
         self.results['nodes'] = res
+
+    # (shape, rw, bs, dedupe, numerator, baseline, goal) of --pooled
+    POOLED = [
+        ('seqread-128k', 'read', '128k', None, 'hybrid-async',
+         'null-co-data', ('>=', 0.7)),
+        ('seqread-128k', 'read', '128k', None, 'null-co-data-aa',
+         'null-co-data', None),
+        ('seqwrite-128k-dd0', 'write', '128k', 0, 'hybrid-async',
+         'raw-tmpfs', ('>=', 1.0)),
+        ('seqwrite-128k-dd0', 'write', '128k', 0, 'raw-tmpfs-aa',
+         'raw-tmpfs', None),
+        ('seqwrite-128k-dd0', 'write', '128k', 0, 'hybrid-dedup',
+         'hybrid-async', ('>=', 0.8)),
+    ]
+
+    def run_pooled(self, rounds):
+        """Each round runs every (shape, node) once; the order of the nodes
+        is rotated from round to round, so a drift in the machine's load
+        falls on all of them alike."""
+        shapes = {}
+        for col, rw, bs, dd, a, b, _ in self.POOLED:
+            nodes = shapes.setdefault((col, rw, bs, dd), [])
+            nodes += [n for n in (a, b) if n not in nodes]
+        qsd = self.start(*[bd.replace('NODE', n)
+                           for n, bd in self.pooled_nodes()])
+        mbps = {}
+        try:
+            for n, _ in self.pooled_nodes():
+                qsd.cmd('nbd-server-add', device=n, writable=True)
+            self.wait_restore(qsd)
+            for rnd in range(rounds):
+                for (col, rw, bs, dd), nodes in shapes.items():
+                    k = rnd % len(nodes)
+                    for n in nodes[k:] + nodes[:k]:
+                        r = self.fio(n, rw, bs, dd)
+                        mbps.setdefault(col, {}).setdefault(n, []).append(
+                            r['MBps'])
+                    print(rnd, col, {n: mbps[col][n][-1] for n in nodes},
+                          flush=True)
+        finally:
+            self.stop(qsd)
+        ratios = []
+        for col, rw, bs, dd, a, b, goal in self.POOLED:
+            p, lo, hi = ratio_ci(mbps[col][a], mbps[col][b])
+            ratios.append({'shape': col, 'node': a, 'baseline': b,
+                           'ratio': p, 'lo': lo, 'hi': hi, 'goal': goal,
+                           'verdict': verdict(lo, hi, goal) if goal
+                           else 'A/A control'})
+        self.results['pooled'] = {'rounds': rounds, 'MBps': mbps,
+                                  'ratios': ratios}
+
+    def report_pooled(self):
+        out = self.args.out
+        os.makedirs(out, exist_ok=True)
+        res = self.results['pooled']
+        with open(os.path.join(out, 'hybrid-pooled.json'), 'w') as f:
+            json.dump(self.results, f, indent=1)
+        lines = [f'# hybrid benchmark, pooled large-block ratios '
+                 f'({time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})',
+                 '',
+                 f'Measured by `bench/hybrid.py --pooled {res["rounds"]}`: '
+                 f'qemu-storage-daemon, NBD unix socket, fio nbd engine, QD32, '
+                 f'{self.args.runtime} s per job (+1 s ramp), '
+                 f'{self.size // MiB} MiB images of random data, 2 shared '
+                 f'cores.  {res["rounds"]} rounds, each running every node '
+                 f'once per shape in an order rotated from round to round.  '
+                 f'MB/s: mean of the rounds; ratio of the means with a '
+                 f'percentile bootstrap 95 % interval.  The A/A rows are the '
+                 f'baseline against a second node identical to it: their '
+                 f'spread is the noise.', '',
+                 '| shape | node | MB/s | baseline | MB/s | ratio [95 % CI] '
+                 '| goal | verdict |', '|---|---|---:|---|---:|---:|---|---|']
+        for r in res['ratios']:
+            m = res['MBps'][r['shape']]
+            ma = sum(m[r['node']]) / len(m[r['node']])
+            mb = sum(m[r['baseline']]) / len(m[r['baseline']])
+            goal = f'{r["goal"][0]} {r["goal"][1]}' if r['goal'] else '-'
+            lines.append(f'| {r["shape"]} | {r["node"]} | {ma:.0f} | '
+                         f'{r["baseline"]} | {mb:.0f} | {r["ratio"]:.2f} '
+                         f'[{r["lo"]:.2f}, {r["hi"]:.2f}] | {goal} | '
+                         f'{r["verdict"]} |')
+        lines += ['', '![ratios](hybrid-pooled.png)', '']
+        with open(os.path.join(out, 'hybrid-pooled.md'), 'w') as f:
+            f.write('\n'.join(lines))
+        self.chart_pooled(os.path.join(out, 'hybrid-pooled.png'))
+
+    def chart_pooled(self, path):
+        try:
+            import matplotlib
+            matplotlib.use('Agg')
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print('matplotlib missing: no chart', file=sys.stderr)
+            return
+        rs = self.results['pooled']['ratios']
+        fig, ax = plt.subplots(figsize=(8, 0.6 * len(rs) + 1.2))
+        for i, r in enumerate(rs):
+            ax.errorbar([r['ratio']], [i], xerr=[[r['ratio'] - r['lo']],
+                                                 [r['hi'] - r['ratio']]],
+                        fmt='o', capsize=3,
+                        color='tab:gray' if not r['goal'] else 'tab:red')
+            if r['goal']:
+                ax.plot([r['goal'][1]] * 2, [i - 0.3, i + 0.3], 'k--', lw=1)
+        ax.axvline(1.0, color='grey', lw=0.8)
+        ax.set_yticks(range(len(rs)))
+        ax.set_yticklabels([f'{r["shape"]}: {r["node"]} / {r["baseline"]}'
+                            for r in rs], fontsize=8)
+        ax.set_xlabel('ratio of mean MB/s (dashed: goal)')
+        fig.tight_layout()
+        fig.savefig(path, dpi=80)
+        plt.close('all')
 
     # ---- restore vs dd, cloned image RAM ----
 
@@ -363,10 +491,16 @@ def main():
     ap.add_argument('--out', default=os.path.join(REPO, 'docs', 'bench'))
     ap.add_argument('--disk-dir', default=os.path.join(REPO, 'build'))
     ap.add_argument('--only', default='')
+    ap.add_argument('--pooled', type=int, default=0, metavar='N',
+                    help='only the large-block ratios, N interleaved rounds')
     args = ap.parse_args()
     b = Bench(args)
     try:
         src = b.make_images()
+        if args.pooled:
+            b.run_pooled(args.pooled)
+            b.report_pooled()
+            return
         b.run_all([(n, bd) for n, bd in b.nodes()
                    if not args.only or n in args.only.split(',')])
         b.restore()
