@@ -172,6 +172,7 @@ static void sliceTimer(RedisModuleCtx *ctx, void *data) {
      * timer every interval-ms was most of an idle server's CPU. A pass
      * that falls due starts at most HM_IDLE_INTERVAL_MS late. */
     uint64_t now = hmNowUs(), wake = now + HM_IDLE_INTERVAL_MS * 1000ULL;
+    if (now - hm.mig.arenas_checked_us >= HM_ARENA_CHECK_MS * 1000ULL) hmZeroFreedAdopt();
     if (!busy && hm.visit.back.n == 0 && !backgroundDue(now)) bitesDisarm();
     /* Only what falls due later: a pass that is already due but not
      * allowed (replica, MULTI, migration) must not keep the timer fast. */

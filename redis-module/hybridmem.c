@@ -225,6 +225,7 @@ static void infoFunc(RedisModuleInfoCtx *ctx, int for_crash_report) {
     zeroFreeStats(&zbytes, &zpurges);
     RedisModule_InfoAddFieldLongLong(ctx, "zero_freed_active", zeroFreeEnabled());
     RedisModule_InfoAddFieldLongLong(ctx, "zero_freed_window", hm.mig.zero_window);
+    RedisModule_InfoAddFieldULongLong(ctx, "zero_freed_arenas", zeroFreeArenas());
     RedisModule_InfoAddFieldULongLong(ctx, "zero_freed_bytes", zbytes);
     RedisModule_InfoAddFieldULongLong(ctx, "zero_freed_purges", zpurges);
     RedisModule_InfoAddFieldLongLong(ctx, "port_connected", hm.port.fd >= 0);

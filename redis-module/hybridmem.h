@@ -62,6 +62,7 @@
 #define HM_PASS_DUTY            25      /* pause >= 25x the pass's CPU: <= 4 % */
 #define HM_FITS_RECHECK_MS      60000   /* see fits_below */
 #define HM_IDLE_INTERVAL_MS     100     /* slice period with nothing in progress */
+#define HM_ARENA_CHECK_MS       1000    /* look for new allocator arenas (hmZeroFreedAdopt) */
 #define HM_MULTI_GRACE_US       (5 * 1000000ULL)
 #define HM_SCAN_PHASE_BIT       (1ULL << 63)
 #define HM_SCAN_GRACE_US        (60 * 1000000ULL) /* see hmScanLogNote */
@@ -231,6 +232,7 @@ typedef struct HmMigration {            /* migrate.c */
     /* Clearing of freed memory (zerofree.h) has been on since the window
      * of hmProcessPeakRss() began: everything given back since is zero. */
     int zero_window;
+    uint64_t arenas_checked_us;     /* last look for new allocator arenas */
     long long dropped_items;
     /* Wall time of the last drop's clear and unmap (written by the thread). */
     long long last_clear_us, last_unmap_us;
@@ -365,6 +367,7 @@ void hmBitesArm(void);
 /* ------------------------------------------------------------ migrate.c */
 
 void hmZeroFreedApply(void);
+void hmZeroFreedAdopt(void);
 int hmApplyZeroFreed(RedisModuleCtx *ctx, void *priv, RedisModuleString **err);
 /* 'host': PREPARE came from the host port, which may then ask for the
  * dropped pages (APPASSIST.PAGES). */

@@ -62,6 +62,28 @@ void hmZeroFreedApply(void) {
     zeroFreeEnable(on);
 }
 
+/* Wrap the allocator arenas that threads created since the last look
+ * (zeroFreeAdopt). What such an arena purged before could not be cleared,
+ * so the window in which everything freed was cleared ends; the next peak
+ * reset (RESUME/ABORT) starts another. Runs from the timer about once a
+ * second and before PREPARE answers. */
+void hmZeroFreedAdopt(void) {
+    static int warned;
+    hm.mig.arenas_checked_us = hmNowUs();
+    int n = zeroFreeAdopt();
+    if (n == 0) return;
+    if (n < 0 && !warned) {
+        warned = 1;
+        RedisModule_Log(hm.dctx, "warning", "appassist: a new allocator arena could not be "
+                        "wrapped (%s): what it frees is not cleared", strerror(errno));
+    }
+    if (hm.mig.zero_window) {
+        hm.mig.zero_window = 0;
+        RedisModule_Log(hm.dctx, "verbose", "appassist: a new allocator arena: freed memory is "
+                        "cleared again from the next RESUME or ABORT");
+    }
+}
+
 int hmApplyZeroFreed(RedisModuleCtx *ctx, void *priv, RedisModuleString **err) {
     (void)ctx; (void)priv; (void)err;
     hmZeroFreedApply();
@@ -266,6 +288,7 @@ static uint64_t dropArena(uint64_t *items, int *lazy, int *zeroed, int *listed,
 void hmPrepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms, int host) {
     uint64_t t0 = hmNowUs();
     hmReadBackSettle();
+    hmZeroFreedAdopt();
     long long rss0 = hmProcessRss();
     int64_t freed = 0;
     uint64_t items = 0;

@@ -34,6 +34,8 @@ typedef struct ZfHooks {
 static int zf_state;            /* 0 not tried, 1 installed, -1 failed */
 static char zf_error[160];
 static ZfHooks *zf_hooks;       /* one per arena; never freed (jemalloc keeps the pointers) */
+static ZeroFreeMallctl zf_mallctl;
+static unsigned zf_narenas, zf_hooked;
 static int zf_enabled;          /* atomic */
 static int zf_in_child;         /* set in a forked child, see zerofree.h */
 static uint64_t zf_bytes, zf_purges;    /* atomic */
@@ -111,6 +113,53 @@ static int zfFail(char *err, size_t errlen, const char *fmt, const char *what, i
     return -1;
 }
 
+/* 1 if arena 'i' exists, as of the allocator's last statistics epoch. */
+static int arenaInitialized(unsigned i) {
+    char name[64];
+    bool init = false;
+    size_t sz = sizeof(init);
+    snprintf(name, sizeof(name), "arena.%u.initialized", i);
+    return zf_mallctl(name, &init, &sz, NULL, 0) == 0 && init;
+}
+
+/* Wrap the purge hooks of arena 'i', which exists. Returns 0 or an errno. */
+static int hookArena(unsigned i) {
+    char name[64];
+    extent_hooks_t *old = NULL;
+    size_t sz = sizeof(old);
+    snprintf(name, sizeof(name), "arena.%u.extent_hooks", i);
+    int rc = zf_mallctl(name, &old, &sz, NULL, 0);
+    if (rc != 0 || !old) return rc ? rc : EINVAL;
+    ZfHooks *z = &zf_hooks[i];
+    z->hooks = *old;
+    z->orig = old;      /* before any purge can come through the wrapper */
+    if (old->purge_forced) z->hooks.purge_forced = zfPurgeForced;
+    if (old->purge_lazy) z->hooks.purge_lazy = zfPurgeLazy;
+    extent_hooks_t *mine = &z->hooks;
+    rc = zf_mallctl(name, NULL, NULL, &mine, sizeof(mine));
+    if (rc != 0) {
+        z->orig = NULL;
+        return rc;
+    }
+    zf_hooked++;
+    return 0;
+}
+
+/* Hook every arena that exists now and is not hooked yet; 'adopted' counts
+ * them. Returns 0, or an errno with the arena's index in *bad. */
+static int hookExisting(unsigned *adopted, unsigned *bad) {
+    uint64_t epoch = 1;
+    /* arena.<i>.initialized answers as of the last epoch: refresh it */
+    zf_mallctl("epoch", NULL, NULL, &epoch, sizeof(epoch));
+    for (unsigned i = 0; i < zf_narenas; i++) {
+        if (zf_hooks[i].orig || !arenaInitialized(i)) continue;
+        int rc = hookArena(i);
+        if (rc != 0) { *bad = i; return rc; }
+        if (adopted) (*adopted)++;
+    }
+    return 0;
+}
+
 int zeroFreeInstall(ZeroFreeMallctl mallctl, void *(*alloc)(size_t), void (*dealloc)(void *),
                     char *err, size_t errlen) {
     if (zf_state) {
@@ -127,8 +176,8 @@ int zeroFreeInstall(ZeroFreeMallctl mallctl, void *(*alloc)(size_t), void (*deal
         return zfFail(err, errlen, "%s%s", "jemalloc's opt.retain is off (it unmaps freed memory)", 0);
 
     /* Allocations above opt.oversize_threshold go to a huge arena that
-     * jemalloc creates on first use, and an arena that does not exist yet
-     * cannot take hooks: create it now. Untouched, so nothing is resident. */
+     * jemalloc creates on first use: create it now, so that it is hooked
+     * from the start. Untouched, so nothing is resident. */
     size_t oversize = 0;
     sz = sizeof(oversize);
     if (mallctl("opt.oversize_threshold", &oversize, &sz, NULL, 0) == 0 &&
@@ -145,25 +194,36 @@ int zeroFreeInstall(ZeroFreeMallctl mallctl, void *(*alloc)(size_t), void (*deal
     if (!zf_hooks) return zfFail(err, errlen, "%s%s", "out of memory", 0);
     if (pthread_atfork(NULL, NULL, zfAtforkChild) != 0)
         return zfFail(err, errlen, "%s%s", "pthread_atfork failed", 0);
+    zf_mallctl = mallctl;
+    zf_narenas = narenas;
 
-    for (unsigned i = 0; i < narenas; i++) {
+    /* Only the arenas that exist: asking for an arena's hooks with new
+     * ones creates it, and every arena that exists is merged into the
+     * allocator's statistics at each epoch (Redis's cron: ten times a
+     * second). Hooking all of them made that merge 4 x CPUs arenas long
+     * instead of the one or two a Redis uses. zeroFreeAdopt() takes the
+     * others as threads bring them to life. */
+    unsigned bad = 0;
+    rc = hookExisting(NULL, &bad);
+    if (rc != 0) {
         char name[64];
-        extent_hooks_t *old = NULL;
-        snprintf(name, sizeof(name), "arena.%u.extent_hooks", i);
-        sz = sizeof(old);
-        rc = mallctl(name, &old, &sz, NULL, 0);
-        if (rc != 0 || !old) return zfFail(err, errlen, "%s: %s", name, rc ? rc : EINVAL);
-        ZfHooks *z = &zf_hooks[i];
-        z->hooks = *old;
-        z->orig = old;
-        if (old->purge_forced) z->hooks.purge_forced = zfPurgeForced;
-        if (old->purge_lazy) z->hooks.purge_lazy = zfPurgeLazy;
-        extent_hooks_t *mine = &z->hooks;
-        rc = mallctl(name, NULL, NULL, &mine, sizeof(mine));
-        if (rc != 0) return zfFail(err, errlen, "%s: %s", name, rc);
+        snprintf(name, sizeof(name), "arena.%u.extent_hooks", bad);
+        return zfFail(err, errlen, "%s: %s", name, rc);
     }
     zf_state = 1;
     return 0;
+}
+
+int zeroFreeAdopt(void) {
+    unsigned adopted = 0, bad = 0;
+    if (zf_state <= 0) return 0;
+    int rc = hookExisting(&adopted, &bad);
+    if (rc != 0) { errno = rc; return -1; }
+    return (int)adopted;
+}
+
+unsigned zeroFreeArenas(void) {
+    return zf_hooked;
 }
 
 int zeroFreeInstalled(void) {

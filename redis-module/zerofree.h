@@ -12,8 +12,9 @@
  *   - zeroResident() clears the resident pages of a range (mincore), so a
  *     caller about to unmap a mapping (the cold arena) frees zero pages;
  *   - zeroFreeInstall() wraps jemalloc's purge hooks (purge_forced, and
- *     purge_lazy for MADV_FREE) on every arena so the allocator does the
- *     same for every page it returns. The wrapped hooks call the originals;
+ *     purge_lazy for MADV_FREE) on every arena that exists so the allocator
+ *     does the same for every page it returns, and zeroFreeAdopt() on the
+ *     arenas threads create later. The wrapped hooks call the originals;
  *     nothing else in jemalloc's behaviour changes.
  *
  * The hooks stay installed for the life of the process (the module cannot be
@@ -34,14 +35,23 @@ typedef int (*ZeroFreeMallctl)(const char *, void *, size_t *, void *, size_t);
  * would fault in fresh pages only to free them). */
 size_t zeroResident(void *addr, size_t len);
 
-/* Wrap the purge hooks of every jemalloc arena through 'mallctl'; 'alloc'
- * and 'dealloc' are the allocator's own (they create its huge arena first).
- * Returns 0, or -1 with a reason in 'err' (an arena that could not be
- * wrapped fails the whole install, and so does opt.retain off: jemalloc
- * would then also free memory by munmap(), past every hook). Call once; later calls return the first
- * result. Clearing starts disabled. */
+/* Wrap the purge hooks of every jemalloc arena that exists through
+ * 'mallctl'; 'alloc' and 'dealloc' are the allocator's own (they create its
+ * huge arena first). Arenas that do not exist yet are left uncreated (each
+ * one created would be merged into the allocator's statistics at every
+ * epoch). Returns 0, or -1 with a reason in 'err' (an arena that could not
+ * be wrapped fails the whole install, and so does opt.retain off: jemalloc
+ * would then also free memory by munmap(), past every hook). Call once;
+ * later calls return the first result. Clearing starts disabled. */
 int zeroFreeInstall(ZeroFreeMallctl mallctl, void *(*alloc)(size_t), void (*dealloc)(void *),
                     char *err, size_t errlen);
+/* Wrap the arenas created since (a thread's first allocation creates one):
+ * returns how many, 0 before a successful install, -1 (errno) if one could
+ * not be wrapped. What such an arena purged before it was adopted was not
+ * cleared: the caller decides what that means for its promises. */
+int zeroFreeAdopt(void);
+/* Arenas wrapped so far. */
+unsigned zeroFreeArenas(void);
 int zeroFreeInstalled(void);
 
 /* Turn clearing on/off (thread-safe; no effect before a successful install). */

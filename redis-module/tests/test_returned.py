@@ -5,6 +5,7 @@ allowed to balloon them away too."""
 
 import os
 import sys
+import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -171,6 +172,38 @@ class ReturnedMemoryTest(ServerTestCase):
         rep = asmap(c.execute_command('APPASSIST.PREPARE', 5000))
         self.assertEqual(rep[b'zeroed_bytes'], rep[b'freed_bytes'])
         c.execute_command('APPASSIST.RESUME')
+        self.assertHealthy(s)
+
+    def test_zero_freed_new_arena(self):
+        """The clearing hooks go on the allocator's arenas that exist (not on
+        all 4 x CPUs of them: each one that exists is merged into jemalloc's
+        statistics at every one of Redis's ten epochs a second), and on an
+        arena a thread creates later within about a second. What that arena
+        purged before could not be cleared, so the window closes until
+        RESUME opens the next one, and PREPARE claims no more than it may."""
+        if kernel_zeroes_freed_pages():
+            self.skipTest('the kernel zeroes freed pages (init_on_free=1): zero-freed auto is off')
+        s = self.server(configs=dict(aggressive(), demote='no'))
+        c = s.client()
+        info = c.info('appassist')
+        arenas = info['appassist_zero_freed_arenas']
+        self.assertGreaterEqual(arenas, 1)
+        self.assertLessEqual(arenas, 2)         # arena 0 and the huge arena
+        self.assertEqual(info['appassist_zero_freed_window'], 1)
+        # UNLINK of a set larger than 64 members is freed by Redis's lazyfree
+        # thread, whose first allocation creates its arena
+        c.sadd('big', *range(5000))
+        c.unlink('big')
+        deadline = time.monotonic() + 10
+        while c.info('appassist')['appassist_zero_freed_arenas'] == arenas:
+            self.assertLess(time.monotonic(), deadline, 'the new arena was not adopted')
+            time.sleep(0.1)
+        self.assertEqual(c.info('appassist')['appassist_zero_freed_window'], 0)
+        self.load_and_demote(c)
+        rep = asmap(c.execute_command('APPASSIST.PREPARE', 5000))
+        self.assertEqual(rep[b'zeroed_bytes'], rep[b'dropped_bytes'])
+        c.execute_command('APPASSIST.RESUME')
+        self.assertEqual(c.info('appassist')['appassist_zero_freed_window'], 1)
         self.assertHealthy(s)
 
     def test_none_reports_nothing(self):

@@ -8,6 +8,7 @@
 #include "../zerofree.h"
 
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -106,6 +107,54 @@ static void purgeAll(void) {
     CHECK(je_mallctl("arena.4096.purge", NULL, NULL, NULL, 0) == 0);   /* MALLCTL_ARENAS_ALL */
 }
 
+/* Arenas that exist (as of a fresh epoch); 'which' gets their flags. */
+static unsigned existingArenas(unsigned narenas, bool *which) {
+    uint64_t epoch = 1;
+    unsigned n = 0;
+    CHECK(je_mallctl("epoch", NULL, NULL, &epoch, sizeof(epoch)) == 0);
+    for (unsigned i = 0; i < narenas && i < 256; i++) {
+        char name[64];
+        bool init = false;
+        size_t sz = sizeof(init);
+        snprintf(name, sizeof(name), "arena.%u.initialized", i);
+        CHECK(je_mallctl(name, &init, &sz, NULL, 0) == 0);
+        if (which) which[i] = init;
+        n += init;
+    }
+    return n;
+}
+
+/* Put the probe under every arena that exists and has none yet (it must
+ * be there before zerofree wraps the arena). */
+static void probeArenas(unsigned narenas) {
+    bool exists[256];
+    existingArenas(narenas, exists);
+    for (unsigned i = 0; i < narenas && i < 256; i++) {
+        char name[64];
+        extent_hooks_t *old, *mine = &probes[i].hooks;
+        size_t sz = sizeof(old);
+        if (!exists[i] || probes[i].orig) continue;
+        snprintf(name, sizeof(name), "arena.%u.extent_hooks", i);
+        CHECK(je_mallctl(name, &old, &sz, NULL, 0) == 0);
+        probes[i].hooks = *old;
+        probes[i].orig = old;
+        probes[i].hooks.purge_forced = probePurge;
+        CHECK(je_mallctl(name, NULL, NULL, &mine, sizeof(mine)) == 0);
+    }
+}
+
+static void *churnThread(void *arg) {
+    (void)arg;
+    churn(4000, 1000);          /* a new thread: jemalloc gives it an arena */
+    return NULL;
+}
+
+static void churnInThread(void) {
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, churnThread, NULL) == 0);
+    CHECK(pthread_join(t, NULL) == 0);
+}
+
 static void testHooks(void) {
     je_mallctl = (Mallctl)dlsym(RTLD_DEFAULT, "mallctl");
     if (!je_mallctl) { printf("SKIP: jemalloc is not preloaded (libjemalloc2 missing?)\n"); exit(77); }
@@ -119,23 +168,21 @@ static void testHooks(void) {
     size_t sz = sizeof(narenas);
     CHECK(je_mallctl("arenas.narenas", &narenas, &sz, NULL, 0) == 0);
     CHECK(narenas <= 256);
-    for (unsigned i = 0; i < narenas && i < 256; i++) {
-        char name[64];
-        extent_hooks_t *old, *mine = &probes[i].hooks;
-        snprintf(name, sizeof(name), "arena.%u.extent_hooks", i);
-        sz = sizeof(old);
-        CHECK(je_mallctl(name, &old, &sz, NULL, 0) == 0);
-        probes[i].hooks = *old;
-        probes[i].orig = old;
-        probes[i].hooks.purge_forced = probePurge;
-        CHECK(je_mallctl(name, NULL, NULL, &mine, sizeof(mine)) == 0);
-    }
+    probeArenas(narenas);
+    unsigned before = existingArenas(narenas, NULL);
+    CHECK(before >= 1 && before < narenas);
 
     char err[160] = "";
     CHECK(!zeroFreeInstalled());
+    CHECK(zeroFreeAdopt() == 0);        /* nothing before an install */
     CHECK(zeroFreeInstall(je_mallctl, je_malloc, je_free, err, sizeof(err)) == 0);
     CHECK(zeroFreeInstalled());
     CHECK(!zeroFreeEnabled());
+    /* only the arenas that existed are wrapped; none is created (each one
+     * would be merged into the statistics at every epoch) */
+    CHECK(existingArenas(narenas, NULL) == before);
+    CHECK(zeroFreeArenas() == before);
+    CHECK(zeroFreeAdopt() == 0);
 
     /* disabled: jemalloc purges what it held, with its data */
     uint64_t bytes, purges;
@@ -179,6 +226,26 @@ static void testHooks(void) {
     int st = 0;
     CHECK(pid > 0 && waitpid(pid, &st, 0) == pid);
     CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+
+    /* a thread's arena, created after the install, is adopted: what it
+     * purges afterwards reaches jemalloc's purge zeroed too */
+    purgeAll();
+    churnInThread();
+    CHECK(existingArenas(narenas, NULL) == before + 1);
+    probeArenas(narenas);
+    CHECK(zeroFreeAdopt() == 1);
+    CHECK(zeroFreeArenas() == before + 1);
+    CHECK(zeroFreeAdopt() == 0);
+    uint64_t b0, b1;
+    zeroFreeStats(&b0, NULL);
+    churnInThread();            /* reuses the idle thread arena */
+    probe_calls = probe_dirty_pages = 0;
+    purgeAll();
+    zeroFreeStats(&b1, NULL);
+    fprintf(stderr, "thread arena: zeroed %llu bytes; probe saw %zu purges\n",
+            (unsigned long long)(b1 - b0), probe_calls);
+    CHECK(b1 - b0 >= 3000u * 1000u);
+    CHECK(probe_calls > 0 && probe_dirty_pages == 0);
 
     zeroFreeEnable(0);
     CHECK(!zeroFreeEnabled());
