@@ -298,12 +298,8 @@ class Bench:
         self.chart_pooled(os.path.join(out, 'hybrid-pooled.png'))
 
     def chart_pooled(self, path):
-        try:
-            import matplotlib
-            matplotlib.use('Agg')
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print('matplotlib missing: no chart', file=sys.stderr)
+        plt = pyplot()
+        if not plt:
             return
         rs = self.results['pooled']['ratios']
         fig, ax = plt.subplots(figsize=(8, 0.6 * len(rs) + 1.2))
@@ -445,12 +441,8 @@ class Bench:
         self.chart(os.path.join(out, 'hybrid.png'), cols)
 
     def chart(self, path, cols):
-        try:
-            import matplotlib
-            matplotlib.use('Agg')
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print('matplotlib missing: no chart', file=sys.stderr)
+        plt = pyplot()
+        if not plt:
             return
         n = self.results['nodes']
         names = list(n)
@@ -465,6 +457,18 @@ class Bench:
         fig.suptitle('hybrid vs baselines (fio nbd, QD32)')
         fig.tight_layout()
         fig.savefig(path, dpi=80)
+
+
+def pyplot():
+    """matplotlib's pyplot without a display, or None (said on stderr)."""
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('matplotlib missing: no chart', file=sys.stderr)
+        return None
+    return plt
 
 
 def to_qapi(opts):

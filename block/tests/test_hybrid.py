@@ -35,6 +35,21 @@ class HybridTest(unittest.TestCase):
             o += f',{k.replace("_", "-")}={v}'
         return o
 
+    def hmp_daemon(self, path, opts=''):
+        """qemu-system-x86_64 -M none (it has HMP) with the hybrid node h0
+        (@opts appended) over the file node f0 of @path."""
+        return H.StorageDaemon(self.tmp, '--blockdev',
+                               f'driver=file,node-name=f0,filename={path}',
+                               '--blockdev',
+                               f'driver=hybrid,node-name=h0,file=f0{opts}',
+                               system=True)
+
+    def hmp_io(self, qsd, node, cmd):
+        """qemu-io @cmd on @node through HMP (qsd started with system=True)."""
+        out = qsd.cmd('human-monitor-command', **{
+            'command-line': f'qemu-io {node} "{cmd}"'})
+        self.assertNotIn('failed', out)
+
     # ---- create / info / map / check / convert ----
 
     def test_create_info(self):
@@ -290,15 +305,10 @@ class HybridTest(unittest.TestCase):
         y = self.tmp('y.bin')
         with open(y, 'wb') as f:
             f.write(b'\x08' * 4096 + b'\x07' * (60 * 1024))
-        qsd = H.StorageDaemon(self.tmp, '--blockdev',
-                              f'driver=file,node-name=f0,filename={p}',
-                              '--blockdev', 'driver=hybrid,node-name=h0,'
-                              'file=f0', system=True)
+        qsd = self.hmp_daemon(p)
         try:
             def io(cmd):
-                out = qsd.cmd('human-monitor-command', **{
-                    'command-line': f'qemu-io h0 "{cmd}"'})
-                self.assertNotIn('failed', out)
+                self.hmp_io(qsd, 'h0', cmd)
 
             for _ in range(100):
                 if qsd.cmd('query-hybrid')[0]['restore-done']:
@@ -333,15 +343,10 @@ class HybridTest(unittest.TestCase):
         p = self.create(ram_size='1M')
         H.qemu_io('-f', 'hybrid', '-c', 'write -P 9 8M 64k',
                   '-c', 'write -P 10 12M 64k', p)
-        qsd = H.StorageDaemon(self.tmp, '--blockdev',
-                              f'driver=file,node-name=f0,filename={p}',
-                              '--blockdev', 'driver=hybrid,node-name=h0,'
-                              'file=f0,promote-size=64k', system=True)
+        qsd = self.hmp_daemon(p, ',promote-size=64k')
         try:
             def io(cmd):
-                out = qsd.cmd('human-monitor-command', **{
-                    'command-line': f'qemu-io h0 "{cmd}"'})
-                self.assertNotIn('failed', out)
+                self.hmp_io(qsd, 'h0', cmd)
             io('read -P 9 8M 64k')
             io('read -P 9 8M 64k')          # second read: promoted
             i = qsd.cmd('query-hybrid')[0]
