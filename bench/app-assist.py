@@ -287,6 +287,41 @@ def migrate(src, dst, config, args, on_switch=None):
     return info, switched, t0, t1
 
 
+def proc_cpu(pid):
+    """CPU seconds (user + system) of process @pid, threads that ended
+    included (the migration thread ends with the migration), and of each of
+    its live threads by name ('CPU 0/TCG', ...)."""
+    tick = os.sysconf('SC_CLK_TCK')
+
+    def secs(path):
+        with open(path) as f:
+            st = f.read()
+        fields = st[st.rindex(')') + 2:].split()
+        return st[st.index('(') + 1:st.rindex(')')], (int(fields[11]) + int(fields[12])) / tick
+
+    threads = {}
+    for tid in os.listdir(f'/proc/{pid}/task'):
+        try:
+            name, t = secs(f'/proc/{pid}/task/{tid}/stat')
+        except OSError:
+            continue        # the thread ended meanwhile
+        threads[name] = threads.get(name, 0) + t
+    return secs(f'/proc/{pid}/stat')[1], threads
+
+
+def cpu_during(src, dst, before, window_s):
+    """Host CPU over the migration, in % of one core: the source's vCPU
+    thread, the rest of the source (its migration thread, I/O, main loop),
+    and the destination."""
+    (s0, st0), (d0, _) = before
+    s1, st1 = proc_cpu(src.pid)
+    d1, _ = proc_cpu(dst.pid)
+    vcpu = sum(v - st0.get(k, 0) for k, v in st1.items() if k.startswith('CPU '))
+    pct = 100 / window_s
+    return {'source vCPU': round(vcpu * pct), 'source other': round((s1 - s0 - vcpu) * pct),
+            'destination': round((d1 - d0) * pct)}
+
+
 def run_config(config, args, logdir):
     # Our module is transparent to clients: every configuration runs it (it
     # holds the cold items in its arena) except the design's, which is stock
@@ -328,7 +363,9 @@ def run_config(config, args, logdir):
             t_switch.append(time.monotonic())
             load.follow()
 
+        cpu0 = (proc_cpu(src.pid), proc_cpu(dst.pid))
         info, switched, t0, t1 = migrate(src, dst, config, args, on_switch=on_switch)
+        cpu = cpu_during(src, dst, cpu0, t1 - t0)
         # Two seconds after the migration: the module hands back the arena it
         # kept for the page list there (RESUME), so its cost shows here.
         time.sleep(AFTER_S)
@@ -401,6 +438,8 @@ def run_config(config, args, logdir):
                                 'switch': round(t_switch[0] - t0, 2) if t_switch else None,
                                 'end': round(t1 - t0, 2)}
         row['host load avg'] = loadavg
+        # Where the 2 host cores went while the migration ran (% of a core)
+        row['host CPU during (% of a core)'] = cpu
         log(f'{config}: {json.dumps({k: v for k, v in row.items() if k not in ("app-assist", "load timeline")})}')
         return row
     finally:

@@ -188,7 +188,10 @@ class Guest:
         if append:
             cmdline.append(append)
 
+        # debug-threads: threads named after their job ('CPU 0/TCG',
+        # 'mig/src/main'), so per-thread CPU can be read from /proc
         qargs = ['-accel', 'tcg', '-m', mem, '-smp', str(smp), '-no-reboot',
+                 '-name', 'guest=hvlib,debug-threads=on',
                  '-L', '/usr/share/seabios', '-L', '/usr/share/qemu',
                  '-kernel', kernel,
                  '-initrd', initrd,
