@@ -148,14 +148,10 @@ class Bench:
         qsd.tmpdir.cleanup()
 
     def wait_restore(self, qsd, node=None):
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            info = qsd.cmd('query-hybrid', **({'node-name': node} if node
-                                              else {}))
-            if all(i['restore-done'] for i in info):
-                return info[0] if info else None
-            time.sleep(0.2)
-        raise TimeoutError('restore did not finish')
+        info = qsd.wait_restored(node, timeout=600)
+        if not all(i['restore-done'] for i in info):
+            raise TimeoutError('restore did not finish')
+        return info[0] if info else None
 
     def fio(self, node, rw, bs, dedupe=None):
         uri = f'nbd+unix:///{node}?socket={self.sock}'

@@ -192,6 +192,20 @@ class StorageDaemon:
             raise AssertionError(f'{cmd} failed: {r["error"]}')
         return r['return']
 
+    def wait_restored(self, node=None, timeout=60):
+        """query-hybrid (of @node, else of every hybrid node) once every
+        restore is done, or as it stands after @timeout s: the caller
+        asserts.  Polled: HYBRID_RESTORE_COMPLETED may come before QMP is
+        up."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.cmd('query-hybrid',
+                            **({'node-name': node} if node else {}))
+            if all(i['restore-done'] for i in info) or \
+                    time.monotonic() > deadline:
+                return info
+            time.sleep(0.05)
+
     def wait_event(self, name, timeout=60):
         deadline = time.monotonic() + timeout
         while True:

@@ -4,7 +4,6 @@ qemu-storage-daemon (no guest).  Binaries come from $HYBRIDVM_BUILD/bin."""
 import json
 import os
 import sys
-import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -310,10 +309,7 @@ class HybridTest(unittest.TestCase):
             def io(cmd):
                 self.hmp_io(qsd, 'h0', cmd)
 
-            for _ in range(100):
-                if qsd.cmd('query-hybrid')[0]['restore-done']:
-                    break
-                time.sleep(0.1)
+            self.assertTrue(qsd.wait_restored()[0]['restore-done'])
             io('write -P 7 0 64k')
             io('write -P 8 0 4k')
             io(f'write -s {y} 64k 64k')

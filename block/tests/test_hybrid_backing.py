@@ -12,7 +12,6 @@ import json
 import os
 import random
 import sys
-import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -290,14 +289,7 @@ class BackingTest(unittest.TestCase):
                             f'driver=hybrid,node-name=ov,file.driver=file,'
                             f'file.filename={ov}')
         self.daemons.append(d)
-        # (the event may come before QMP is up: poll query-hybrid)
-        deadline = time.monotonic() + 30
-        while True:
-            info = [i for i in d.cmd('query-hybrid')
-                    if i['node-name'] == 'ov'][0]
-            if info['restore-done'] or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        info = d.wait_restored('ov', timeout=30)[0]
         self.assertTrue(info['restore-done'])
         self.assertEqual(info['restore-bytes'], 3 * BS)
         self.assertEqual(info['ram-loaded'], 3 * BS)

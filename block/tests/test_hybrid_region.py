@@ -27,7 +27,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -129,12 +128,7 @@ class RegionTest(unittest.TestCase):
     def restored(q):
         """query-hybrid once the restore is done (with a ready region it
         ends before QMP is up, so there is no event to wait for)."""
-        deadline = time.monotonic() + 60
-        while True:
-            info = q.cmd('query-hybrid')[0]
-            if info['restore-done'] or time.monotonic() > deadline:
-                return info
-            time.sleep(0.02)
+        return q.wait_restored()[0]
 
     def close_cleanly(self, img, fd):
         """Open with the region and quit: the dirty blocks go back."""

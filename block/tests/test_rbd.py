@@ -143,10 +143,8 @@ class RbdTest(unittest.TestCase):
         q = H.StorageDaemon(self.tmp, '--blockdev',
                             self.hybrid_opts('hyb1', ',node-name=hy'))
         self.procs.append(q)
-        deadline = time.monotonic() + 120
-        while not q.cmd('query-hybrid')[0]['restore-done']:
-            self.assertLess(time.monotonic(), deadline, 'restore from RBD hung')
-            time.sleep(0.05)
+        self.assertTrue(q.wait_restored(timeout=120)[0]['restore-done'],
+                        'restore from RBD hung')
         info = q.cmd('query-hybrid')[0]
         q.stop()
         self.procs.remove(q)
