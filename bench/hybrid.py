@@ -208,18 +208,13 @@ class Bench:
             self.stop(qsd)
         self.results['nodes'] = res
 
-    # (shape, rw, bs, dedupe, numerator, baseline, goal) of --pooled
+    # (shape of SHAPES, numerator, baseline, goal) of --pooled
     POOLED = [
-        ('seqread-128k', 'read', '128k', None, 'hybrid-async',
-         'null-co-data', ('>=', 0.7)),
-        ('seqread-128k', 'read', '128k', None, 'null-co-data-aa',
-         'null-co-data', None),
-        ('seqwrite-128k-dd0', 'write', '128k', 0, 'hybrid-async',
-         'raw-tmpfs', ('>=', 1.0)),
-        ('seqwrite-128k-dd0', 'write', '128k', 0, 'raw-tmpfs-aa',
-         'raw-tmpfs', None),
-        ('seqwrite-128k-dd0', 'write', '128k', 0, 'hybrid-dedup',
-         'hybrid-async', ('>=', 0.8)),
+        ('seqread-128k', 'hybrid-async', 'null-co-data', ('>=', 0.7)),
+        ('seqread-128k', 'null-co-data-aa', 'null-co-data', None),
+        ('seqwrite-128k-dd0', 'hybrid-async', 'raw-tmpfs', ('>=', 1.0)),
+        ('seqwrite-128k-dd0', 'raw-tmpfs-aa', 'raw-tmpfs', None),
+        ('seqwrite-128k-dd0', 'hybrid-dedup', 'hybrid-async', ('>=', 0.8)),
     ]
 
     def run_pooled(self, rounds):
@@ -227,8 +222,9 @@ class Bench:
         is rotated from round to round, so a drift in the machine's load
         falls on all of them alike."""
         shapes = {}
-        for col, rw, bs, dd, a, b, _ in self.POOLED:
-            nodes = shapes.setdefault((col, rw, bs, dd), [])
+        for col, a, b, _ in self.POOLED:
+            shape = next(sh for sh in self.SHAPES if sh[0] == col)
+            nodes = shapes.setdefault(shape, [])
             nodes += [n for n in (a, b) if n not in nodes]
         qsd = self.start(*[bd.replace('NODE', n)
                            for n, bd in self.pooled_nodes()])
@@ -249,7 +245,7 @@ class Bench:
         finally:
             self.stop(qsd)
         ratios = []
-        for col, rw, bs, dd, a, b, goal in self.POOLED:
+        for col, a, b, goal in self.POOLED:
             p, lo, hi = ratio_ci(mbps[col][a], mbps[col][b])
             ratios.append({'shape': col, 'node': a, 'baseline': b,
                            'ratio': p, 'lo': lo, 'hi': hi, 'goal': goal,
@@ -494,6 +490,8 @@ def main():
     ap.add_argument('--pooled', type=int, default=0, metavar='N',
                     help='only the large-block ratios, N interleaved rounds')
     args = ap.parse_args()
+    if args.pooled == 1:
+        ap.error('--pooled needs at least 2 rounds for an interval')
     b = Bench(args)
     try:
         src = b.make_images()
