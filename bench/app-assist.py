@@ -83,6 +83,7 @@ sys.path.insert(0, os.path.join(TOP, 'tests', 'avocado'))
 import hvlib  # noqa: E402
 from hvlib.vm import free_port  # noqa: E402
 import app_assist_pooled as pooled  # noqa: E402
+import procstat  # noqa: E402
 
 MiB = 1 << 20
 PORT_NAME = 'org.qemu.app-assist.0'
@@ -288,25 +289,10 @@ def migrate(src, dst, config, args, on_switch=None):
 
 
 def proc_cpu(pid):
-    """CPU seconds (user + system) of process @pid, threads that ended
-    included (the migration thread ends with the migration), and of each of
-    its live threads by name ('CPU 0/TCG', ...)."""
-    tick = os.sysconf('SC_CLK_TCK')
-
-    def secs(path):
-        with open(path) as f:
-            st = f.read()
-        fields = st[st.rindex(')') + 2:].split()
-        return st[st.index('(') + 1:st.rindex(')')], (int(fields[11]) + int(fields[12])) / tick
-
-    threads = {}
-    for tid in os.listdir(f'/proc/{pid}/task'):
-        try:
-            name, t = secs(f'/proc/{pid}/task/{tid}/stat')
-        except OSError:
-            continue        # the thread ended meanwhile
-        threads[name] = threads.get(name, 0) + t
-    return secs(f'/proc/{pid}/stat')[1], threads
+    """CPU seconds of process @pid, threads that ended included (the
+    migration thread ends with the migration), and of its live threads by
+    name ('CPU 0/TCG', ...)."""
+    return procstat.cpu_s(pid), procstat.thread_cpu(pid)
 
 
 def cpu_during(src, dst, before, window_s):

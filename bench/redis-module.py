@@ -38,6 +38,7 @@ import redis
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'redis-module', 'tests'))
 from hmlib import pipe  # noqa: E402
+from procstat import cpu_s  # noqa: E402
 
 TOP = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 MODULE = os.path.join(TOP, 'build', 'redis-module', 'hybridmem.so')
@@ -177,13 +178,6 @@ def settle(srv):
 
 
 # ------------------------------------------------------------- throughput
-
-def cpu_s(pid):
-    """utime + stime of a process, seconds."""
-    with open('/proc/%d/stat' % pid) as f:
-        fields = f.read().rsplit(')', 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
-
 
 def bench_cmd(srv, test, pipeline, n, keyspace, clients):
     return ['redis-benchmark', '-s', srv.sock, '-t', test, '-n', str(n), '-P', str(pipeline),
