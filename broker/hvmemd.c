@@ -2,8 +2,9 @@
  * hvmemd: the memory broker daemon.  Named regions (files in a pool directory
  * on tmpfs, hugetlbfs or a DAX file system) with owners and mode bits,
  * 2 MiB-aligned items inside them, one read-write owner lease per region, a
- * durable catalogue.  Protocol: proto.h; catalogue: catalog.h; prose and the
- * permission model: docs/broker.md.
+ * durable catalogue.  This file: connections, start-up and main; what each
+ * request may do and does: hvmemd-ops.c; protocol: proto.h; catalogue:
+ * catalog.h; prose and the permission model: docs/broker.md.
  *
  * Copyright (c) 2026 hybridvm contributors
  *
@@ -20,7 +21,6 @@
 #include <poll.h>
 #include <pwd.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,634 +35,9 @@
 #include <gio/gio.h>
 #include <glib-unix.h>
 
-#include "catalog.h"
-#include "proto.h"
-
-#define HUGETLBFS_MAGIC_     0x958458f6
-#define MAX_GROUPS           256
-#define SEND_TIMEOUT_MS      1000    /* a client that does not read is dropped */
-
-typedef struct Broker {
-    char *pool_dir;
-    char *state_dir;
-    char *sock_path;
-    uint64_t capacity;
-    uint64_t quota;             /* per uid, 0 = none; [quota] overrides */
-    GHashTable *quotas;         /* uid -> uint64_t * */
-    unsigned max_conns;
-    unsigned request_timeout;   /* seconds a partial request may wait */
-    uint32_t align;
-    HvmCatalog *cat;
-    GPtrArray *zombies;         /* destroyed regions still attached */
-    GHashTable *conns;          /* Conn * set */
-    int listen_fd;
-    int reserve_fd;             /* closed to accept() when out of fds */
-    GMainLoop *loop;
-} Broker;
-
-typedef struct Conn {
-    Broker *b;
-    int fd;
-    guint watch;
-    struct ucred cred;
-    gid_t groups[MAX_GROUPS];
-    int ngroups;
-    uint8_t buf[HVM_HDR_SIZE + HVM_MAX_REQ_BODY];
-    size_t have;
-    gint64 partial_since;       /* monotonic us when c->buf became non-empty */
-    GHashTable *attached;       /* HvmRegion * this connection mapped */
-} Conn;
+#include "hvmemd.h"
 
 static Broker broker;
-
-static char *region_path(Broker *b, uint64_t id)
-{
-    return g_strdup_printf("%s/r-%" G_GUINT64_FORMAT, b->pool_dir, id);
-}
-
-/* ---- accounting ---- */
-
-static void usage_of(Broker *b, uint32_t uid, uint64_t *total, uint64_t *by_uid)
-{
-    GHashTableIter it;
-    gpointer v;
-
-    *total = *by_uid = 0;
-    g_hash_table_iter_init(&it, b->cat->regions);
-    while (g_hash_table_iter_next(&it, NULL, &v)) {
-        HvmRegion *r = v;
-
-        *total += r->size;
-        *by_uid += r->uid == uid ? r->size : 0;
-    }
-    for (guint i = 0; i < b->zombies->len; i++) {
-        HvmRegion *r = g_ptr_array_index(b->zombies, i);
-
-        *total += r->size;
-        *by_uid += r->uid == uid ? r->size : 0;
-    }
-}
-
-static uint64_t quota_of(Broker *b, uint32_t uid)
-{
-    uint64_t *q = g_hash_table_lookup(b->quotas, GUINT_TO_POINTER(uid));
-
-    return q ? *q : b->quota;
-}
-
-/* May @uid take @delta more bytes?  0 or -ENOSPC/-EDQUOT with @msg. */
-static int admit(Broker *b, uint32_t uid, uint64_t delta, char *msg, size_t ml)
-{
-    uint64_t total, mine, quota = quota_of(b, uid);
-
-    usage_of(b, uid, &total, &mine);
-    if (delta > b->capacity - MIN(total, b->capacity)) {
-        snprintf(msg, ml, "pool full: %" G_GUINT64_FORMAT " bytes asked, %"
-                 G_GUINT64_FORMAT " of %" G_GUINT64_FORMAT " free",
-                 delta, b->capacity - MIN(total, b->capacity), b->capacity);
-        return -ENOSPC;
-    }
-    if (quota && delta > quota - MIN(mine, quota)) {
-        snprintf(msg, ml, "quota of uid %u exceeded: %" G_GUINT64_FORMAT
-                 " bytes asked, %" G_GUINT64_FORMAT " of %" G_GUINT64_FORMAT
-                 " used", uid, delta, mine, quota);
-        return -EDQUOT;
-    }
-    return 0;
-}
-
-static uint64_t round_up(uint64_t v, uint64_t a)
-{
-    return (v + a - 1) / a * a;
-}
-
-/* ---- permissions: POSIX rules on the region's mode bits; uid 0 passes ---- */
-
-static bool in_group(Conn *c, uint32_t gid)
-{
-    if (c->cred.gid == gid) {
-        return true;
-    }
-    for (int i = 0; i < c->ngroups; i++) {
-        if (c->groups[i] == gid) {
-            return true;
-        }
-    }
-    return false;
-}
-
-static bool may(Conn *c, HvmRegion *r, unsigned want)
-{
-    unsigned bits;
-
-    if (c->cred.uid == 0) {
-        return true;
-    }
-    if (c->cred.uid == r->uid) {
-        bits = (r->mode >> 6) & 7;
-    } else if (in_group(c, r->gid)) {
-        bits = (r->mode >> 3) & 7;
-    } else {
-        bits = r->mode & 7;
-    }
-    return (bits & want) == want;
-}
-
-static bool is_owner(Conn *c, HvmRegion *r)
-{
-    return c->cred.uid == 0 || c->cred.uid == r->uid;
-}
-
-static void region_info(HvmRegion *r, HvmRegionInfo *ri)
-{
-    memset(ri, 0, sizeof(*ri));
-    ri->size = r->size;
-    ri->used = hvm_region_used(r);
-    ri->id = r->id;
-    ri->mode = r->mode;
-    ri->uid = r->uid;
-    ri->gid = r->gid;
-    ri->nitems = r->items->len;
-    ri->attached = r->attached;
-    ri->flags = (r->lease ? HVM_REGION_LEASED : 0) |
-                (r->destroyed ? HVM_REGION_DESTROYED : 0);
-    ri->lease_pid = r->lease ? r->lease_pid : 0;
-    g_strlcpy(ri->name, r->name, sizeof(ri->name));
-}
-
-static int save(Broker *b, char *msg, size_t ml)
-{
-    GError *err = NULL;
-    int ret = hvm_catalog_save(b->cat, b->state_dir, &err);
-
-    if (ret) {
-        snprintf(msg, ml, "catalogue not saved: %s", err->message);
-        g_warning("%s", err->message);
-        g_error_free(err);
-    }
-    return ret;
-}
-
-/* Free a region that is out of the catalogue and no longer attached. */
-static void region_release_file(Broker *b, HvmRegion *r)
-{
-    g_autofree char *path = region_path(b, r->id);
-
-    if (unlink(path) < 0 && errno != ENOENT) {
-        g_warning("cannot remove %s: %s", path, g_strerror(errno));
-    }
-    g_message("region '%s' (id %" G_GUINT64_FORMAT ") freed", r->name, r->id);
-    hvm_region_free(r);
-}
-
-/* ---- operations ---- */
-
-#define FAIL(code, ...) do { \
-    snprintf(msg, ml, __VA_ARGS__); \
-    return (code); \
-} while (0)
-
-static HvmRegion *get_region(Broker *b, const char *name)
-{
-    return g_hash_table_lookup(b->cat->regions, name);
-}
-
-static int op_create(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
-                     size_t ml)
-{
-    Broker *b = c->b;
-    uint64_t size = round_up(q->size, b->align);
-    g_autofree char *path = NULL;
-    HvmRegionInfo ri;
-    HvmRegion *r;
-    int fd, ret;
-
-    if (get_region(b, q->name)) {
-        FAIL(-EEXIST, "region '%s' exists", q->name);
-    }
-    if (g_hash_table_size(b->cat->regions) + b->zombies->len >= HVM_MAX_REGIONS) {
-        FAIL(-ENOSPC, "too many regions (limit %d)", HVM_MAX_REGIONS);
-    }
-    ret = admit(b, c->cred.uid, size, msg, ml);
-    if (ret) {
-        return ret;
-    }
-    r = hvm_region_new(q->name, b->cat->next_id++, size, q->mode, c->cred.uid,
-                       c->cred.gid);
-    path = region_path(b, r->id);
-    fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-    if (fd < 0 || ftruncate(fd, size) < 0) {
-        ret = -errno;
-        if (fd >= 0) {
-            close(fd);
-            unlink(path);
-        }
-        hvm_region_free(r);
-        FAIL(ret, "cannot create %s: %s", path, g_strerror(-ret));
-    }
-    close(fd);
-    g_hash_table_insert(b->cat->regions, r->name, r);
-    ret = save(b, msg, ml);
-    if (ret) {
-        g_hash_table_remove(b->cat->regions, r->name);
-        unlink(path);
-        hvm_region_free(r);
-        return ret;
-    }
-    g_message("region '%s' created: %" G_GUINT64_FORMAT " bytes, mode %03o, "
-              "uid %u, by pid %d", r->name, size, r->mode, r->uid, c->cred.pid);
-    region_info(r, &ri);
-    hvm_region_encode(data, &ri);
-    return 0;
-}
-
-/* Find @q->name and check @want (4 read, 2 write) or ownership (want 0). */
-static HvmRegion *checked(Conn *c, HvmRequest *q, unsigned want, int *ret,
-                          char *msg, size_t ml)
-{
-    HvmRegion *r = get_region(c->b, q->name);
-
-    if (!r) {
-        snprintf(msg, ml, "no region '%s'", q->name);
-        *ret = -ENOENT;
-        return NULL;
-    }
-    if (want == 0 && !is_owner(c, r)) {
-        snprintf(msg, ml, "%s of region '%s': uid %u is not its owner (uid %u)",
-                 hvm_op_name(q->op), r->name, c->cred.uid, r->uid);
-        *ret = -EPERM;
-        return NULL;
-    }
-    if (want && !may(c, r, want)) {
-        snprintf(msg, ml, "%s of region '%s': mode %03o gives uid %u gid %u "
-                 "no %s permission", hvm_op_name(q->op), r->name, r->mode,
-                 c->cred.uid, c->cred.gid, want & 2 ? "write" : "read");
-        *ret = -EACCES;
-        return NULL;
-    }
-    *ret = 0;
-    return r;
-}
-
-static int op_lookup(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
-                     size_t ml)
-{
-    HvmRegionInfo ri;
-    int ret;
-    HvmRegion *r = checked(c, q, 4, &ret, msg, ml);
-
-    if (r) {
-        region_info(r, &ri);
-        hvm_region_encode(data, &ri);
-    }
-    return ret;
-}
-
-static int op_destroy(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
-                      size_t ml)
-{
-    Broker *b = c->b;
-    int ret;
-    HvmRegion *r = checked(c, q, 0, &ret, msg, ml);
-
-    if (!r) {
-        return ret;
-    }
-    g_hash_table_remove(b->cat->regions, r->name);
-    ret = save(b, msg, ml);
-    if (ret) {
-        g_hash_table_insert(b->cat->regions, r->name, r);
-        return ret;
-    }
-    r->destroyed = true;
-    if (r->attached) {
-        g_message("region '%s' destroyed; file kept for %u attached "
-                  "connection(s)", r->name, r->attached);
-        g_ptr_array_add(b->zombies, r);
-    } else {
-        region_release_file(b, r);
-    }
-    return 0;
-}
-
-static int op_resize(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
-                     size_t ml)
-{
-    Broker *b = c->b;
-    g_autofree char *path = NULL;
-    uint64_t size = round_up(q->size, b->align), old;
-    HvmRegionInfo ri;
-    int ret;
-    HvmRegion *r = checked(c, q, 0, &ret, msg, ml);
-
-    if (!r) {
-        return ret;
-    }
-    old = r->size;
-    path = region_path(b, r->id);
-    if (size < old) {
-        if (size < hvm_region_items_end(r)) {
-            FAIL(-EBUSY, "region '%s' cannot shrink to %" G_GUINT64_FORMAT
-                 ": its items reach %" G_GUINT64_FORMAT, r->name, size,
-                 hvm_region_items_end(r));
-        }
-        if (r->attached) {
-            FAIL(-EBUSY, "region '%s' cannot shrink while %u connection(s) "
-                 "have it mapped", r->name, r->attached);
-        }
-        /* Shrink: commit first, then cut the file (start-up truncates too). */
-        r->size = size;
-        ret = save(b, msg, ml);
-        if (ret) {
-            r->size = old;
-            return ret;
-        }
-        if (truncate(path, size) < 0) {
-            g_warning("cannot shrink %s: %s", path, g_strerror(errno));
-        }
-    } else if (size > old) {
-        ret = admit(b, r->uid, size - old, msg, ml);
-        if (ret) {
-            return ret;
-        }
-        /* Grow: extend the file first, then commit. */
-        if (truncate(path, size) < 0) {
-            ret = -errno;
-            FAIL(ret, "cannot grow %s: %s", path, g_strerror(-ret));
-        }
-        r->size = size;
-        ret = save(b, msg, ml);
-        if (ret) {
-            r->size = old;
-            if (truncate(path, old) < 0) {
-                g_warning("cannot shrink %s back: %s", path, g_strerror(errno));
-            }
-            return ret;
-        }
-    }
-    region_info(r, &ri);
-    hvm_region_encode(data, &ri);
-    return 0;
-}
-
-/* An item record for the reply */
-static void item_reply(GByteArray *data, const HvmItem *it)
-{
-    HvmItemInfo ii = { .offset = it->offset, .size = it->size };
-
-    g_strlcpy(ii.name, it->name, sizeof(ii.name));
-    hvm_item_encode(data, &ii);
-}
-
-static int op_alloc(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
-                    size_t ml)
-{
-    HvmItem *it;
-    int ret;
-    HvmRegion *r = checked(c, q, 2, &ret, msg, ml);
-
-    if (!r) {
-        return ret;
-    }
-    it = hvm_region_alloc_item(r, q->item, q->size, &ret);
-    if (!it) {
-        if (ret == -EEXIST) {
-            FAIL(ret, "region '%s' has an item '%s'", r->name, q->item);
-        }
-        FAIL(ret, "region '%s' (%" G_GUINT64_FORMAT " bytes, %u items, %"
-             G_GUINT64_FORMAT " used) has no free 2 MiB-aligned extent of %"
-             G_GUINT64_FORMAT " bytes", r->name, r->size, r->items->len,
-             hvm_region_used(r), q->size);
-    }
-    ret = save(c->b, msg, ml);
-    if (ret) {
-        hvm_region_free_item(r, q->item);
-        return ret;
-    }
-    item_reply(data, it);
-    return 0;
-}
-
-static int op_item_lookup(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
-                          size_t ml)
-{
-    HvmItem *it;
-    int ret;
-    HvmRegion *r = checked(c, q, 4, &ret, msg, ml);
-
-    if (!r) {
-        return ret;
-    }
-    it = hvm_region_find_item(r, q->item);
-    if (!it) {
-        FAIL(-ENOENT, "region '%s' has no item '%s'", r->name, q->item);
-    }
-    item_reply(data, it);
-    return 0;
-}
-
-static int op_free(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
-                   size_t ml)
-{
-    HvmItem *it, saved;
-    int ret;
-    HvmRegion *r = checked(c, q, 2, &ret, msg, ml);
-
-    if (!r) {
-        return ret;
-    }
-    it = hvm_region_find_item(r, q->item);
-    if (!it) {
-        FAIL(-ENOENT, "region '%s' has no item '%s'", r->name, q->item);
-    }
-    saved = *it;
-    saved.name = g_strdup(it->name);
-    hvm_region_free_item(r, q->item);
-    ret = save(c->b, msg, ml);
-    if (ret) {
-        /* The extent is still free: put the item back where it was. */
-        hvm_region_insert_item(r, saved.name, saved.offset, saved.size);
-    }
-    g_free(saved.name);
-    return ret;
-}
-
-static int op_chmod(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
-                    size_t ml)
-{
-    HvmRegionInfo ri;
-    uint32_t old;
-    int ret;
-    HvmRegion *r = checked(c, q, 0, &ret, msg, ml);
-
-    if (!r) {
-        return ret;
-    }
-    old = r->mode;
-    r->mode = q->mode;
-    ret = save(c->b, msg, ml);
-    if (ret) {
-        r->mode = old;
-        return ret;
-    }
-    region_info(r, &ri);
-    hvm_region_encode(data, &ri);
-    return 0;
-}
-
-static int op_stat(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
-                   size_t ml)
-{
-    Broker *b = c->b;
-    HvmRegionInfo ri;
-    HvmRegion *r;
-    int ret;
-
-    if (!q->name[0]) {
-        HvmPoolInfo pi = {
-            .capacity = b->capacity,
-            .quota = quota_of(b, c->cred.uid),
-            .nregions = g_hash_table_size(b->cat->regions),
-            .nconns = g_hash_table_size(b->conns),
-            .max_conns = b->max_conns,
-            .align = b->align,
-            .item_align = HVM_ITEM_ALIGN,
-        };
-
-        usage_of(b, c->cred.uid, &pi.used, &pi.caller_used);
-        hvm_pool_encode(data, &pi);
-        return 0;
-    }
-    r = checked(c, q, 4, &ret, msg, ml);
-    if (!r) {
-        return ret;
-    }
-    region_info(r, &ri);
-    hvm_region_encode(data, &ri);
-    for (guint i = 0; i < r->items->len; i++) {
-        item_reply(data, g_ptr_array_index(r->items, i));
-    }
-    return 0;
-}
-
-static int op_list(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
-                   size_t ml)
-{
-    GHashTableIter it;
-    gpointer v;
-    uint32_t n = 0;
-    size_t count_at = data->len;
-
-    hvm_put_u32(data, 0);
-    hvm_put_u32(data, 0);
-    g_hash_table_iter_init(&it, c->b->cat->regions);
-    while (g_hash_table_iter_next(&it, NULL, &v)) {
-        HvmRegionInfo ri;
-
-        if (!may(c, v, 4)) {
-            continue;
-        }
-        region_info(v, &ri);
-        hvm_region_encode(data, &ri);
-        n++;
-    }
-    data->data[count_at] = n;
-    data->data[count_at + 1] = n >> 8;
-    data->data[count_at + 2] = n >> 16;
-    data->data[count_at + 3] = n >> 24;
-    return 0;
-}
-
-static int op_map(Conn *c, HvmRequest *q, GByteArray *data, int *fd_out,
-                  char *msg, size_t ml)
-{
-    bool rw = q->flags & HVM_MAP_RW;
-    g_autofree char *path = NULL;
-    HvmRegionInfo ri;
-    int ret, fd;
-    HvmRegion *r = checked(c, q, rw ? 6 : 4, &ret, msg, ml);
-
-    if (!r) {
-        return ret;
-    }
-    if (rw && r->lease && r->lease != c) {
-        FAIL(-EBUSY, "region '%s' already has a read-write owner (pid %u); "
-             "map it read-only or wait until that process lets go",
-             r->name, r->lease_pid);
-    }
-    path = region_path(c->b, r->id);
-    /* A reader gets O_RDONLY: mmap(PROT_WRITE, MAP_SHARED) on it is EACCES. */
-    fd = open(path, (rw ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NOFOLLOW);
-    if (fd < 0) {
-        ret = -errno;
-        FAIL(ret, "cannot open %s: %s", path, g_strerror(-ret));
-    }
-    if (!g_hash_table_contains(c->attached, r)) {
-        g_hash_table_add(c->attached, r);
-        r->attached++;
-    }
-    if (rw && !r->lease) {
-        r->lease = c;
-        r->lease_pid = c->cred.pid;
-        g_message("region '%s': read-write lease to pid %d", r->name,
-                  c->cred.pid);
-    }
-    region_info(r, &ri);
-    hvm_region_encode(data, &ri);
-    *fd_out = fd;
-    return 0;
-}
-
-static int op_release(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
-                      size_t ml)
-{
-    int ret;
-    HvmRegion *r = checked(c, q, 4, &ret, msg, ml);
-
-    if (!r) {
-        return ret;
-    }
-    if (r->lease != c) {
-        FAIL(-ENOLCK, "this connection holds no read-write lease on '%s'",
-             r->name);
-    }
-    r->lease = NULL;
-    r->lease_pid = 0;
-    return 0;
-}
-
-static int dispatch(Conn *c, HvmRequest *q, GByteArray *data, int *fd_out,
-                    char *msg, size_t ml)
-{
-    switch (q->op) {
-    case HVM_OP_CREATE:
-        return op_create(c, q, data, msg, ml);
-    case HVM_OP_LOOKUP:
-        return op_lookup(c, q, data, msg, ml);
-    case HVM_OP_DESTROY:
-        return op_destroy(c, q, data, msg, ml);
-    case HVM_OP_RESIZE:
-        return op_resize(c, q, data, msg, ml);
-    case HVM_OP_ALLOC:
-        return op_alloc(c, q, data, msg, ml);
-    case HVM_OP_ITEM_LOOKUP:
-        return op_item_lookup(c, q, data, msg, ml);
-    case HVM_OP_FREE:
-        return op_free(c, q, data, msg, ml);
-    case HVM_OP_CHMOD:
-        return op_chmod(c, q, data, msg, ml);
-    case HVM_OP_STAT:
-        return op_stat(c, q, data, msg, ml);
-    case HVM_OP_LIST:
-        return op_list(c, q, data, msg, ml);
-    case HVM_OP_MAP:
-        return op_map(c, q, data, fd_out, msg, ml);
-    case HVM_OP_RELEASE:
-        return op_release(c, q, data, msg, ml);
-    default:
-        FAIL(-EOPNOTSUPP, "unknown op %u", q->op);
-    }
-}
 
 /* ---- connections ---- */
 
@@ -748,7 +123,7 @@ static void conn_close(Conn *c)
         g_assert(r->attached > 0);
         if (--r->attached == 0 && r->destroyed) {
             g_ptr_array_remove_fast(b->zombies, r);
-            region_release_file(b, r);
+            hvmd_region_release_file(b, r);
         }
     }
     g_hash_table_destroy(c->attached);
@@ -784,7 +159,7 @@ static bool conn_process(Conn *c)
         ret = hvm_request_decode(h.op, h.seq, c->buf + HVM_HDR_SIZE, h.length,
                                  &q, msg, sizeof(msg));
         if (!ret) {
-            ret = dispatch(c, &q, data, &fd, msg, sizeof(msg));
+            ret = hvmd_dispatch(c, &q, data, &fd, msg, sizeof(msg));
         }
         if (ret) {
             g_byte_array_set_size(data, 0);
@@ -947,7 +322,7 @@ static void reconcile(Broker *b, bool *dirty)
     g_hash_table_iter_init(&it, b->cat->regions);
     while (g_hash_table_iter_next(&it, NULL, &v)) {
         HvmRegion *r = v;
-        g_autofree char *path = region_path(b, r->id);
+        g_autofree char *path = hvmd_region_path(b, r->id);
         struct stat st;
 
         if (stat(path, &st) < 0) {
@@ -1114,14 +489,14 @@ static bool provision(Broker *b, const char *file, bool *dirty, GError **errp)
                             "%s: [%s]: unknown owner or group", file, g);
                 return false;
             }
-            size = round_up(size, b->align);
+            size = hvmd_round_up(size, b->align);
             r = g_hash_table_lookup(b->cat->regions, name);
             if (!r) {
                 g_autofree char *path = NULL;
                 int fd;
 
                 r = hvm_region_new(name, b->cat->next_id++, size, mode, uid, gid);
-                path = region_path(b, r->id);
+                path = hvmd_region_path(b, r->id);
                 fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
                 if (fd < 0 || ftruncate(fd, size) < 0) {
                     g_set_error(errp, G_IO_ERROR, g_io_error_from_errno(errno),
@@ -1136,7 +511,7 @@ static bool provision(Broker *b, const char *file, bool *dirty, GError **errp)
                           " bytes, mode %03o, uid %u", name, size, mode, uid);
             } else {
                 if (size > r->size) {
-                    g_autofree char *path = region_path(b, r->id);
+                    g_autofree char *path = hvmd_region_path(b, r->id);
 
                     if (truncate(path, size) < 0) {
                         g_set_error(errp, G_IO_ERROR, g_io_error_from_errno(errno),
@@ -1304,7 +679,7 @@ int main(int argc, char **argv)
     if (dirty) {
         char msg[HVM_MAX_MSG];
 
-        if (save(b, msg, sizeof(msg))) {
+        if (hvmd_save(b, msg, sizeof(msg))) {
             g_printerr("hvmemd: %s\n", msg);
             return 1;
         }

@@ -1,0 +1,77 @@
+/*
+ * hvmemd's internals shared by its two files: hvmemd.c (connections,
+ * start-up, main) and hvmemd-ops.c (what a request may do and does).
+ *
+ * Copyright (c) 2026 hybridvm contributors
+ *
+ * SPDX-License-Identifier: GPL-2.0-or-later
+ */
+#ifndef HVMEMD_H
+#define HVMEMD_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/socket.h>
+#include <glib.h>
+
+#include "catalog.h"
+#include "proto.h"
+
+
+#define HUGETLBFS_MAGIC_     0x958458f6
+#define MAX_GROUPS           256
+#define SEND_TIMEOUT_MS      1000    /* a client that does not read is dropped */
+
+typedef struct Broker {
+    char *pool_dir;
+    char *state_dir;
+    char *sock_path;
+    uint64_t capacity;
+    uint64_t quota;             /* per uid, 0 = none; [quota] overrides */
+    GHashTable *quotas;         /* uid -> uint64_t * */
+    unsigned max_conns;
+    unsigned request_timeout;   /* seconds a partial request may wait */
+    uint32_t align;
+    HvmCatalog *cat;
+    GPtrArray *zombies;         /* destroyed regions still attached */
+    GHashTable *conns;          /* Conn * set */
+    int listen_fd;
+    int reserve_fd;             /* closed to accept() when out of fds */
+    GMainLoop *loop;
+} Broker;
+
+typedef struct Conn {
+    Broker *b;
+    int fd;
+    guint watch;
+    struct ucred cred;
+    gid_t groups[MAX_GROUPS];
+    int ngroups;
+    uint8_t buf[HVM_HDR_SIZE + HVM_MAX_REQ_BODY];
+    size_t have;
+    gint64 partial_since;       /* monotonic us when c->buf became non-empty */
+    GHashTable *attached;       /* HvmRegion * this connection mapped */
+} Conn;
+
+/* The region's file in the pool (g_free() it). */
+char *hvmd_region_path(Broker *b, uint64_t id);
+
+static inline uint64_t hvmd_round_up(uint64_t v, uint64_t a)
+{
+    return (v + a - 1) / a * a;
+}
+
+/* Save the catalogue: 0, or a negative errno with @msg (and a warning). */
+int hvmd_save(Broker *b, char *msg, size_t ml);
+
+/* Free a region that is out of the catalogue and no longer attached. */
+void hvmd_region_release_file(Broker *b, HvmRegion *r);
+
+/*
+ * Carry out request @q of connection @c: 0 or a negative errno with @msg;
+ * reply records go to @data, a descriptor to pass back to *@fd_out.
+ */
+int hvmd_dispatch(Conn *c, HvmRequest *q, GByteArray *data, int *fd_out,
+                  char *msg, size_t ml);
+
+#endif
