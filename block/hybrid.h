@@ -399,8 +399,6 @@ hybrid_co_create_opts(BlockDriver *drv, const char *filename, QemuOpts *opts,
 extern BlockDriver bdrv_hybrid;
 void coroutine_fn hybrid_slot_lock(BDRVHybridState *s, HybridSlot *slot);
 void coroutine_fn hybrid_slot_unlock(BDRVHybridState *s, HybridSlot *slot);
-int hybrid_set_mode(BlockDriverState *bs, HybridMode mode, Error **errp);
-HybridInfo *hybrid_get_info(BlockDriverState *bs);
 
 /* hybrid-amend.c */
 int coroutine_fn GRAPH_RDLOCK
