@@ -21,6 +21,8 @@ METRICS = [
     ('load during: ops/s', 'Redis ops/s during the migration', ('>=', 1.0)),
     ('load before: ops/s', 'Redis ops/s before the migration', None),
     ('load during: p99 (ms)', 'Redis p99 during the migration', ('<=', 1.1)),
+    ('load lost: GETs', 'Redis GETs lost to the migration (rate before x its time, less those served)',
+     None),
     ('load after: ops/s', 'Redis ops/s in the 2 s after the migration', None),
     ('load after: p99 (ms)', 'Redis p99 in the 2 s after the migration', None),
     ('transferred (MiB)', 'bytes transferred', None),
