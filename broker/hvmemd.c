@@ -37,6 +37,9 @@
 
 #include "hvmemd.h"
 
+#define HUGETLBFS_MAGIC_     0x958458f6
+#define SEND_TIMEOUT_MS      1000    /* a client that does not read is dropped */
+
 static Broker broker;
 
 /* ---- connections ---- */

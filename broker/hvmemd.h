@@ -17,10 +17,7 @@
 #include "catalog.h"
 #include "proto.h"
 
-
-#define HUGETLBFS_MAGIC_     0x958458f6
 #define MAX_GROUPS           256
-#define SEND_TIMEOUT_MS      1000    /* a client that does not read is dropped */
 
 typedef struct Broker {
     char *pool_dir;
