@@ -70,6 +70,8 @@ Writes a Markdown table and PNG charts into --out (docs/bench by default) and
 the raw figures as JSON.  Only measured numbers go there.
 """
 import argparse
+import contextlib
+import ctypes
 import json
 import os
 import random
@@ -139,6 +141,24 @@ def guest_args(config, trace=None):
 
 
 Load = hvlib.RedisLoad
+
+
+@contextlib.contextmanager
+def thp_disabled(disable):
+    """While set, processes started by this one have transparent huge pages
+    off (PR_SET_THP_DISABLE is inherited across fork and exec); this
+    process gets them back afterwards."""
+    if not disable:
+        yield
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_thp_disable = 41
+    if libc.prctl(pr_set_thp_disable, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), 'prctl(PR_SET_THP_DISABLE)')
+    try:
+        yield
+    finally:
+        libc.prctl(pr_set_thp_disable, 0, 0, 0, 0)
 
 
 def load_data(g, args, module, lazy=False, zero_off=False, keep_tuning=False, no_list=False):
@@ -337,7 +357,9 @@ def run_config(config, args, logdir):
             pre = design_prepare(src, args)
             log(f'design: scan+delete {pre[0]:.1f} s, RSS freed {pre[1]} bytes, '
                 f'balloon {pre[2]:.1f} s')
-        dst = hvlib.Guest(f'{config}-dst', logdir, incoming='defer', **kw).launch()
+        dst = hvlib.Guest(f'{config}-dst', logdir, incoming='defer', **kw)
+        with thp_disabled(args.dest_thp == 'off'):
+            dst.launch()
         load = Load([src.redis_port, dst.redis_port], hot)
         load.thread.start()
         time.sleep(1.0)
@@ -590,6 +612,10 @@ def main():
     ap.add_argument('--trace', default=None, metavar='PATTERN',
                     help="QEMU trace events for every guest, e.g. 'app_assist_*' (timestamped, "
                          'in <logdir>/<config>-src.log)')
+    ap.add_argument('--dest-thp', choices=('on', 'off'), default='on',
+                    help='off: start every destination QEMU with transparent huge pages '
+                         'disabled for its process (prctl PR_SET_THP_DISABLE), to see what '
+                         'clearing fresh huge pages there costs the host during the migration')
     ap.add_argument('--report-only', default=None, metavar='JSON',
                     help='rewrite the table and charts from a previous app-assist.json')
     ap.add_argument('--reuse', default=None,
