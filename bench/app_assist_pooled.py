@@ -78,6 +78,43 @@ def analyse(runs, baseline):
     return labels, stats, ratios
 
 
+# Parts of the migration's window in its per-100 ms timeline: the first
+# bucket (set-up), the last three (the switch), what lies between.
+PHASES = ('first 100 ms', 'middle', 'last 300 ms', 'whole window')
+
+
+def phase_shares(run):
+    """GETs in each part of the migration's window as a share of the run's
+    own rate in the second before it, from its 'load timeline'; None if the
+    run has none or too short a window."""
+    tl = run.get('load timeline')
+    if not tl or 'failed' in run:
+        return None
+    buckets, i0 = tl['per_100ms'], int(round(-tl['start'] / 0.1))
+    n = int(round(tl['end'] / 0.1))
+    before = sum(buckets[:i0]) / (i0 * 0.1) if i0 else 0
+    seg = [10 * x / before for x in buckets[i0:i0 + n]] if before else []
+    if len(seg) < 5:
+        return None
+    return dict(zip(PHASES, (seg[0], sum(seg[1:-3]) / (len(seg) - 4),
+                             sum(seg[-3:]) / 3, sum(seg) / len(seg))))
+
+
+def phase_table(runs, labels):
+    lines = ['| config | runs | window (s) | ' + ' | '.join(PHASES) + ' |',
+             '|---|---:|---:|' + '---:|' * len(PHASES)]
+    for label in labels:
+        rows = [(r, phase_shares(r)) for r in runs if r.get('config') == label]
+        rows = [(r, sh) for r, sh in rows if sh]
+        if not rows:
+            continue
+        window = sum(r['load timeline']['end'] for r, _ in rows) / len(rows)
+        lines.append(f'| {label} | {len(rows)} | {window:.1f} | ' +
+                     ' | '.join(f'{sum(sh[p] for _, sh in rows) / len(rows):.2f}'
+                                for p in PHASES) + ' |')
+    return lines
+
+
 def fmt(x, nd=2):
     return 'n/a' if x is None or (isinstance(x, float) and math.isnan(x)) else f'{x:.{nd}f}'
 
@@ -123,6 +160,11 @@ def write_report(runs, args, out):
             cells.append('' if not r else
                          f'{r["ratio"]:.2f}x [{r["lo"]:.2f}, {r["hi"]:.2f}]')
         lines.append(f'| {label} | ' + ' | '.join(cells) + ' |')
+    lines += ['', '## Where in the window', '',
+              'GETs in each part of the migration as a share of the run\'s own rate in the '
+              'second before it (per-100 ms timeline; the first bucket holds the set-up, the '
+              'last three the switch), averaged over the runs.', '',
+              *phase_table(runs, labels)]
     lines += ['', '## Goals (issue 22)', '']
     for label, rs in ratios.items():
         if '@' in label:
