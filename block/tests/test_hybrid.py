@@ -1,6 +1,7 @@
 """Functional tests of the hybrid block format with qemu-img, qemu-io and
 qemu-storage-daemon (no guest).  Binaries come from $HYBRIDVM_BUILD/bin."""
 
+import functools
 import json
 import os
 import sys
@@ -43,10 +44,10 @@ class HybridTest(unittest.TestCase):
                                f'driver=hybrid,node-name=h0,file=f0{opts}',
                                system=True)
 
-    def hmp_io(self, qsd, node, cmd):
-        """qemu-io @cmd on @node through HMP (qsd started with system=True)."""
+    def hmp_io(self, qsd, cmd):
+        """qemu-io @cmd on h0 of an hmp_daemon() through HMP."""
         out = qsd.cmd('human-monitor-command', **{
-            'command-line': f'qemu-io {node} "{cmd}"'})
+            'command-line': f'qemu-io h0 "{cmd}"'})
         self.assertNotIn('failed', out)
 
     # ---- create / info / map / check / convert ----
@@ -306,9 +307,7 @@ class HybridTest(unittest.TestCase):
             f.write(b'\x08' * 4096 + b'\x07' * (60 * 1024))
         qsd = self.hmp_daemon(p)
         try:
-            def io(cmd):
-                self.hmp_io(qsd, 'h0', cmd)
-
+            io = functools.partial(self.hmp_io, qsd)
             self.assertTrue(qsd.wait_restored()[0]['restore-done'])
             io('write -P 7 0 64k')
             io('write -P 8 0 4k')
@@ -341,8 +340,7 @@ class HybridTest(unittest.TestCase):
                   '-c', 'write -P 10 12M 64k', p)
         qsd = self.hmp_daemon(p, ',promote-size=64k')
         try:
-            def io(cmd):
-                self.hmp_io(qsd, 'h0', cmd)
+            io = functools.partial(self.hmp_io, qsd)
             io('read -P 9 8M 64k')
             io('read -P 9 8M 64k')          # second read: promoted
             i = qsd.cmd('query-hybrid')[0]
