@@ -217,6 +217,8 @@ static void infoFunc(RedisModuleInfoCtx *ctx, int for_crash_report) {
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_page_frames", hm.mig.last_page_frames);
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_page_unlisted", hm.mig.last_page_unlisted);
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_page_list_us", hm.mig.last_page_us);
+    RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_page_slices", hm.mig.last_page_slices);
+    RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_page_slice_max_us", hm.mig.last_page_slice_max_us);
     RedisModule_InfoAddFieldCString(ctx, "last_prepare_release",
                                     hm.mig.last_release ? hm.mig.last_release : "none");
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_drop_thread_idle",

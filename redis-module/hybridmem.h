@@ -72,6 +72,9 @@
 /* The data of one APPASSIST.PAGES reply: QEMU takes at most 60 KiB
  * (AA_RESP_MAX_PAGE_DATA in migration/app-assist/resp.h). */
 #define HM_PAGES_CHUNK          (60 * 1024)
+/* The page list's scan per chunk asked (pagelist.h): the server's event
+ * loop waits for it, as for a command. */
+#define HM_PAGES_SLICE_US       2000
 #define HM_BUCKETS              256     /* see idleBucket */
 #define HM_SHARE_BINS           16      /* per bucket, by keyShare (see passEnd) */
 #define HM_SHARE_BIN_SHIFT      12      /* 65536 / HM_SHARE_BINS */
@@ -243,11 +246,12 @@ typedef struct HmMigration {            /* migrate.c */
      * not take the list in time. */
     struct UnmapJob *parked;
     PageList pages;
-    int pages_built, pages_served;
+    int pages_started, pages_served;
     RedisModuleTimerID park_timer;
     int park_timer_set;
     long long park_deadline_ms;
     long long last_page_runs, last_page_frames, last_page_unlisted, last_page_us;
+    long long last_page_slice_max_us, last_page_slices;
     const char *last_release;   /* how the last dropped arena went back */
 } HmMigration;
 

@@ -168,7 +168,7 @@ static void parkRelease(int clear, const char *why) {
     if (!job) return;
     hm.mig.parked = NULL;
     pageListFree(&hm.mig.pages);
-    hm.mig.pages_built = hm.mig.pages_served = 0;
+    hm.mig.pages_started = hm.mig.pages_served = 0;
     hm.mig.last_release = why;
     job->zero = clear;
     releaseLazily(job);
@@ -197,7 +197,7 @@ void hmPagesReply(const char *arg, size_t len, RespBuf *out) {
     static uint8_t chunk[HM_PAGES_CHUNK];
     char num[24];
     char *end;
-    unsigned long long cursor;
+    unsigned long long cursor, remaining;
     size_t runs, n;
     if (len == 3 && strncasecmp(arg, "end", 3) == 0) {
         /* No reply: the host is done asking. */
@@ -218,32 +218,43 @@ void hmPagesReply(const char *arg, size_t len, RespBuf *out) {
         respAddBulk(out, "", 0);
         return;
     }
-    if (!hm.mig.pages_built) {
+    if (!hm.mig.pages_started && cursor != 0) goto bad;
+    if (cursor > hm.mig.pages.n) goto bad;
+    hm.mig.pages_started = 1;
+    /* A slice of the scan per chunk (pagelist.h), and none while what was
+     * scanned already fills one; more slices only when nothing could be
+     * sent yet, as QEMU takes a chunk without runs for the end. */
+    for (int scanned = 0;;) {
+        PageList *pl = &hm.mig.pages;
         char err[160];
-        uint64_t t0 = hmNowUs();
-        if (cursor != 0) goto bad;
-        if (pageListBuild(&hm.mig.pages, hm.mig.parked->maps, hm.mig.parked->n, err, sizeof(err)) < 0) {
+        n = pageListEncode(pl, (size_t)cursor, chunk, sizeof(chunk), &runs);
+        if (pl->complete || cursor + runs < pageListClosed(pl) || (runs && scanned)) break;
+        if (pageListScan(pl, hm.mig.parked->maps, hm.mig.parked->n, HM_PAGES_SLICE_US,
+                         err, sizeof(err)) < 0) {
             RedisModule_Log(hm.dctx, "warning", "appassist: page list: %s", err);
             parkRelease(1, "cleared: the page list could not be read");
             respAddError(out, "ERR appassist: the page list could not be read");
             return;
         }
-        hm.mig.pages_built = 1;
-        hm.mig.last_page_us = (long long)(hmNowUs() - t0);
-        hm.mig.last_page_runs = (long long)hm.mig.pages.n;
-        hm.mig.last_page_frames = (long long)hm.mig.pages.frames;
-        hm.mig.last_page_unlisted = (long long)hm.mig.pages.unlisted;
+        scanned = 1;
+        hm.mig.last_page_us = (long long)pl->scan_us;
+        hm.mig.last_page_slice_max_us = (long long)pl->slice_max_us;
+        hm.mig.last_page_slices = (long long)pl->slices;
+        hm.mig.last_page_runs = (long long)pl->n;
+        hm.mig.last_page_frames = (long long)pl->frames;
+        hm.mig.last_page_unlisted = (long long)pl->unlisted;
     }
-    if (cursor > hm.mig.pages.n) goto bad;
-    n = pageListEncode(&hm.mig.pages, (size_t)cursor, chunk, sizeof(chunk), &runs);
-    if (cursor + runs == hm.mig.pages.n) {
+    if (hm.mig.pages.complete && cursor + runs == hm.mig.pages.n) {
         hm.mig.pages_served = 1;
         parkTimerStart(PARK_MAX_MS);
     } else {
         parkTimerStart(hm.mig.park_deadline_ms);
     }
+    /* Runs still to come: exact once the scan is complete, else at least
+     * the last run, which is not sent before then (the loop left it out). */
+    remaining = hm.mig.pages.n - cursor - runs;
     respAddArrayLen(out, 2);
-    respAddInt(out, (long long)(hm.mig.pages.n - cursor - runs));
+    respAddInt(out, (long long)remaining);
     respAddBulk(out, (const char *)chunk, n);
     return;
 bad:
@@ -297,7 +308,7 @@ void hmPrepareFields(RedisModuleCtx *ctx, Fields *fs, long long deadline_ms, int
     /* A drop still parked from a PREPARE that saw no RESUME or ABORT. */
     parkRelease(1, "cleared: a new PREPARE");
     hm.mig.last_page_runs = hm.mig.last_page_frames = hm.mig.last_page_unlisted = 0;
-    hm.mig.last_page_us = 0;
+    hm.mig.last_page_us = hm.mig.last_page_slice_max_us = hm.mig.last_page_slices = 0;
     hmPassAbandon();            /* demotion is paused */
     hmCompactAbandon();
     if (hm.state == ST_RESUMING) hm.state = ST_PREPARED;

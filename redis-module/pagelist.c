@@ -12,7 +12,7 @@
 #define PM_PRESENT      (1ULL << 63)
 #define PM_EXCLUSIVE    (1ULL << 56)
 #define PM_PFN_MASK     ((1ULL << 55) - 1)
-#define PM_BATCH        8192            /* entries per read: 64 KiB */
+#define PM_BATCH        1024            /* entries per read: 8 KiB */
 #define FRAME_SHIFT     12              /* the wire's 4 KiB frames */
 
 static long pageSize(void) {
@@ -74,47 +74,59 @@ static int addRun(PageList *pl, uint64_t first, uint64_t count) {
     return 0;
 }
 
-int pageListBuild(PageList *pl, const ArenaMapping *maps, size_t n, char *err, size_t errlen) {
+int pageListScan(PageList *pl, const ArenaMapping *maps, size_t n, uint64_t budget_us,
+                 char *err, size_t errlen) {
     uint64_t per = (uint64_t)pageSize() >> FRAME_SHIFT;     /* frames per page */
-    uint64_t *e = malloc(PM_BATCH * sizeof(*e));
-    int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
-    memset(pl, 0, sizeof(*pl));
-    if (!e || fd < 0) {
+    uint64_t t0 = arenaNowUs(), took;
+    uint64_t e[PM_BATCH];
+    int fd;
+    if (pl->complete) return 0;
+    fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
         snprintf(err, errlen, "cannot read /proc/self/pagemap: %s", strerror(errno));
-        goto fail;
+        return -1;
     }
-    for (size_t i = 0; i < n; i++) {
-        size_t pages = maps[i].len / (size_t)pageSize();
-        for (size_t done = 0; done < pages;) {
-            size_t batch = pages - done < PM_BATCH ? pages - done : PM_BATCH;
-            if (readEntries(fd, (char *)maps[i].addr + done * (size_t)pageSize(), batch, e) < 0) {
-                snprintf(err, errlen, "reading /proc/self/pagemap failed: %s", strerror(errno));
-                goto fail;
-            }
-            for (size_t j = 0; j < batch; j++) {
-                uint64_t pfn = e[j] & PM_PFN_MASK;
-                if (!(e[j] & PM_PRESENT)) continue;             /* nothing to send */
-                if (!pfn || !(e[j] & PM_EXCLUSIVE)) {
-                    pl->unlisted++;
-                    continue;
-                }
-                if (addRun(pl, pfn * per, per) < 0) {
-                    snprintf(err, errlen, "out of memory for the page list");
-                    goto fail;
-                }
-                pl->frames += per;
-            }
-            done += batch;
+    while (pl->map < n) {
+        size_t pages = maps[pl->map].len / (size_t)pageSize();
+        size_t batch = pages - pl->page < PM_BATCH ? pages - pl->page : PM_BATCH;
+        if (batch && readEntries(fd, (char *)maps[pl->map].addr + pl->page * (size_t)pageSize(),
+                                 batch, e) < 0) {
+            snprintf(err, errlen, "reading /proc/self/pagemap failed: %s", strerror(errno));
+            close(fd);
+            return -1;
         }
+        for (size_t j = 0; j < batch; j++) {
+            uint64_t pfn = e[j] & PM_PFN_MASK;
+            if (!(e[j] & PM_PRESENT)) continue;             /* nothing to send */
+            if (!pfn || !(e[j] & PM_EXCLUSIVE)) {
+                pl->unlisted++;
+                continue;
+            }
+            if (addRun(pl, pfn * per, per) < 0) {
+                snprintf(err, errlen, "out of memory for the page list");
+                close(fd);
+                return -1;
+            }
+            pl->frames += per;
+        }
+        pl->page += batch;
+        if (pl->page >= pages) {
+            pl->map++;
+            pl->page = 0;
+        }
+        if (budget_us && arenaNowUs() - t0 >= budget_us) break;
     }
-    free(e);
     close(fd);
+    pl->complete = pl->map >= n;
+    took = arenaNowUs() - t0;
+    pl->scan_us += took;
+    if (took > pl->slice_max_us) pl->slice_max_us = took;
+    pl->slices++;
     return 0;
-fail:
-    free(e);
-    if (fd >= 0) close(fd);
-    pageListFree(pl);
-    return -1;
+}
+
+size_t pageListClosed(const PageList *pl) {
+    return pl->complete || pl->n == 0 ? pl->n : pl->n - 1;
 }
 
 static size_t putVarint(uint8_t *out, uint64_t v) {
@@ -128,15 +140,15 @@ static size_t putVarint(uint8_t *out, uint64_t v) {
 
 size_t pageListEncode(const PageList *pl, size_t cursor, uint8_t *out, size_t cap, size_t *runs) {
     uint64_t prev_end = 0;
-    size_t len = 0, i;
-    for (i = cursor; i < pl->n && len + 20 <= cap; i++) {
+    size_t len = 0, i, closed = pageListClosed(pl);
+    for (i = cursor; i < closed && len + 20 <= cap; i++) {
         int64_t delta = (int64_t)(pl->runs[i].first - prev_end);
         uint64_t zz = ((uint64_t)delta << 1) ^ (uint64_t)(delta >> 63);
         len += putVarint(out + len, zz);
         len += putVarint(out + len, pl->runs[i].count - 1);
         prev_end = pl->runs[i].first + pl->runs[i].count;
     }
-    *runs = i - cursor;
+    *runs = i > cursor ? i - cursor : 0;
     return len;
 }
 

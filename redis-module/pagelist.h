@@ -10,6 +10,10 @@
  * The frames come from /proc/self/pagemap, which shows them only to a
  * process with CAP_SYS_ADMIN; only pages present and mapped by this process
  * alone are listed (after a fork a child may still read the others).
+ * Reading it takes a while for a large arena (~0.3 us a page under TCG,
+ * some 200 ms for 3 GiB), and it runs in the server's event loop: so the
+ * list is built a slice at a time, as the host asks for chunks, and the
+ * server serves its clients between two slices.
  *
  * Wire format (docs/app-assist.md, "Page lists"): runs of 4 KiB frames, each
  * two LEB128 varints, the zigzag distance from the end of the previous run in
@@ -32,17 +36,31 @@ typedef struct PageList {
     size_t n, cap;
     uint64_t frames;            /* listed */
     uint64_t unlisted;          /* present pages not listed (shared, no PFN) */
+    size_t map, page;           /* where the scan goes on: mapping, page in it */
+    int complete;               /* every mapping scanned */
+    uint64_t scan_us;           /* time spent scanning, in all */
+    uint64_t slice_max_us;      /* the longest slice */
+    uint64_t slices;
 } PageList;
 
 /* 1 if pagemap shows this process the frame of a resident page of the
  * mappings (CAP_SYS_ADMIN), 0 if not or nothing is resident. */
 int pageListAvailable(const ArenaMapping *maps, size_t n);
 
-/* List the frames of the mappings' pages. Returns 0, or -1 with 'err'. */
-int pageListBuild(PageList *pl, const ArenaMapping *maps, size_t n, char *err, size_t errlen);
+/* Go on listing the frames of the mappings' pages where the last call
+ * stopped (a zeroed PageList starts), until the scan is complete or
+ * 'budget_us' has passed (at least one batch of pages; 0: no limit). The
+ * mappings must stay the same and mapped between calls. Returns 0, or -1
+ * with 'err'. */
+int pageListScan(PageList *pl, const ArenaMapping *maps, size_t n, uint64_t budget_us,
+                 char *err, size_t errlen);
 
-/* Encode runs from 'cursor' into 'out' (at most 'cap' bytes); *runs gets how
- * many. Returns the bytes written. */
+/* The runs that may be sent: all of them once the scan is complete, else
+ * all but the last, which the next page scanned may still extend. */
+size_t pageListClosed(const PageList *pl);
+
+/* Encode closed runs from 'cursor' into 'out' (at most 'cap' bytes); *runs
+ * gets how many. Returns the bytes written. */
 size_t pageListEncode(const PageList *pl, size_t cursor, uint8_t *out, size_t cap, size_t *runs);
 
 void pageListFree(PageList *pl);

@@ -377,11 +377,14 @@ class AppAssistRedis(HybridVMTest):
         aa = src.qmp('query-migrate')['app-assist']
         r = src.redis()
         mod = r.info('appassist')
-        self.log.info('list: %s; module: runs %d frames %d unlisted %d in %d us', aa,
+        self.log.info('list: %s; module: runs %d frames %d unlisted %d in %d us, '
+                      '%d slices, the longest %d us', aa,
                       mod['appassist_last_prepare_page_runs'],
                       mod['appassist_last_prepare_page_frames'],
                       mod['appassist_last_prepare_page_unlisted'],
-                      mod['appassist_last_prepare_page_list_us'])
+                      mod['appassist_last_prepare_page_list_us'],
+                      mod['appassist_last_prepare_page_slices'],
+                      mod['appassist_last_prepare_page_slice_max_us'])
         self.assertEqual(mod['appassist_last_prepare_release'], 'parked')
         self.assertEqual(aa['dropped-pages'], mod['appassist_last_prepare_page_frames'])
         self.assertEqual(aa['rejected-pages'], 0)
