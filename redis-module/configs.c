@@ -16,6 +16,7 @@ static long long *numericConfig(const char *name) {
     if (!strcasecmp(name, "port-retry-ms")) return &hm.cfg.port_retry_ms;
     if (!strcasecmp(name, "compact-percent")) return &hm.cfg.compact_percent;
     if (!strcasecmp(name, "promote-window-ms")) return &hm.cfg.promote_window_ms;
+    if (!strcasecmp(name, "page-list-slice-us")) return &hm.cfg.page_list_slice_us;
     return NULL;
 }
 
@@ -115,6 +116,7 @@ int hmRegisterConfigs(RedisModuleCtx *ctx) {
         {"port-retry-ms", 200, 10, 3600000, 0},
         {"compact-percent", 10, 0, 100, 0},
         {"promote-window-ms", 1000, 0, 3600000, 0},
+        {"page-list-slice-us", 2000, 0, 1000000, 0},
     };
     for (size_t i = 0; i < sizeof(nums) / sizeof(nums[0]); i++)
         if (RedisModule_RegisterNumericConfig(ctx, nums[i].name, nums[i].def,

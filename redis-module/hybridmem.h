@@ -72,9 +72,6 @@
 /* The data of one APPASSIST.PAGES reply: QEMU takes at most 60 KiB
  * (AA_RESP_MAX_PAGE_DATA in migration/app-assist/resp.h). */
 #define HM_PAGES_CHUNK          (60 * 1024)
-/* The page list's scan per chunk asked (pagelist.h): the server's event
- * loop waits for it, as for a command. */
-#define HM_PAGES_SLICE_US       2000
 #define HM_BUCKETS              256     /* see idleBucket */
 #define HM_SHARE_BINS           16      /* per bucket, by keyShare (see passEnd) */
 #define HM_SHARE_BIN_SHIFT      12      /* 65536 / HM_SHARE_BINS */
@@ -121,6 +118,7 @@ typedef struct HmConfig {               /* configs.c */
     long long port_retry_ms;
     long long compact_percent;
     long long promote_window_ms; /* promote on the 2nd read within this; 0: on the 1st */
+    long long page_list_slice_us; /* pagemap read per PAGES chunk; 0: the whole list */
     int policy;
     int demote;                 /* appassist.demote yes|no */
     int lazy_drop;              /* appassist.lazy-drop auto|yes|no */

@@ -221,15 +221,17 @@ void hmPagesReply(const char *arg, size_t len, RespBuf *out) {
     if (!hm.mig.pages_started && cursor != 0) goto bad;
     if (cursor > hm.mig.pages.n) goto bad;
     hm.mig.pages_started = 1;
-    /* A slice of the scan per chunk (pagelist.h), and none while what was
-     * scanned already fills one; more slices only when nothing could be
-     * sent yet, as QEMU takes a chunk without runs for the end. */
+    /* A slice of the scan per chunk (pagelist.h; appassist.page-list-slice-us,
+     * the event loop waits for it as for a command), and none while what
+     * was scanned already fills one; more slices only when nothing could
+     * be sent yet, as QEMU takes a chunk without runs for the end. */
     for (int scanned = 0;;) {
         PageList *pl = &hm.mig.pages;
         char err[160];
         n = pageListEncode(pl, (size_t)cursor, chunk, sizeof(chunk), &runs);
         if (pl->complete || cursor + runs < pageListClosed(pl) || (runs && scanned)) break;
-        if (pageListScan(pl, hm.mig.parked->maps, hm.mig.parked->n, HM_PAGES_SLICE_US,
+        if (pageListScan(pl, hm.mig.parked->maps, hm.mig.parked->n,
+                         (uint64_t)hm.cfg.page_list_slice_us,
                          err, sizeof(err)) < 0) {
             RedisModule_Log(hm.dctx, "warning", "appassist: page list: %s", err);
             parkRelease(1, "cleared: the page list could not be read");

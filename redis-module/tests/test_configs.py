@@ -40,6 +40,7 @@ class ConfigTest(ServerTestCase):
         self.assertEqual(cfg['appassist.planned-memory'], '0')
         self.assertEqual(cfg['appassist.slice-us'], '250')
         self.assertEqual(cfg['appassist.interval-ms'], '3')
+        self.assertEqual(cfg['appassist.page-list-slice-us'], '2000')
         self.assertEqual(cfg['appassist.demote'], 'yes')
         self.assertTrue(cfg['appassist.spill-path'].endswith('spill'))
         c.config_set('appassist.hot-percent', 10)
@@ -55,6 +56,9 @@ class ConfigTest(ServerTestCase):
             c.config_set('appassist.on-prepare', 'explode')
         with self.assertRaises(redis.ResponseError):
             c.config_set('appassist.slice-us', 0)
+        for bad in (-1, 1000001):
+            with self.assertRaises(redis.ResponseError):
+                c.config_set('appassist.page-list-slice-us', bad)
         with self.assertRaises(redis.ResponseError):
             c.config_set('appassist.spill-path', '')
         self.assertEqual(c.config_get('appassist.on-prepare')['appassist.on-prepare'], 'spill')

@@ -43,15 +43,17 @@ def decode(data):
     return runs
 
 
-def take_list(ep):
+def take_list(ep, chunks=None):
     """The whole list, taken as QEMU does: cursor += the chunk's runs until
-    a chunk says none remain."""
+    a chunk says none remain. 'chunks' gets each chunk's run count."""
     runs, cursor = [], 0
     while True:
         remaining, data = ep.call('APPASSIST.PAGES', cursor)
         chunk = decode(data)
         if remaining:
             assert chunk, 'a chunk without runs before the end'
+        if chunks is not None:
+            chunks.append(len(chunk))
         runs += chunk
         cursor += len(chunk)
         if not remaining:
@@ -144,6 +146,39 @@ class PageListTest(ServerTestCase):
         self.assertEqual(info['appassist_last_prepare_release'], 'unmapped at RESUME')
         self.assertEqual(info['appassist_last_prepare_clear_us'], 0)
         self.assertLess(s.rss(), rss - ITEMS * 1000 // 2)
+        self.assertHealthy(s)
+
+    def test_list_in_slices(self):
+        """With appassist.page-list-slice-us 1 each chunk reads one batch of
+        pagemap (1024 pages) and goes with what is ready: the list comes in
+        many chunks, each with runs until the last, every frame one the
+        server maps, once; a cursor asked again gives the same runs from
+        there (the host may retry), as many as fit now."""
+        s, c, ep = self.start(**{'page-list-slice-us': 1})
+        for i in range(ITEMS, 4 * ITEMS):
+            c.set(f'k{i}', os.urandom(1000))
+        c.config_set('appassist.demote', 'yes')
+        self.wait_for(lambda: c.info('appassist')['appassist_cold_items'] == 4 * ITEMS,
+                      what='demotion')
+        c.config_set('appassist.demote', 'no')
+        self.assertEqual(asmap(ep.call('APPASSIST.PREPARE', 3000))[b'page_list'], 1)
+        mapped = arena_frames(s.proc.pid)
+        chunks = []
+        runs = take_list(ep, chunks)
+        again = decode(ep.call('APPASSIST.PAGES', 0)[1])
+        self.assertGreaterEqual(len(again), chunks[0])
+        self.assertEqual(again, runs[:len(again)])
+        info = c.info('appassist')
+        frames = [f + i for f, n in runs for i in range(n)]
+        self.assertEqual(len(runs), info['appassist_last_prepare_page_runs'])
+        self.assertEqual(len(frames), info['appassist_last_prepare_page_frames'])
+        self.assertEqual(len(set(frames)), len(frames), 'a frame listed twice')
+        self.assertFalse(set(frames) - mapped, 'listed frames the server does not map')
+        self.assertGreaterEqual(len(frames) * 4096, 4 * ITEMS * 1000)
+        self.assertGreater(len(chunks), len(frames) // 1024 // 2, chunks)
+        self.assertGreaterEqual(info['appassist_last_prepare_page_slices'], len(frames) // 1024)
+        ep.call('APPASSIST.ABORT')
+        self.assertEqual(self.release(c), 'cleared at ABORT')
         self.assertHealthy(s)
 
     def test_not_taken_is_cleared(self):
