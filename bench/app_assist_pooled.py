@@ -21,6 +21,8 @@ METRICS = [
     ('load during: ops/s', 'Redis ops/s during the migration', ('>=', 1.0)),
     ('load before: ops/s', 'Redis ops/s before the migration', None),
     ('load during: p99 (ms)', 'Redis p99 during the migration', ('<=', 1.1)),
+    # PREPARE and the page list run in the first half second
+    ('load first 0.5 s: max (ms)', "Redis's longest GET in the migration's first 0.5 s", None),
     # the rate before x the migration's time, less the GETs served
     ('load lost: GETs', 'Redis GETs lost to the migration', None),
     ('load after: ops/s', 'Redis ops/s in the 2 s after the migration', None),
