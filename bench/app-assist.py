@@ -26,8 +26,8 @@ Configurations (--configs, comma-separated):
   ours-wholelist
                 ours with appassist.page-list-slice-us 0: the module reads
                 its whole page list from pagemap at the first chunk QEMU
-                asks for, in Redis's event loop (how ours worked before
-                2026-11-27); ours reads a slice of 2 ms per chunk
+                asks for, in Redis's event loop (how ours worked until
+                2026-11-26 22:00 UTC); ours reads 2 ms of it per chunk
   ours-balloon  ours with appassist.zero-freed no: freed pages keep their
                 data, QEMU inflates the balloon over them and waits for it
                 (the balloon path; every configuration below runs with
