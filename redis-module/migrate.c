@@ -197,8 +197,11 @@ void hmPagesReply(const char *arg, size_t len, RespBuf *out) {
     static uint8_t chunk[HM_PAGES_CHUNK];
     char num[24];
     char *end;
-    unsigned long long cursor, remaining;
-    size_t runs, n;
+    char err[160];
+    unsigned long long cursor;
+    uint64_t remaining;
+    ssize_t len_out;
+    size_t runs;
     if (len == 3 && strncasecmp(arg, "end", 3) == 0) {
         /* No reply: the host is done asking. */
         if (hm.mig.parked && !hm.mig.pages_served)
@@ -221,43 +224,32 @@ void hmPagesReply(const char *arg, size_t len, RespBuf *out) {
     if (!hm.mig.pages_started && cursor != 0) goto bad;
     if (cursor > hm.mig.pages.n) goto bad;
     hm.mig.pages_started = 1;
-    /* A slice of the scan per chunk (pagelist.h; appassist.page-list-slice-us,
-     * the event loop waits for it as for a command), and none while what
-     * was scanned already fills one; more slices only when nothing could
-     * be sent yet, as QEMU takes a chunk without runs for the end. */
-    for (int scanned = 0;;) {
-        PageList *pl = &hm.mig.pages;
-        char err[160];
-        n = pageListEncode(pl, (size_t)cursor, chunk, sizeof(chunk), &runs);
-        if (pl->complete || cursor + runs < pageListClosed(pl) || (runs && scanned)) break;
-        if (pageListScan(pl, hm.mig.parked->maps, hm.mig.parked->n,
-                         (uint64_t)hm.cfg.page_list_slice_us,
-                         err, sizeof(err)) < 0) {
-            RedisModule_Log(hm.dctx, "warning", "appassist: page list: %s", err);
-            parkRelease(1, "cleared: the page list could not be read");
-            respAddError(out, "ERR appassist: the page list could not be read");
-            return;
-        }
-        scanned = 1;
-        hm.mig.last_page_us = (long long)pl->scan_us;
-        hm.mig.last_page_slice_max_us = (long long)pl->slice_max_us;
-        hm.mig.last_page_slices = (long long)pl->slices;
-        hm.mig.last_page_runs = (long long)pl->n;
-        hm.mig.last_page_frames = (long long)pl->frames;
-        hm.mig.last_page_unlisted = (long long)pl->unlisted;
+    /* A slice of pagemap per chunk (appassist.page-list-slice-us): the event
+     * loop waits for it as for a command. */
+    len_out = pageListChunk(&hm.mig.pages, hm.mig.parked->maps, hm.mig.parked->n, (size_t)cursor,
+                            (uint64_t)hm.cfg.page_list_slice_us, chunk, sizeof(chunk), &runs,
+                            &remaining, err, sizeof(err));
+    if (len_out < 0) {
+        RedisModule_Log(hm.dctx, "warning", "appassist: page list: %s", err);
+        parkRelease(1, "cleared: the page list could not be read");
+        respAddError(out, "ERR appassist: the page list could not be read");
+        return;
     }
-    if (hm.mig.pages.complete && cursor + runs == hm.mig.pages.n) {
+    hm.mig.last_page_us = (long long)hm.mig.pages.scan_us;
+    hm.mig.last_page_slice_max_us = (long long)hm.mig.pages.slice_max_us;
+    hm.mig.last_page_slices = (long long)hm.mig.pages.slices;
+    hm.mig.last_page_runs = (long long)hm.mig.pages.n;
+    hm.mig.last_page_frames = (long long)hm.mig.pages.frames;
+    hm.mig.last_page_unlisted = (long long)hm.mig.pages.unlisted;
+    if (remaining == 0) {          /* the whole list served */
         hm.mig.pages_served = 1;
         parkTimerStart(PARK_MAX_MS);
     } else {
         parkTimerStart(hm.mig.park_deadline_ms);
     }
-    /* Runs still to come: exact once the scan is complete, else at least
-     * the last run, which is not sent before then (the loop left it out). */
-    remaining = hm.mig.pages.n - cursor - runs;
     respAddArrayLen(out, 2);
     respAddInt(out, (long long)remaining);
-    respAddBulk(out, (const char *)chunk, n);
+    respAddBulk(out, (const char *)chunk, (size_t)len_out);
     return;
 bad:
     hm.port.errors++;

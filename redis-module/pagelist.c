@@ -125,7 +125,7 @@ int pageListScan(PageList *pl, const ArenaMapping *maps, size_t n, uint64_t budg
     return 0;
 }
 
-size_t pageListClosed(const PageList *pl) {
+static size_t pageListClosed(const PageList *pl) {
     return pl->complete || pl->n == 0 ? pl->n : pl->n - 1;
 }
 
@@ -138,7 +138,10 @@ static size_t putVarint(uint8_t *out, uint64_t v) {
     return n;
 }
 
-size_t pageListEncode(const PageList *pl, size_t cursor, uint8_t *out, size_t cap, size_t *runs) {
+/* Encode closed runs from 'cursor' into 'out' (at most 'cap' bytes); *runs
+ * gets how many. Returns the bytes written. */
+static size_t pageListEncode(const PageList *pl, size_t cursor, uint8_t *out, size_t cap,
+                             size_t *runs) {
     uint64_t prev_end = 0;
     size_t len = 0, i, closed = pageListClosed(pl);
     for (i = cursor; i < closed && len + 20 <= cap; i++) {
@@ -150,6 +153,19 @@ size_t pageListEncode(const PageList *pl, size_t cursor, uint8_t *out, size_t ca
     }
     *runs = i > cursor ? i - cursor : 0;
     return len;
+}
+
+ssize_t pageListChunk(PageList *pl, const ArenaMapping *maps, size_t n, size_t cursor,
+                      uint64_t budget_us, uint8_t *out, size_t cap, size_t *runs,
+                      uint64_t *remaining, char *err, size_t errlen) {
+    size_t len;
+    for (int scanned = 0;; scanned = 1) {
+        len = pageListEncode(pl, cursor, out, cap, runs);
+        if (pl->complete || cursor + *runs < pageListClosed(pl) || (*runs && scanned)) break;
+        if (pageListScan(pl, maps, n, budget_us, err, errlen) < 0) return -1;
+    }
+    *remaining = pl->n - cursor - *runs;
+    return (ssize_t)len;
 }
 
 void pageListFree(PageList *pl) {

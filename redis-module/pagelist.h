@@ -24,6 +24,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "arena.h"
 
@@ -55,13 +56,17 @@ int pageListAvailable(const ArenaMapping *maps, size_t n);
 int pageListScan(PageList *pl, const ArenaMapping *maps, size_t n, uint64_t budget_us,
                  char *err, size_t errlen);
 
-/* The runs that may be sent: all of them once the scan is complete, else
- * all but the last, which the next page scanned may still extend. */
-size_t pageListClosed(const PageList *pl);
-
-/* Encode closed runs from 'cursor' into 'out' (at most 'cap' bytes); *runs
- * gets how many. Returns the bytes written. */
-size_t pageListEncode(const PageList *pl, size_t cursor, uint8_t *out, size_t cap, size_t *runs);
+/* The chunk of the list from run 'cursor' (at most pl->n) for the host:
+ * at most 'cap' bytes of runs into 'out', *runs gets how many and
+ * *remaining how many are still to come (exact once the scan is complete,
+ * else at least 1: the last run is held back until the scan has passed it,
+ * so a run once sent never changes). Scans a slice of 'budget_us' first
+ * unless the runs ready fill the chunk, and more slices only while none
+ * could be sent (a chunk without runs ends the list). Returns the bytes
+ * written, or -1 with 'err'. */
+ssize_t pageListChunk(PageList *pl, const ArenaMapping *maps, size_t n, size_t cursor,
+                      uint64_t budget_us, uint8_t *out, size_t cap, size_t *runs,
+                      uint64_t *remaining, char *err, size_t errlen);
 
 void pageListFree(PageList *pl);
 

@@ -62,7 +62,7 @@ static uint64_t *framesOf(const PageRun *runs, size_t n, size_t *count) {
     return f;
 }
 
-/* Take the list as QEMU does (cursor += runs until remaining is 0), with
+/* Take the list as QEMU does (cursor += runs until none remain), with
  * chunks of 'cap' bytes and a scan budget of 'budget_us' per chunk. */
 static size_t takeList(const ArenaMapping *maps, PageRun *got, size_t cap, uint64_t budget_us,
                        PageList *pl) {
@@ -71,25 +71,26 @@ static size_t takeList(const ArenaMapping *maps, PageRun *got, size_t cap, uint6
     char err[160];
     memset(pl, 0, sizeof(*pl));
     for (int guard = 0; guard < 1000000; guard++) {
-        size_t runs, len = pageListEncode(pl, cursor, chunk, cap, &runs);
-        if (!pl->complete && cursor + runs >= pageListClosed(pl)) {
-            /* as hmPagesReply: scan a slice when the chunk is not full */
-            if (pageListScan(pl, maps, NMAPS, budget_us, err, sizeof(err)) < 0) {
-                fprintf(stderr, "%s\n", err);
-                failures++;
-                break;
-            }
-            len = pageListEncode(pl, cursor, chunk, cap, &runs);
+        size_t runs;
+        uint64_t remaining;
+        ssize_t len = pageListChunk(pl, maps, NMAPS, cursor, budget_us, chunk, cap, &runs,
+                                    &remaining, err, sizeof(err));
+        if (len < 0) {
+            fprintf(stderr, "%s\n", err);
+            failures++;
+            break;
         }
+        CHECK(runs > 0 || remaining == 0);     /* a chunk without runs ends the list */
         /* A sent run never changes: the list's runs so far are the same. */
-        decodeChunk(chunk, len, got, &n);
+        decodeChunk(chunk, (size_t)len, got, &n);
         for (size_t i = cursor; i < cursor + runs; i++)
             CHECK(got[i].first == pl->runs[i].first && got[i].count == pl->runs[i].count);
         cursor += runs;
-        if (pl->complete && cursor == pl->n) break;
+        CHECK(remaining == pl->n - cursor);
+        if (!remaining) break;
     }
     free(chunk);
-    CHECK(pl->complete);
+    CHECK(pl->complete && cursor == pl->n);
     for (size_t i = 0; i < n; i++)
         CHECK(got[i].first == pl->runs[i].first && got[i].count == pl->runs[i].count);
     return n;
