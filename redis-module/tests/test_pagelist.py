@@ -163,8 +163,17 @@ class PageListTest(ServerTestCase):
         c.config_set('appassist.demote', 'no')
         self.assertEqual(asmap(ep.call('APPASSIST.PREPARE', 3000))[b'page_list'], 1)
         mapped = arena_frames(s.proc.pid)
+        # A host cursor must start at 0, and may not run ahead of what was
+        # read so far: refused, nothing read for it.
+        self.assertIsInstance(ep.call('APPASSIST.PAGES', 5), Exception)
+        remaining, data = ep.call('APPASSIST.PAGES', 0)
+        self.assertGreater(remaining, 0)
+        read = c.info('appassist')['appassist_last_prepare_page_runs']
+        self.assertIsInstance(ep.call('APPASSIST.PAGES', read + 1), Exception)
+        self.assertEqual(c.info('appassist')['appassist_last_prepare_page_slices'], 1)
         chunks = []
         runs = take_list(ep, chunks)
+        self.assertEqual(decode(data), runs[:len(decode(data))])
         again = decode(ep.call('APPASSIST.PAGES', 0)[1])
         self.assertGreaterEqual(len(again), chunks[0])
         self.assertEqual(again, runs[:len(again)])

@@ -208,5 +208,29 @@ class PrepareAclTest(ServerTestCase):
         self.assertHealthy(s)
 
 
+class ConfigAclTest(ServerTestCase):
+
+    def test_page_list_slice_denied_without_dangerous(self):
+        """appassist.page-list-slice-us decides how long the host's page list
+        may hold the event loop: a user with +@all -@dangerous cannot change
+        it (CONFIG SET is @dangerous), nor set it out of range with rights."""
+        s = self.server(configs=aggressive())
+        c = s.client()
+        c.execute_command('ACL', 'SETUSER', 'limited', 'on', '>pw', '~*', '&*', '+@all', '-@dangerous')
+        lc = s.client(username='limited', password='pw')
+        for value in (0, 1000000):
+            with self.assertRaises(redis.exceptions.NoPermissionError):
+                lc.config_set('appassist.page-list-slice-us', value)
+        self.assertEqual(c.config_get('appassist.page-list-slice-us'),
+                         {'appassist.page-list-slice-us': '2000'})
+        for bad in (-1, 1000001, 'x'):
+            with self.assertRaises(redis.ResponseError):
+                c.config_set('appassist.page-list-slice-us', bad)
+        c.config_set('appassist.page-list-slice-us', 0)
+        self.assertEqual(c.config_get('appassist.page-list-slice-us'),
+                         {'appassist.page-list-slice-us': '0'})
+        self.assertHealthy(s)
+
+
 if __name__ == '__main__':
     unittest.main()
