@@ -178,10 +178,13 @@ class Arbiter:
                     probe_samples=pr['samples'], probe_error=self.probe.error,
                     pressure=max(stall) if stall else None)
 
-    def vms(self, now):
+    def vms(self, now, seqs):
+        """Each VM's rates since the sample used in its last period.  A
+        sample is used once; one that answers an earlier period's request
+        (it came after that period had decided) is marked late."""
         out = {}
         for name, link in self.links.items():
-            s = link.sample
+            s, seq = link.latest()
             prev = self.used.get(name)
             if s is None or now - s[0] > 3 * self.conf.period_ms / 1000:
                 continue                    # stale: unreachable or hung
@@ -198,6 +201,8 @@ class Arbiter:
             out[name] = dict(iops=ops / dt, bps=nbytes / dt,
                              bytes_per_op=nbytes / ops if ops else None, p99_ms=p99,
                              mean_ms=mean)
+            if seq != seqs[name]:
+                out[name]['late'] = True
         return out
 
     def adopt(self, name, link):
@@ -213,19 +218,18 @@ class Arbiter:
             self.log(dict(event='adopt', vm=name, limit=st.limit))
 
     def period(self):
-        for link in self.links.values():
-            link.request_sample()
-        # the links sample in parallel; give them a fraction of the period
+        seqs = {name: link.request_sample() for name, link in self.links.items()}
+        # the links sample in parallel; this period's samples are waited
+        # for (a VM that is not 'ok' is not) for a fraction of the period
         deadline = time.monotonic() + min(0.5, self.conf.period_ms / 2000)
-        while time.monotonic() < deadline and any(
-                link.sample_due and link.state == 'ok' for link in self.links.values()):
-            time.sleep(0.002)
+        for name, link in self.links.items():
+            link.wait_sample(seqs[name], deadline)
         for name, link in self.links.items():
             if link.adopt:
                 self.adopt(name, link)
         now = time.monotonic()
         cont = self.containers(now)
-        vm_in = self.vms(now)
+        vm_in = self.vms(now, seqs)
         before = {n: st.limit for n, st in self.states.items()}
         action, ratio, self.idle_count, notes = policy.decide(
             self.states, vm_in, cont, self.target_ms, self.conf.target_pressure,

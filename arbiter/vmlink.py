@@ -121,11 +121,15 @@ class VMLink(threading.Thread):
         self.conf = conf
         self.link = open_link(conf, timeout)
         self.log = log
+        # protects want and the sample with its sequence; sampled is
+        # notified when a sample comes in or the state leaves 'ok'
         self.lock = threading.Lock()
+        self.sampled = threading.Condition(self.lock)
         self.wake = threading.Event()
         self.stop_ev = threading.Event()
-        self.sample_due = False
-        self.sample = None          # (monotonic, ops, bytes, bins or None)
+        self.seq = 0                # the loop's last request for a sample
+        self.sample = None          # (monotonic, ops, bytes, bins or None, ns or None)
+        self.sample_seq = 0         # the request that sample answers
         self.want = None            # limits dict the loop wants
         self.applied = None
         self.state = 'connecting'
@@ -139,8 +143,30 @@ class VMLink(threading.Thread):
 
     # called by the control loop
     def request_sample(self):
-        self.sample_due = True
+        """Ask for a sample; returns the request's number, for
+        wait_sample() and latest()."""
+        with self.lock:
+            self.seq += 1
+            seq = self.seq
         self.wake.set()
+        return seq
+
+    def wait_sample(self, seq, deadline):
+        """Wait until the sample answering request seq is in, the link
+        leaves 'ok' or the monotonic deadline passes; True if it is in."""
+        with self.sampled:
+            while self.sample_seq < seq and self.state == 'ok':
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.sampled.wait(left)
+            return self.sample_seq >= seq
+
+    def latest(self):
+        """The last sample (None if none since the VM was attached) and
+        the number of the request it answers."""
+        with self.lock:
+            return self.sample, self.sample_seq
 
     def request_limits(self, limits):
         with self.lock:
@@ -178,7 +204,7 @@ class VMLink(threading.Thread):
         made again later (the disk may be plugged in meanwhile)."""
         if self.state != 'error':
             self.log(dict(event='vm-error', vm=self.conf.name, error=why))
-        self.state, self.error = 'error', why
+        self._set_state('error', why)
         if self.qdev is None:
             self.link.close()
             self.next_try = time.monotonic() + self.backoff
@@ -187,8 +213,7 @@ class VMLink(threading.Thread):
     def _failed(self, why):
         was = self.state
         self.link.close()
-        self.state = 'absent' if 'cannot connect' in why else 'unresponsive'
-        self.error = why
+        self._set_state('absent' if 'cannot connect' in why else 'unresponsive', why)
         self.next_try = time.monotonic() + self.backoff
         self.backoff = min(BACKOFF_MAX, self.backoff * 2)
         self.applied = None         # re-apply after reconnecting
@@ -202,10 +227,16 @@ class VMLink(threading.Thread):
             self.link.connect()
             self._attach()
             self.backoff = BACKOFF_MIN
-        if self.sample_due:
-            self.sample_due = False
+        with self.lock:
+            due = self.seq
+        if due != self.sample_seq:
+            # the request is answered once the figures are in, never before:
+            # the loop waits for them (the period's own, not the last one's)
             ops, nbytes, bins, lat_ns = self.link.sample(self.qdev)
-            self.sample = (time.monotonic(), ops, nbytes, bins, lat_ns)
+            with self.sampled:
+                self.sample = (time.monotonic(), ops, nbytes, bins, lat_ns)
+                self.sample_seq = due
+                self.sampled.notify_all()
         with self.lock:
             want = self.want
         if want is not None and want != self.applied:
@@ -214,7 +245,12 @@ class VMLink(threading.Thread):
         if self.state != 'ok':
             self.log(dict(event='vm-ok', vm=self.conf.name, qdev=self.qdev,
                           histogram=self.histogram))
-        self.state, self.error = 'ok', None
+        self._set_state('ok', None)
+
+    def _set_state(self, state, error):
+        with self.sampled:
+            self.state, self.error = state, error
+            self.sampled.notify_all()        # a loop waiting for a sample stops
 
     def _attach(self):
         """Find the disk and its limits.  On a re-attach the limits found
@@ -224,6 +260,7 @@ class VMLink(threading.Thread):
         qdev, cur, self.histogram = self.link.attach(self.log)
         self.attached_limits = cur
         self.adopt = True           # the loop takes these over (a re-attach)
-        self.sample = None
+        with self.lock:
+            self.sample = None
         self.qdev = qdev
         self.log(dict(event='attach', vm=self.conf.name, qdev=self.qdev, limits=cur))
