@@ -176,6 +176,7 @@ static void infoFunc(RedisModuleInfoCtx *ctx, int for_crash_report) {
     RedisModule_InfoAddFieldLongLong(ctx, "expired_promotions", hm.stats.expired_promotions);
     RedisModule_InfoAddFieldULongLong(ctx, "scan_log_items", hm.scan.n);
     RedisModule_InfoAddFieldLongLong(ctx, "scan_log_dropped", hm.scan.dropped);
+    RedisModule_InfoAddFieldLongLong(ctx, "scan_deletes_expired", hm.scan.deletes_expired);
     RedisModule_InfoAddFieldLongLong(ctx, "prepares", hm.mig.prepares);
     RedisModule_InfoAddFieldLongLong(ctx, "resumes", hm.mig.resumes);
     RedisModule_InfoAddFieldLongLong(ctx, "aborts", hm.mig.aborts);
@@ -344,6 +345,7 @@ int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
         createCommand(ctx, "appassist.unreadable", hmUnreadableCommand, "readonly fast",
                       "Refuses a command whose cold items could not be read (internal)", -1))
         return REDISMODULE_ERR;
+    hm.scan.deletes_expired = hmScanMarkCommand(ctx, "appassist.scan", hmScanCommand);
     /* Test helpers: only with appassist.enable-debug-commands yes. */
     if (hm.cfg.debug_commands &&
         (createCommand(ctx, "appassist.demote", hmDemoteCommand, "admin",

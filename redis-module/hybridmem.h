@@ -216,6 +216,7 @@ typedef struct HmScanLog {              /* keyspace.c: keys promoted while SCANs
     int sorted;                 /* by pos, since the last append */
     uint64_t seen_us;           /* last SCAN call on db 0; 0: none within the grace */
     long long dropped;
+    int deletes_expired;        /* appassist.scan deletes expired keys (hmScanMarkCommand) */
 } HmScanLog;
 
 typedef struct HmStats {                /* promote.c, filter.c */
@@ -389,6 +390,7 @@ int hmKeysCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
 int hmDbsizeCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
 int hmScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
 int hmIsColdCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
+int hmScanMarkCommand(RedisModuleCtx *ctx, const char *name, RedisModuleCmdFunc fn);
 int hmUnreadableCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
 void hmScanLogClear(void);
 int hmScanRecent(void);

@@ -184,6 +184,53 @@ int hmDbsizeCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     return RedisModule_ReplyWithLongLong(ctx, n);
 }
 
+/* The start of Redis 7.0's struct redisCommand (server.h), up to its
+ * flags, and module.c's struct RedisModuleCommand, which
+ * RedisModule_GetCommand returns. */
+struct hm_redisCommand70 {
+    const char *declared_name, *summary, *complexity, *since;
+    int doc_flags;
+    const char *replaced_by, *deprecated_since;
+    int group;
+    void *history;
+    const char **tips;
+    void *proc;
+    int arity;
+    uint64_t flags;
+};
+struct hm_moduleCommand70 {
+    void *module;
+    RedisModuleCmdFunc func;
+    struct hm_redisCommand70 *rediscmd;
+};
+#define HM_CMD_READONLY         (1ULL << 1)
+#define HM_CMD_MODULE           (1ULL << 3)
+#define HM_CMD_TOUCHES_ARBITRARY_KEYS (1ULL << 28)
+
+/* Give appassist.scan the flag stock SCAN has, CMD_TOUCHES_ARBITRARY_KEYS
+ * ("may touch and lazy-expire arbitrary keys"): what a command deletes is
+ * then propagated as it comes, one plain DEL per expired key, as stock SCAN
+ * does; without it, Redis wraps two or more in MULTI/EXEC. The module API
+ * has no string flag for it (7.0's commandFlagsFromString), so it is set
+ * in the server's command table, after checking that what is there is the
+ * command just registered ('fn', arity -1, readonly) laid out as in 7.0
+ * (OnLoad refuses other series). If the check fails, SCAN leaves expired
+ * keys to the active expire cycle, as before issue 35: logged, and INFO's
+ * scan_deletes_expired says 0. Returns 1 if set. */
+int hmScanMarkCommand(RedisModuleCtx *ctx, const char *name, RedisModuleCmdFunc fn) {
+    struct hm_moduleCommand70 *mc = (struct hm_moduleCommand70 *)RedisModule_GetCommand(ctx, name);
+    struct hm_redisCommand70 *rc = mc ? mc->rediscmd : NULL;
+    uint64_t want = HM_CMD_MODULE | HM_CMD_READONLY;
+    if (!rc || mc->func != fn || !rc->declared_name || strcmp(rc->declared_name, name) != 0 ||
+        rc->arity != -1 || (rc->flags & want) != want || rc->flags >> 28) {
+        RedisModule_Log(ctx, "warning", "appassist: %s is not laid out as in Redis 7.0; SCAN "
+                        "leaves the expired keys it meets to the active expire cycle", name);
+        return 0;
+    }
+    rc->flags |= HM_CMD_TOUCHES_ARBITRARY_KEYS;
+    return 1;
+}
+
 /* A SCAN goes through the keyspace, then the arena (hmScanCommand). A cold
  * key promoted meanwhile leaves the arena for the keyspace, maybe for a
  * bucket the keyspace cursor has passed: neither phase would return it,
@@ -237,12 +284,15 @@ static int scanLogCmp(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
+static const char *keyTypeName(int t);
+
 /* Reply with the logged keys of arena cursors [from, to) (to 0: to the
- * end) that match and are still in the keyspace. Returns how many. The log
- * is sorted by position when a call needs it after appends, so that a call
- * costs its own range, not the whole log (SCAN's COUNT is 10 by default). */
+ * end) that match and are still in the keyspace, of type 'type' if not
+ * NULL. Returns how many. The log is sorted by position when a call needs
+ * it after appends, so that a call costs its own range, not the whole log
+ * (SCAN's COUNT is 10 by default). */
 static long scanLogReply(RedisModuleCtx *ctx, uint64_t from, uint64_t to, const MatchCtx *m,
-                         int strings_only) {
+                         const char *type, size_t typelen) {
     if (!hm.scan.sorted) {
         qsort(hm.scan.log, hm.scan.n, sizeof(*hm.scan.log), scanLogCmp);
         hm.scan.sorted = 1;
@@ -263,10 +313,11 @@ static long scanLogReply(RedisModuleCtx *ctx, uint64_t from, uint64_t to, const 
         /* write mode: no keyspace hit or miss counted, as in openIfAbsent */
         RedisModuleKey *kh = RedisModule_OpenKey(hm.dctx, e->key, REDISMODULE_WRITE |
                                                                    REDISMODULE_OPEN_KEY_NOTOUCH);
-        int type = RedisModule_KeyType(kh);
+        int kt = RedisModule_KeyType(kh);
         RedisModule_CloseKey(kh);
-        if (type == REDISMODULE_KEYTYPE_EMPTY ||
-            (strings_only && type != REDISMODULE_KEYTYPE_STRING))
+        const char *t = keyTypeName(kt);
+        if (kt == REDISMODULE_KEYTYPE_EMPTY ||
+            (type && (!t || strlen(t) != typelen || strncasecmp(t, type, typelen) != 0)))
             continue;
         RedisModule_ReplyWithString(ctx, e->key);
         n++;
@@ -306,21 +357,22 @@ static int parseScanOpts(RedisModuleCtx *ctx, RedisModuleString **argv, int argc
 /* What the keyspace phase's walk keeps of the keys dictScan hands it. */
 typedef struct KeyspaceWalk {
     const ScanOpts *o;
-    long long now;
     size_t seen;                /* keys met: SCAN's COUNT counts them all */
-    KeyList keep;               /* keys to reply with */
-    KeyList typecheck;          /* module-type keys whose type name TYPE asks */
+    KeyList keys;               /* keys that matched MATCH, in the walk's order */
+    long long *expires;         /* their absolute expires (by index in keys) */
+    size_t expcap;
 } KeyspaceWalk;
 
 static const char *keyTypeName(int t) {
     switch (t) {
+    case REDISMODULE_KEYTYPE_EMPTY: return "none";
     case REDISMODULE_KEYTYPE_STRING: return "string";
     case REDISMODULE_KEYTYPE_LIST: return "list";
     case REDISMODULE_KEYTYPE_HASH: return "hash";
     case REDISMODULE_KEYTYPE_SET: return "set";
     case REDISMODULE_KEYTYPE_ZSET: return "zset";
     case REDISMODULE_KEYTYPE_STREAM: return "stream";
-    default: return NULL;       /* a module's type: asked with TYPE later */
+    default: return NULL;       /* a module's type: asked with TYPE */
     }
 }
 
@@ -334,32 +386,68 @@ static void keyspaceWalkCb(RedisModuleCtx *ctx, RedisModuleString *name, RedisMo
     if (o->pat && !(o->patlen == 1 && o->pat[0] == '*') &&
         !stringmatchlen(o->pat, (int)o->patlen, k, (int)kl, 0))
         return;
-    mstime_t when = RedisModule_GetAbsExpire(kh);
-    if (when != REDISMODULE_NO_EXPIRE && w->now > when) return;    /* keyIsExpired */
-    KeyList *to = &w->keep;
-    if (o->type) {
-        const char *t = keyTypeName(RedisModule_KeyType(kh));
-        if (!t) to = &w->typecheck;
-        else if (strlen(t) != o->typelen || strncasecmp(t, o->type, o->typelen) != 0) return;
+    if (w->keys.n == w->expcap) {
+        w->expcap = w->expcap ? w->expcap * 2 : 16;
+        w->expires = RedisModule_Realloc(w->expires, w->expcap * sizeof(*w->expires));
     }
+    w->expires[w->keys.n] = RedisModule_GetAbsExpire(kh);
     RedisModule_RetainString(ctx, name);
-    hmKeyListPush(to, name);
+    hmKeyListPush(&w->keys, name);
+}
+
+/* 1 if SCAN may delete the expired keys it meets, as stock SCAN does: this
+ * server is a master (a replica only hides them, its master sends the
+ * DELs) and appassist.scan propagates them as plain DELs (hmScanMarkCommand). */
+static int scanDeletes(RedisModuleCtx *ctx) {
+    return hm.scan.deletes_expired && !(RedisModule_GetContextFlags(ctx) & REDISMODULE_CTX_FLAGS_SLAVE);
+}
+
+/* 1 if 'type' (TYPE's argument) names the type of 'key', looked up as stock
+ * SCAN looks it up: a read lookup that counts a keyspace hit or miss and,
+ * on a master, deletes the key if it has expired (its type is then
+ * "none"). *gone: the key is not there (any more). */
+static int typeMatches(RedisModuleCtx *ctx, RedisModuleString *key, const ScanOpts *o, int *gone) {
+    RedisModuleKey *kh = RedisModule_OpenKey(ctx, key, REDISMODULE_READ | REDISMODULE_OPEN_KEY_NOTOUCH);
+    int kt = RedisModule_KeyType(kh);
+    if (kh) RedisModule_CloseKey(kh);
+    *gone = kt == REDISMODULE_KEYTYPE_EMPTY;
+    const char *t = keyTypeName(kt);
+    if (t) return strlen(t) == o->typelen && strncasecmp(t, o->type, o->typelen) == 0;
+    RedisModuleCallReply *r = RedisModule_Call(ctx, "TYPE", "s", key);
+    size_t tl = 0;
+    const char *rt = r ? RedisModule_CallReplyStringPtr(r, &tl) : NULL;
+    int same = rt && tl == o->typelen && strncasecmp(rt, o->type, tl) == 0;
+    if (r) RedisModule_FreeCallReply(r);
+    return same;
+}
+
+/* 1 if the hot key 'key' (absolute expire 'when') is past its expire.
+ * Where SCAN deletes (scanDeletes) the key is opened for writing, which
+ * makes Redis expire it as stock SCAN's expireIfNeeded does: deleted, the
+ * "expired" event, expired_keys, a DEL to replicas and the AOF. Redis
+ * decides by its own clock; 'now' only spares the lookup of keys that
+ * cannot have expired. */
+static int hotExpired(RedisModuleCtx *ctx, RedisModuleString *key, mstime_t when, long long now,
+                      int deletes) {
+    if (when == REDISMODULE_NO_EXPIRE || now < when) return 0;
+    if (!deletes) return now > when;
+    RedisModuleKey *kh = RedisModule_OpenKey(ctx, key, REDISMODULE_WRITE | REDISMODULE_OPEN_KEY_NOTOUCH);
+    int gone = RedisModule_KeyType(kh) == REDISMODULE_KEYTYPE_EMPTY;
+    RedisModule_CloseKey(kh);
+    return gone;
 }
 
 /* The keyspace phase: the walk stock SCAN makes, the same dictScan steps
  * over the client's DB (COUNT keys, at most ten times COUNT buckets),
- * MATCH and TYPE, through RedisModule_Scan. Unlike stock SCAN it leaves an
- * expired key it meets to the active expire cycle instead of deleting it:
- * a deletion inside a module command reaches replicas and the AOF wrapped
- * in MULTI/EXEC with the others of the call, where stock Redis sends plain
- * DELs (SCAN's core flag "touches arbitrary keys" is not open to module
- * commands). Redis 7.0's RedisModuleScanCursor starts with the dictScan
- * cursor (module.c), which lets the walk start at the client's. */
+ * through RedisModule_Scan, then its filters in its order: MATCH, TYPE
+ * (a read lookup), expired keys (deleted, on a master: see hotExpired).
+ * Redis 7.0's RedisModuleScanCursor starts with the dictScan cursor
+ * (module.c), which lets the walk start at the client's. */
 static int scanKeyspace(RedisModuleCtx *ctx, RedisModuleString **argv, int argc,
                         unsigned long cursor) {
     ScanOpts o;
     if (parseScanOpts(ctx, argv, argc, &o) < 0) return REDISMODULE_OK;
-    KeyspaceWalk w = {.o = &o, .now = RedisModule_Milliseconds()};
+    KeyspaceWalk w = {.o = &o};
     RedisModuleScanCursor *sc = RedisModule_ScanCursorCreate();
     memcpy(sc, &cursor, sizeof(cursor));
     long long maxiterations = o.count * 10;
@@ -370,17 +458,21 @@ static int scanKeyspace(RedisModuleCtx *ctx, RedisModuleString **argv, int argc,
     unsigned long next = 0;
     if (more) memcpy(&next, sc, sizeof(next));
     RedisModule_ScanCursorDestroy(sc);
-    for (size_t i = 0; i < w.typecheck.n; i++) {
-        RedisModuleCallReply *r = RedisModule_Call(ctx, "TYPE", "s", w.typecheck.v[i]);
-        size_t tl = 0;
-        const char *t = r ? RedisModule_CallReplyStringPtr(r, &tl) : NULL;
-        if (t && tl == o.typelen && strncasecmp(t, o.type, tl) == 0) {
-            RedisModule_RetainString(ctx, w.typecheck.v[i]);
-            hmKeyListPush(&w.keep, w.typecheck.v[i]);
-        }
-        if (r) RedisModule_FreeCallReply(r);
+    long long now = RedisModule_Milliseconds();
+    int deletes = scanDeletes(ctx);
+    KeyList keep = {0};
+    for (size_t i = 0; i < w.keys.n; i++) {
+        RedisModuleString *key = w.keys.v[i];
+        int gone = 0;
+        if (o.type && !typeMatches(ctx, key, &o, &gone)) continue;
+        /* A key the type lookup deleted matches TYPE none, and stock SCAN
+         * then finds nothing left to expire: it returns the name. */
+        if (!(gone && deletes) && hotExpired(ctx, key, w.expires[i], now, deletes)) continue;
+        RedisModule_RetainString(ctx, key);
+        hmKeyListPush(&keep, key);
     }
-    keyListFree(&w.typecheck);
+    keyListFree(&w.keys);
+    RedisModule_Free(w.expires);
     RedisModule_ReplyWithArray(ctx, 2);
     char buf[32];
     int bl;
@@ -389,10 +481,38 @@ static int scanKeyspace(RedisModuleCtx *ctx, RedisModuleString **argv, int argc,
     else
         bl = snprintf(buf, sizeof(buf), "%lu", next);
     RedisModule_ReplyWithStringBuffer(ctx, buf, (size_t)bl);
-    RedisModule_ReplyWithArray(ctx, (long)w.keep.n);
-    for (size_t i = 0; i < w.keep.n; i++) RedisModule_ReplyWithString(ctx, w.keep.v[i]);
-    keyListFree(&w.keep);
+    RedisModule_ReplyWithArray(ctx, (long)keep.n);
+    for (size_t i = 0; i < keep.n; i++) RedisModule_ReplyWithString(ctx, keep.v[i]);
+    keyListFree(&keep);
     return REDISMODULE_OK;
+}
+
+/* 1 if the arena phase keeps cold key 'key' (it matched MATCH): a live
+ * item of a type TYPE allows. An expired one is, where SCAN deletes
+ * (scanDeletes), brought into the keyspace and looked up as stock SCAN
+ * looks an expired key up (TYPE's read lookup, or expireIfNeeded through a
+ * write lookup), so Redis deletes it with the stock event, statistics and
+ * DEL; Redis's clock decides, so a key it does not find expired yet stays,
+ * now hot, and is returned. */
+static int coldKept(RedisModuleCtx *ctx, RedisModuleString *key, const ScanOpts *o, long long now,
+                    int deletes) {
+    size_t kl;
+    const char *k = RedisModule_StringPtrLen(key, &kl);
+    ColdRef ref;
+    ColdItem it;
+    if (arenaLookup(hm.arena, k, kl, &ref) != 1 || arenaRead(hm.arena, ref, &it) < 0) return 0;
+    int expired = it.expire != ARENA_NO_EXPIRE && it.expire <= now;
+    arenaItemRelease(&it);
+    int gone = 0;
+    if (expired) {
+        if (!deletes || hmPromoteKey(key, 0) != 1) return 0;
+        if (o->type) {
+            if (!typeMatches(ctx, key, o, &gone)) return 0;
+            return gone || !hotExpired(ctx, key, 0, now, 1);
+        }
+        return !hotExpired(ctx, key, 0, now, 1);
+    }
+    return !o->type || (o->typelen == 6 && strncasecmp(o->type, "string", 6) == 0);
 }
 
 /* SCAN cursor [MATCH p] [COUNT n] [TYPE t]. Two phases: the keyspace, as
@@ -429,26 +549,27 @@ int hmScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     /* Arena phase. */
     ScanOpts so;
     if (parseScanOpts(ctx, argv, argc, &so) < 0) return REDISMODULE_OK;
-    long long count = so.count;
-    const char *pat = so.pat, *type = so.type;
-    size_t patlen = so.patlen, typelen = so.typelen;
-    MatchCtx m = {ctx, pat, patlen, pat == NULL || (patlen == 1 && pat[0] == '*'), hmNowMs(), 0, NULL};
-    int type_ok = type == NULL || hmCmdIs(type, typelen, "string");
+    MatchCtx m = {ctx, so.pat, so.patlen, so.pat == NULL || (so.patlen == 1 && so.pat[0] == '*'),
+                  hmNowMs(), 0, NULL};
+    int deletes = scanDeletes(ctx);
+    int strings = so.type == NULL || hmCmdIs(so.type, so.typelen, "string") ||
+                  hmCmdIs(so.type, so.typelen, "none");
     uint64_t acur = cursor & ~HM_SCAN_PHASE_BIT;
-    if (!type_ok) {
-        /* no cold item can match: finish the iteration */
+    if (!strings && !(deletes && arenaExpiring(hm.arena))) {
+        /* no cold item can match, nor has one to be deleted: finish the
+         * iteration (logged keys of that type included) */
         RedisModule_ReplyWithArray(ctx, 2);
         RedisModule_ReplyWithSimpleString(ctx, "0");
-        RedisModule_ReplyWithArray(ctx, 0);
+        RedisModule_ReplyWithArray(ctx, REDISMODULE_POSTPONED_LEN);
+        RedisModule_ReplySetArrayLength(ctx, scanLogReply(ctx, acur, 0, &m, so.type, so.typelen));
         return REDISMODULE_OK;
     }
     /* The reply's cursor comes first: collect keys, then reply. */
     KeyList l = {0};
-    uint64_t next = arenaIterate(hm.arena, acur, (unsigned)(count > 100000 ? 100000 : count),
+    uint64_t next = arenaIterate(hm.arena, acur, (unsigned)(so.count > 100000 ? 100000 : so.count),
                                  hmCollectCb, &l);
     if (next == UINT64_MAX) {
-        for (size_t i = 0; i < l.n; i++) RedisModule_FreeString(hm.dctx, l.v[i]);
-        RedisModule_Free(l.v);
+        keyListFree(&l);
         return replyReadError(ctx);
     }
     RedisModule_ReplyWithArray(ctx, 2);
@@ -461,23 +582,14 @@ int hmScanCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     for (size_t i = 0; i < l.n; i++) {
         size_t kl;
         const char *k = RedisModule_StringPtrLen(l.v[i], &kl);
-        ColdRef ref;
-        int keep = m.all || stringmatchlen(pat, (int)patlen, k, (int)kl, 0);
-        if (keep && arenaLookup(hm.arena, k, kl, &ref) == 1) {
-            ColdItem it;
-            if (arenaRead(hm.arena, ref, &it) == 0) {
-                if (it.expire != ARENA_NO_EXPIRE && it.expire <= m.now) keep = 0;
-                arenaItemRelease(&it);
-            }
-        }
-        if (keep) {
+        if ((m.all || stringmatchlen(m.pat, (int)m.patlen, k, (int)kl, 0)) &&
+            coldKept(ctx, l.v[i], &so, m.now, deletes)) {
             RedisModule_ReplyWithString(ctx, l.v[i]);
             n++;
         }
-        RedisModule_FreeString(hm.dctx, l.v[i]);
     }
-    RedisModule_Free(l.v);
-    n += scanLogReply(ctx, acur, next, &m, type != NULL);
+    keyListFree(&l);
+    n += scanLogReply(ctx, acur, next, &m, so.type, so.typelen);
     RedisModule_ReplySetArrayLength(ctx, n);
     return REDISMODULE_OK;
 }

@@ -6,6 +6,7 @@ import io
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -170,6 +171,74 @@ class ServerTestCase(unittest.TestCase):
     @staticmethod
     def info(client):
         return client.info('appassist')
+
+
+class ReplicaStream:
+    """What a master sends its replicas, read as a replica does: a raw
+    connection that sends SYNC, skips the RDB of the full sync, then parses
+    the command stream (RESP arrays). The server must sync from disk
+    (repl-diskless-sync no): a plain SYNC announces no EOF capability."""
+
+    def __init__(self, srv, timeout=30.0):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(srv.sock)
+        self.buf = b''
+        self.sock.sendall(b'SYNC\r\n')
+        while True:                     # newlines keep the link alive meanwhile
+            line = self._line()
+            if line:
+                break
+        if not line.startswith(b'$'):
+            raise RuntimeError('SYNC: unexpected reply %r' % line[:80])
+        self._take(int(line[1:]))      # the RDB, not followed by CRLF
+
+    def close(self):
+        self.sock.close()
+
+    def _fill(self):
+        data = self.sock.recv(65536)
+        if not data:
+            raise ConnectionError('the master closed the replication link')
+        self.buf += data
+
+    def _line(self):
+        while b'\r\n' not in self.buf and not self.buf.startswith(b'\n'):
+            self._fill()
+        if self.buf.startswith(b'\n'):
+            self.buf = self.buf[1:]
+            return b''
+        line, self.buf = self.buf.split(b'\r\n', 1)
+        return line
+
+    def _take(self, n):
+        while len(self.buf) < n:
+            self._fill()
+        data, self.buf = self.buf[:n], self.buf[n:]
+        return data
+
+    def command(self):
+        """The next command of the stream: a tuple, its name lowercased."""
+        line = self._line()
+        if not line.startswith(b'*'):
+            raise RuntimeError('replication stream: unexpected %r' % line[:80])
+        args = []
+        for _ in range(int(line[1:])):
+            ln = self._line()
+            args.append(self._take(int(ln[1:]) + 2)[:-2])
+        return (args[0].lower(),) + tuple(args[1:])
+
+    def until(self, *last):
+        """The commands up to and including the first one that starts with
+        'last' (lowercase name first), without the master's PINGs."""
+        out = []
+        while True:
+            c = self.command()
+            if c[0] == b'ping':
+                continue
+            out.append(c)
+            if c[:len(last)] == last:
+                return out
 
 
 def drain(sub, timeout=0.5):
