@@ -4,10 +4,13 @@ Why not qemu.qmp: the arbiter talks to many VMs from one loop, and each call
 must be bounded in time and in size whatever the other end does (a QEMU that
 hangs mid-reply, a socket that is not QEMU at all, a 1 GiB line).  This
 client reads line by line with one deadline per command, caps a reply line at
-MAX_LINE bytes, checks that every reply is a JSON object of the shape QMP
-specifies, and turns each of those failures into QMPError with the socket's
-path and the reason.  Events are read and dropped (at most MAX_EVENTS per
-command, so an event flood cannot keep a command from finishing).
+MAX_LINE bytes, checks that every message is a JSON object of the shape QMP
+specifies (a greeting, an event named by a string, a reply with our id and a
+return or an error object of two strings), and turns each of those failures
+into QMPError with the socket's path and the reason: QMPProtocolError when
+the peer said something that is not QMP.  Events are read and dropped (at
+most MAX_EVENTS per command, so an event flood cannot keep a command from
+finishing).  What a command returns is its caller's to check (vmlink.py).
 """
 
 import json
@@ -28,8 +31,19 @@ class LinkCommandError(LinkError):
     """The VM was asked and answered with an error: the link stays."""
 
 
+class LinkProtocolError(LinkError):
+    """The VM answered something that is not its protocol, or a reply not
+    of the shape the command returns: the link is dropped and made again
+    later, and the VM is in error meanwhile."""
+
+
 class QMPError(LinkError):
     """The VM could not be asked (connect, timeout, garbage, closed)."""
+
+
+class QMPProtocolError(QMPError, LinkProtocolError):
+    """The peer sent what QMP does not (not JSON, not an object, a line too
+    long or cut short, a reply of the wrong shape)."""
 
 
 class QMPCommandError(QMPError, LinkCommandError):
@@ -65,9 +79,9 @@ class QMP:
         deadline = time.monotonic() + self.timeout
         greeting = self._read_msg(deadline)
         if not isinstance(greeting.get('QMP'), dict):
-            self.close()
-            raise QMPError(f'{self.path}: not a QMP greeting: {_short(greeting)}')
-        self.cmd('qmp_capabilities')
+            self._garbage(f'not a QMP greeting: {_short(greeting)}')
+        if not isinstance(self.cmd('qmp_capabilities'), dict):
+            self._garbage('qmp_capabilities: the return is not an object')
         return self
 
     def close(self):
@@ -104,21 +118,24 @@ class QMP:
         for _ in range(MAX_EVENTS + 1):
             reply = self._read_msg(deadline)
             if 'event' in reply:
+                if not isinstance(reply['event'], str):
+                    self._garbage(f'{name}: an event not named by a string: {_short(reply)}')
                 continue
             if reply.get('id') != ident:
-                self.close()
-                raise QMPError(f'{self.path}: {name}: reply for another id: {_short(reply)}')
+                self._garbage(f'{name}: reply for another id: {_short(reply)}')
             if 'return' in reply:
                 return reply['return']
             err = reply.get('error')
-            if isinstance(err, dict):
-                raise QMPCommandError(self.path, name, str(err.get('class', '?'))[:100],
-                                      str(err.get('desc', '?'))[:500])
-            self.close()
-            raise QMPError(f'{self.path}: {name}: reply has neither return nor error: '
-                           f'{_short(reply)}')
+            if isinstance(err, dict) and isinstance(err.get('class'), str) \
+                    and isinstance(err.get('desc'), str):
+                raise QMPCommandError(self.path, name, err['class'][:100], err['desc'][:500])
+            self._garbage(f'{name}: reply has neither a return nor an error object: '
+                          f'{_short(reply)}')
+        self._garbage(f'{name}: more than {MAX_EVENTS} events before the reply')
+
+    def _garbage(self, why):
         self.close()
-        raise QMPError(f'{self.path}: {name}: more than {MAX_EVENTS} events before the reply')
+        raise QMPProtocolError(f'{self.path}: {why}')
 
     def _read_msg(self, deadline):
         while True:
@@ -130,15 +147,14 @@ class QMP:
                 try:
                     msg = json.loads(line)
                 except (ValueError, RecursionError) as exc:
-                    self.close()
-                    raise QMPError(f'{self.path}: reply is not JSON ({exc}): {line[:80]!r}') from None
-                if not isinstance(msg, dict):
-                    self.close()
-                    raise QMPError(f'{self.path}: reply is not a JSON object: {line[:80]!r}')
-                return msg
+                    bad = f'reply is not JSON ({str(exc)[:100]}): {line[:80]!r}'
+                else:
+                    if isinstance(msg, dict):
+                        return msg
+                    bad = f'reply is not a JSON object: {line[:80]!r}'
+                self._garbage(bad)
             if len(self.buf) > MAX_LINE:
-                self.close()
-                raise QMPError(f'{self.path}: reply line longer than {MAX_LINE} bytes')
+                self._garbage(f'reply line longer than {MAX_LINE} bytes')
             left = deadline - time.monotonic()
             if left <= 0:
                 self.close()
@@ -153,6 +169,9 @@ class QMP:
                 self.close()
                 raise QMPError(f'{self.path}: receive failed: {exc}') from None
             if not data:
+                if self.buf.strip():
+                    self._garbage(f'connection closed in the middle of a line: '
+                                  f'{self.buf[:80]!r}')
                 self.close()
                 raise QMPError(f'{self.path}: connection closed by the peer')
             self.buf += data

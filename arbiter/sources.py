@@ -17,6 +17,11 @@ class SourceError(Exception):
     pass
 
 
+class ShapeError(SourceError):
+    """A reply not of the shape QEMU's schema gives it (the wrong type at
+    some level, a counter out of range): the peer is not QEMU, or not sane."""
+
+
 def read_small(path):
     try:
         with open(path, 'rb') as f:
@@ -263,37 +268,59 @@ def hist_percentile(bins, q, bounds=HIST_NS):
     return bounds[-1] / 1e6
 
 
+MAX_DISKS = 1024        # entries of query-blockstats looked at
+MAX_NAME = 1024         # a disk's name (QEMU's qdev paths are far shorter)
+COUNTER_MAX = 1 << 64   # QEMU's counters are 64-bit
+
+
+def counter(v, what):
+    """A 64-bit counter of QEMU's (bool, float and the rest are refused)."""
+    if type(v) is not int:
+        raise ShapeError(f'{what} is not an integer ({type(v).__name__})')
+    if not 0 <= v < COUNTER_MAX:
+        raise ShapeError(f'{what} is outside [0, 2^64)')
+    return v
+
+
 def vm_disk_sample(stats, device):
     """From query-blockstats' reply: the entry of 'device' (qdev id or
-    BlockBackend name; the first with statistics if None) as
-    (name, ops, bytes, histogram bins or None)."""
+    BlockBackend name; the first if None) as (name, ops, bytes, histogram
+    bins or None).  ShapeError for a reply QEMU would not give (the entries
+    up to the disk's are checked, its statistics whole); SourceError if
+    the disk is not there."""
     if not isinstance(stats, list):
-        raise SourceError('query-blockstats: not a list')
-    for e in stats[:1024]:
+        raise ShapeError('not a list')
+    for e in stats[:MAX_DISKS]:
         if not isinstance(e, dict):
-            continue
-        names = {e.get('device'), e.get('qdev'), e.get('node-name')}
-        qdev = e.get('qdev') or ''
+            raise ShapeError('an entry is not an object')
+        names = [e.get(k) for k in ('qdev', 'device', 'node-name')]
+        if any(n is not None and (not isinstance(n, str) or len(n) > MAX_NAME) for n in names):
+            raise ShapeError(f'a disk name is not a string of at most {MAX_NAME} characters')
+        qdev = names[0] or ''
         # a qdev id names the device; its BlockBackend hangs off a child of
         # it (a virtio proxy's virtio-backend): /machine/peripheral/ID/...
         if device is not None and device not in names and \
                 not (qdev + '/').startswith(f'/machine/peripheral/{device}/'):
             continue
+        name = next((n for n in names if n), None)
+        if name is None:
+            raise ShapeError('a disk without a name')
         s = e.get('stats')
         if not isinstance(s, dict):
-            continue
-        try:
-            ops = int(s.get('rd_operations', 0)) + int(s.get('wr_operations', 0))
-            nbytes = int(s.get('rd_bytes', 0)) + int(s.get('wr_bytes', 0))
-        except (TypeError, ValueError):
-            raise SourceError('query-blockstats: malformed counters') from None
+            raise ShapeError(f'{name}: stats is not an object')
+        ops = sum(counter(s.get(k), f'{name}: {k}') for k in ('rd_operations', 'wr_operations'))
+        nbytes = sum(counter(s.get(k), f'{name}: {k}') for k in ('rd_bytes', 'wr_bytes'))
         bins = None
         for h in ('rd_latency_histogram', 'wr_latency_histogram'):
             hh = s.get(h)
-            if isinstance(hh, dict) and isinstance(hh.get('bins'), list) \
-                    and len(hh['bins']) == len(HIST_NS) + 1:
-                b = [int(x) if isinstance(x, int) and x >= 0 else 0 for x in hh['bins']]
-                bins = b if bins is None else [x + y for x, y in zip(bins, b)]
-        return (e.get('qdev') or e.get('device') or '?', ops, nbytes, bins)
+            if hh is None:
+                continue
+            if not isinstance(hh, dict) or not isinstance(hh.get('bins'), list):
+                raise ShapeError(f'{name}: {h} is not an object with a list of bins')
+            if len(hh['bins']) != len(HIST_NS) + 1:
+                continue            # bins set by someone else: not ours to read
+            b = [counter(x, f'{name}: {h} bin') for x in hh['bins']]
+            bins = b if bins is None else [x + y for x, y in zip(bins, b)]
+        return name, ops, nbytes, bins
     raise SourceError(f'no disk {device!r} in query-blockstats' if device
-                      else 'no disk with statistics in query-blockstats')
+                      else 'no disk in query-blockstats')

@@ -2,27 +2,26 @@
 monitor of the arbiter's own, or libvirt), samples the watched disk's
 counters and latency when asked, and applies the limits the control loop
 wants.  A VM that hangs, goes away or answers garbage only stalls its own
-thread; the loop sees its sample go stale and leaves it out.
+thread: whatever a step raises is that VM's error (its state says which,
+its figures are dropped, its link is made again with a back-off), never
+the thread's end; the loop leaves a VM that is not 'ok' out.
 """
 
 import threading
 import time
+import traceback
 
-from .qmp import QMP, LinkCommandError, LinkError, QMPCommandError, QMPError
-from .sources import HIST_NS, SourceError, vm_disk_sample
+from .qmp import (QMP, LinkCommandError, LinkError, LinkProtocolError, QMPCommandError,
+                  QMPError, QMPProtocolError)
+from .sources import HIST_NS, ShapeError, SourceError, vm_disk_sample
 
 BACKOFF_MIN, BACKOFF_MAX = 0.5, 10.0
+THROTTLE_VALUE_MAX = 10 ** 15   # QEMU's bound on a throttle limit
+MAX_ERROR = 500                 # characters of an error kept and shown
 
 
 def group_path(group):
     return f'/objects/{group}'
-
-
-def set_limits(qmp, group, limits):
-    """Set a throttle group's limits (unset keys: no limit).  QEMU takes
-    the whole ThrottleLimits; a 0 means "no limit" for every key."""
-    qmp.cmd('qom-set', path=group_path(group), property='limits',
-            value={k: int(v) for k, v in limits.items()})
 
 
 class QMPLink:
@@ -45,17 +44,28 @@ class QMPLink:
     def close(self):
         self.qmp.close()
 
+    def _ask(self, name, parse, **args):
+        """parse(what the command returns); a return parse finds not of
+        the shape QEMU gives (ShapeError) drops the link."""
+        ret = self.qmp.cmd(name, **args)
+        try:
+            return parse(ret)
+        except ShapeError as e:
+            self.qmp.close()
+            raise QMPProtocolError(f'{self.conf.qmp}: {name}: malformed reply: {e}') from None
+
     def attach(self, log):
         """Check the throttle group, find the disk, set its histogram.
         Returns (disk, its current limits, whether it has a histogram)."""
         try:
-            cur = self.qmp.cmd('qom-get', path=group_path(self.conf.group), property='limits')
+            cur = self._ask('qom-get', throttle_limits, path=group_path(self.conf.group),
+                            property='limits')
         except QMPCommandError as e:
             raise QMPError(f'{self.conf.qmp}: throttle group {self.conf.group!r}: {e.desc}') \
                 from None
-        qdev = vm_disk_sample(self.qmp.cmd('query-blockstats'), self.conf.device)[0]
+        qdev = self._ask('query-blockstats', lambda r: vm_disk_sample(r, self.conf.device)[0])
         try:
-            self.qmp.cmd('block-latency-histogram-set', id=qdev, boundaries=HIST_NS)
+            self._ask('block-latency-histogram-set', empty, id=qdev, boundaries=HIST_NS)
             histogram = True
         except QMPCommandError as e:
             # a disk with no guest device (a storage daemon's export): no
@@ -67,11 +77,34 @@ class QMPLink:
     def sample(self, disk):
         """(operations, bytes, histogram bins or None, total latency in ns
         or None) of the disk so far."""
-        _, ops, nbytes, bins = vm_disk_sample(self.qmp.cmd('query-blockstats'), disk)
+        _, ops, nbytes, bins = self._ask('query-blockstats', lambda r: vm_disk_sample(r, disk))
         return ops, nbytes, bins, None
 
     def set_limits(self, limits):
-        set_limits(self.qmp, self.conf.group, limits)
+        """Set the throttle group's limits (unset keys: no limit).  QEMU
+        takes the whole ThrottleLimits; a 0 means "no limit" for every key."""
+        self._ask('qom-set', empty, path=group_path(self.conf.group), property='limits',
+                  value={k: int(v) for k, v in limits.items()})
+
+
+def empty(ret):
+    """What qom-set and block-latency-histogram-set return: an object."""
+    if not isinstance(ret, dict):
+        raise ShapeError(f'the return is a {type(ret).__name__}, not an object')
+
+
+def throttle_limits(ret):
+    """The limits the arbiter drives, from a throttle group's ThrottleLimits
+    (qom-get ... limits: QEMU gives every member)."""
+    if not isinstance(ret, dict):
+        raise ShapeError(f'the limits are a {type(ret).__name__}, not an object')
+    out = {}
+    for k in ('iops-total', 'bps-total'):
+        v = ret.get(k)
+        if type(v) is not int or not 0 <= v <= THROTTLE_VALUE_MAX:
+            raise ShapeError(f'{k} is not an integer in [0, {THROTTLE_VALUE_MAX}]')
+        out[k] = v
+    return out
 
 
 def open_link(conf, timeout):
@@ -97,6 +130,8 @@ def restore_defaults(conf, timeout, log=None):
             done[vm.name] = None
         except LinkError as e:
             done[vm.name] = str(e)
+        except Exception as e:      # a bug: this VM's error, not the caller's end
+            done[vm.name] = f'internal error: {type(e).__name__}: {e}'[:MAX_ERROR]
         finally:
             link.close()
 
@@ -193,15 +228,23 @@ class VMLink(threading.Thread):
                 with self.lock:
                     if self.want is not None:
                         self.applied = self.want    # not again every period
+            except LinkProtocolError as e:
+                self._failed(str(e), 'error')
             except LinkError as e:
-                self._failed(str(e))
+                why = str(e)
+                self._failed(why, 'absent' if 'cannot connect' in why else 'unresponsive')
             except SourceError as e:
                 self._refused(str(e))
+            except Exception as e:          # what no check foresaw: this VM's error only
+                self.log(dict(event='vm-bug', vm=self.conf.name,
+                              traceback=traceback.format_exc(limit=8)[-4000:]))
+                self._failed(f'internal error: {type(e).__name__}: {e}', 'error')
 
     def _refused(self, why):
         """The VM answered, with an error or with figures that lack the
         disk.  The link stays, unless the attach itself failed: then it is
         made again later (the disk may be plugged in meanwhile)."""
+        why = why[:MAX_ERROR]
         if self.state != 'error':
             self.log(dict(event='vm-error', vm=self.conf.name, error=why))
         self._set_state('error', why)
@@ -210,10 +253,12 @@ class VMLink(threading.Thread):
             self.next_try = time.monotonic() + self.backoff
             self.backoff = min(BACKOFF_MAX, self.backoff * 2)
 
-    def _failed(self, why):
+    def _failed(self, why, state):
+        """The link is dropped and made again after the back-off."""
+        why = why[:MAX_ERROR]
         was = self.state
         self.link.close()
-        self._set_state('absent' if 'cannot connect' in why else 'unresponsive', why)
+        self._set_state(state, why)
         self.next_try = time.monotonic() + self.backoff
         self.backoff = min(BACKOFF_MAX, self.backoff * 2)
         self.applied = None         # re-apply after reconnecting
@@ -221,22 +266,22 @@ class VMLink(threading.Thread):
             self.log(dict(event='vm-' + self.state, vm=self.conf.name, error=why))
 
     def _step(self):
+        """Connect if due, sample if asked, apply the limits wanted.  The
+        sample is published with the state 'ok' once the whole step has
+        gone through: a VM in error gives the loop no figures."""
         if not self.link.connected:
             if time.monotonic() < self.next_try:
                 return
             self.link.connect()
             self._attach()
-            self.backoff = BACKOFF_MIN
         with self.lock:
             due = self.seq
+        sample = None
         if due != self.sample_seq:
             # the request is answered once the figures are in, never before:
             # the loop waits for them (the period's own, not the last one's)
             ops, nbytes, bins, lat_ns = self.link.sample(self.qdev)
-            with self.sampled:
-                self.sample = (time.monotonic(), ops, nbytes, bins, lat_ns)
-                self.sample_seq = due
-                self.sampled.notify_all()
+            sample = (time.monotonic(), ops, nbytes, bins, lat_ns)
         with self.lock:
             want = self.want
         if want is not None and want != self.applied:
@@ -245,11 +290,18 @@ class VMLink(threading.Thread):
         if self.state != 'ok':
             self.log(dict(event='vm-ok', vm=self.conf.name, qdev=self.qdev,
                           histogram=self.histogram))
-        self._set_state('ok', None)
+        self.backoff = BACKOFF_MIN      # only once a whole step went through
+        self._set_state('ok', None, sample, due)
 
-    def _set_state(self, state, error):
+    def _set_state(self, state, error, sample=None, seq=None):
+        """The state, and with 'ok' the step's sample, if any; any other
+        state drops the last sample."""
         with self.sampled:
             self.state, self.error = state, error
+            if state != 'ok':
+                self.sample = None
+            elif sample is not None:
+                self.sample, self.sample_seq = sample, seq
             self.sampled.notify_all()        # a loop waiting for a sample stops
 
     def _attach(self):

@@ -47,6 +47,7 @@ class FakeQMP(threading.Thread):
         self.mangle = None
         self.commands = []
         self.connections = 0
+        self.drop = threading.Event()       # hang up on the client (hangup())
         self.stop_ev = threading.Event()
         self.srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.srv.bind(path)
@@ -61,6 +62,11 @@ class FakeQMP(threading.Thread):
             self.nbytes += nbytes
             if bin_index is not None:
                 self.bins[bin_index] += ops
+
+    def hangup(self):
+        """Close the client's connection (the next one, if there is none
+        now): it connects again, and is greeted and attached again."""
+        self.drop.set()
 
     def close(self):
         self.stop_ev.set()
@@ -88,6 +94,9 @@ class FakeQMP(threading.Thread):
             return
         buf = b''
         while not self.stop_ev.is_set():
+            if self.drop.is_set():
+                self.drop.clear()
+                return
             nl = buf.find(b'\n')
             if nl < 0:
                 try:
