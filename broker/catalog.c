@@ -425,16 +425,25 @@ int hvm_catalog_save(HvmCatalog *cat, const char *dir, GError **errp)
         ret = -errno;
     }
     if (ret) {
+        /* Nothing is changed: the old catalogue is still in place. */
         g_set_error(errp, G_IO_ERROR, g_io_error_from_errno(-ret),
                     "cannot write catalogue %s: %s", dst, g_strerror(-ret));
         unlink(tmp);
         goto out;
     }
+    /*
+     * Committed: from here the file system says the new catalogue, and so
+     * must the caller's memory.  A failing directory fsync only means the
+     * rename may not survive a host crash yet; reporting it as a failure
+     * would have the caller undo in memory what disk already holds, and the
+     * next start would then act on the other version (drop a created
+     * region, delete the file of a destroyed one still in use).
+     */
     dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dfd < 0 || fsync(dfd) < 0) {
-        ret = -errno;
-        g_set_error(errp, G_IO_ERROR, g_io_error_from_errno(-ret),
-                    "cannot sync directory %s: %s", dir, g_strerror(-ret));
+        g_warning("catalogue %s committed, but cannot sync directory %s: %s "
+                  "(the change may not survive a host crash)", dst, dir,
+                  g_strerror(errno));
     }
     if (dfd >= 0) {
         close(dfd);

@@ -20,8 +20,10 @@
  * Commit protocol (hvm_catalog_save): write the whole snapshot to
  * "catalog.tmp", fsync it, rename it over "catalog", fsync the directory.
  * A crash leaves either the old or the new snapshot, never a mix; a stray
- * catalog.tmp is ignored and overwritten.  The broker replies to a mutating
- * request only after the rename is durable.
+ * catalog.tmp is ignored and overwritten.  The rename is the commit point:
+ * a failure before it changes nothing (an error), a failure after it (the
+ * directory fsync) is a warning, the change being made.  The broker replies
+ * to a mutating request only after the commit.
  */
 #ifndef HVM_CATALOG_H
 #define HVM_CATALOG_H
@@ -96,7 +98,10 @@ GByteArray *hvm_catalog_serialize(const HvmCatalog *cat);
  */
 HvmCatalog *hvm_catalog_parse(const uint8_t *buf, size_t len, GError **errp);
 
-/* Commit protocol above.  Returns 0 or -errno with @errp set. */
+/*
+ * Commit protocol above.  Returns 0 once committed (a later failure is a
+ * warning), or -errno with @errp set when nothing changed on disk.
+ */
 int hvm_catalog_save(HvmCatalog *cat, const char *dir, GError **errp);
 /* Load "catalog" from @dir; a missing file gives an empty catalogue. */
 HvmCatalog *hvm_catalog_load(const char *dir, GError **errp);

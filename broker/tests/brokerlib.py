@@ -212,22 +212,31 @@ def wait_for(pred, timeout=30, what='condition'):
 class Broker:
     """A real hvmemd on a private pool (in /dev/shm) and socket."""
 
-    def __init__(self, workdir, pool, args=()):
+    def __init__(self, workdir, pool, args=(), env=None):
         self.workdir = workdir
         self.pool = pool
         self.sock = os.path.join(workdir, 'broker.sock')
         self.log = os.path.join(workdir, 'hvmemd.log')
         self.args = list(args)
+        self.env = env
         self.proc = None
 
-    def start(self, args=None, expect_fail=False):
+    def start(self, args=None, expect_fail=False, timeout=30):
+        """Start hvmemd and wait until it answers; with expect_fail, wait
+        for it to exit and return its status (None if it was still running
+        after timeout seconds: then it is killed)."""
         argv = [HVMEMD, '--pool', self.pool, '--socket', self.sock] + \
             (self.args if args is None else list(args))
         logf = open(self.log, 'a')
-        self.proc = subprocess.Popen(argv, stdout=logf, stderr=logf)
+        self.proc = subprocess.Popen(argv, stdout=logf, stderr=logf, env=self.env)
         logf.close()
         if expect_fail:
-            rc = self.proc.wait(timeout=30)
+            try:
+                rc = self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                rc = None
             self.proc = None
             return rc
         deadline = time.monotonic() + 30

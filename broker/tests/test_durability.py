@@ -1,7 +1,8 @@
 """The catalogue survives the broker: a clean restart and a SIGKILL keep every
 region, item, owner and mode (and the data in the pool files); files that
 vanished are dropped with a message, stray files are removed, a damaged
-catalogue stops the start instead of being overwritten; static provisioning
+catalogue stops the start instead of being overwritten; a commit whose last
+step (the directory fsync) fails is still a commit; static provisioning
 from a config file creates regions with their owner and mode."""
 
 import errno
@@ -11,7 +12,7 @@ import sys
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from brokerlib import NOBODY, BrokerTestCase  # noqa: E402
+from brokerlib import BIN, NOBODY, BrokerTestCase  # noqa: E402
 
 MiB = 1 << 20
 
@@ -108,6 +109,54 @@ class DurabilityTest(BrokerTestCase):
         self.broker.start()
         self.c = self.broker.client()
         self.c.lookup('a')
+
+
+FAULTINJECT = os.path.join(BIN, 'hvmem-faultinject.so')
+
+
+@unittest.skipUnless(os.path.exists(FAULTINJECT), f'{FAULTINJECT} not built')
+class CommitTest(BrokerTestCase):
+
+    def test_directory_fsync_failure_after_rename_is_a_commit(self):
+        """Once rename() has put the new catalogue in place the change is made:
+        a failing directory fsync (injected: EIO) is a warning, the request
+        succeeds, and memory, disk and the next start agree.  (It used to be
+        rolled back in memory only: the next start then dropped a created
+        region, or deleted the file of a destroyed one that was still in use.)"""
+        flag = os.path.join(self.workdir, 'fail-dirsync')
+        self.c.close()
+        self.broker.stop()
+        self.broker.env = dict(os.environ, LD_PRELOAD=FAULTINJECT,
+                               HVMEM_FAULT_DIRSYNC=flag)
+        self.broker.start()
+        self.c = self.broker.client()
+        self.c.create('kept', 4 * MiB)
+        self.c.create('gone', MiB)
+        self.c.create('tagged', MiB)
+        _, fd = self.c.map('kept', rw=True)
+        os.pwrite(fd, b'live data', 0)
+        os.close(fd)
+        self.c.release('kept')
+        open(flag, 'w').close()             # every directory fsync fails now
+        self.c.create('new', 2 * MiB)
+        self.c.destroy('gone')
+        self.c.chmod('tagged', 0o640)
+        self.c.alloc('kept', 'hdr', 1)
+        self.assertIn('cannot sync directory', self.broker.read_log())
+        before = sorted((r['name'], r['size'], r['mode'], r['id']) for r in self.c.list())
+        self.assertEqual([r[0] for r in before], ['kept', 'new', 'tagged'])
+        self.c.close()
+        self.broker.stop(signal.SIGKILL)
+        os.unlink(flag)
+        self.broker.start()
+        self.c = self.broker.client()
+        after = sorted((r['name'], r['size'], r['mode'], r['id']) for r in self.c.list())
+        self.assertEqual(after, before)
+        self.assertEqual([i['name'] for i in self.c.stat('kept')[1]], ['hdr'])
+        _, fd = self.c.map('kept')
+        self.assertEqual(os.pread(fd, 9, 0), b'live data')
+        os.close(fd)
+        self.assertNotIn('dropped from the catalogue', self.broker.read_log())
 
 
 class ProvisioningTest(BrokerTestCase):
