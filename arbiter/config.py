@@ -1,6 +1,9 @@
 """The arbiter's configuration: an INI file, validated whole before anything
 is touched.  Every value is bounded; an absurd one is an error that names
-the section, the key and the range, never a silent default.  See
+the section, the key and the range, never a silent default.  A relative
+path in it is relative to the configuration file's directory (its real
+path), never to the directory the daemon was started from: the daemon's
+watchdog starts elsewhere and reads the same file.  See
 arbiter/arbiter.conf.example for every key.
 """
 
@@ -34,8 +37,8 @@ class Section:
     """Typed, bounded reads of one section; every key read is remembered so
     that unknown keys (typos) are reported."""
 
-    def __init__(self, cp, name):
-        self.cp, self.name, self.seen = cp, name, set()
+    def __init__(self, cp, name, base):
+        self.cp, self.name, self.base, self.seen = cp, name, base, set()
 
     def _raw(self, key, default):
         self.seen.add(key)
@@ -76,9 +79,9 @@ class Section:
             if required:
                 raise self._bad(key, 'is required')
             return None
-        if not os.path.isabs(raw) or '\0' in raw or len(raw) > 4000:
-            raise self._bad(key, f'{raw!r} is not an absolute path')
-        return raw
+        if '\0' in raw or len(raw) > 4000:
+            raise self._bad(key, f'{raw[:100]!r} is not a path')
+        return os.path.join(self.base, raw)     # raw itself if absolute
 
     def text(self, key, default=None, required=False, pattern=NAME_RE):
         raw = self._raw(key, default)
@@ -179,7 +182,8 @@ class ContainerConf:
 
 class Config:
     def __init__(self, path):
-        self.path = path
+        path = self.path = os.path.realpath(path)
+        base = os.path.dirname(path)
         cp = configparser.ConfigParser(interpolation=None, delimiters=('=',),
                                        comment_prefixes=('#', ';'), strict=True)
         cp.optionxform = str
@@ -209,7 +213,7 @@ class Config:
         sections = []
 
         def sec(name):
-            s = Section(cp, name)
+            s = Section(cp, name, base)
             sections.append(s)
             return s
 

@@ -26,6 +26,7 @@ from .sources import (Probe, SourceError, cgroup_io, device_number, hist_percent
 from .vmlink import VMLink, restore_defaults
 
 STATUS_MAX_REQUEST = 64
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class DecisionLog:
@@ -50,6 +51,145 @@ class DecisionLog:
     def close(self):
         with self.lock:
             self.f.close()
+
+
+class Watchdog:
+    """The watchdog process (watchdog.py) as the daemon keeps it.  It
+    says "ready" once it has read the configuration; its standard error
+    is kept (its last KEEP bytes) for the reason it died.  A dead one is
+    started again: at once after its first death, then after 1, 2, 4 ...
+    60 s (RESTART_MIN, RESTART_MAX), at once again after one has run
+    STABLE seconds.  States: 'starting' (not ready yet), 'running'
+    (ready), 'error' (dead, or started again after a death and not ready
+    yet); error keeps the last death's reason.  poll() and stop() are the
+    loop's; status() may be called from any thread."""
+
+    RESTART_MIN, RESTART_MAX, STABLE = 1.0, 60.0, 30.0
+    KEEP = 2048
+
+    def __init__(self, conf_path, log):
+        self.conf_path, self.log = conf_path, log
+        self.lock = threading.Lock()    # the fields status() reads
+        self.proc = None
+        self.w = self.out = self.err = None     # its stdin's write end, stdout, stderr
+        self.said = self.errtext = b''
+        self.ready = False
+        self.started = 0.0
+        self.restarts = 0
+        self.error = None
+        self.delay = 0.0                # before the next start after a death
+        self.next_start = 0.0
+
+    def start(self):
+        """Start it (the pipe's write end stays ours: closing it without
+        "done" is what sets it off)."""
+        r, w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            ours = os.dup(2)    # its stderr once the daemon is gone: the daemon's
+        except OSError:
+            ours = os.open(os.devnull, os.O_WRONLY)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, '-m', 'arbiter.watchdog', self.conf_path, str(ours)],
+                stdin=r, stdout=out_w, stderr=err_w, pass_fds=(ours,), start_new_session=True,
+                cwd=PACKAGE_PARENT)
+        except OSError as e:
+            for fd in (w, out_r, err_r):
+                os.close(fd)
+            self._died(f'cannot start: {e.strerror or e}', None)
+            return
+        finally:
+            for fd in (r, out_w, err_w, ours):
+                os.close(fd)
+        for fd in (out_r, err_r):
+            os.set_blocking(fd, False)
+        with self.lock:
+            self.proc, self.w, self.out, self.err = proc, w, out_r, err_r
+            self.said, self.errtext, self.ready = b'', b'', False
+            self.started = time.monotonic()
+
+    def poll(self):
+        """Once a period: read what it said, see whether it died, start it
+        again when that is due."""
+        now = time.monotonic()
+        if self.proc is not None:
+            self._read()
+            rc = self.proc.poll()
+            if rc is None:
+                if now - self.started >= self.STABLE:
+                    self.delay = 0.0
+                return
+            self._read()
+            lines = self.errtext.decode('utf-8', 'replace').strip().splitlines()
+            how = f'killed by signal {-rc}' if rc < 0 else f'exited with status {rc}'
+            self._died(how + (f': {lines[-1][-300:]}' if lines else ''), rc)
+        if now >= self.next_start:
+            with self.lock:
+                self.restarts += 1
+            self.start()
+
+    def _read(self):
+        """What it wrote since the last period, bounded: 'ready' on its
+        stdout, the last KEEP bytes of its stderr."""
+        for fd, attr in ((self.out, 'said'), (self.err, 'errtext')):
+            for _ in range(16):
+                try:
+                    d = os.read(fd, 65536)
+                except BlockingIOError:
+                    break
+                if not d:
+                    break
+                setattr(self, attr, (getattr(self, attr) + d)[-self.KEEP:])
+        if not self.ready and b'ready\n' in self.said:
+            with self.lock:
+                self.ready = True
+
+    def _died(self, why, rc):
+        self._close()
+        with self.lock:
+            self.proc, self.ready, self.error = None, False, why
+        self.next_start = time.monotonic() + self.delay
+        self.log(dict(event='watchdog-died', rc=rc, error=why, restart_in=self.delay))
+        self.delay = min(self.RESTART_MAX, max(self.RESTART_MIN, 2 * self.delay))
+
+    def _close(self):
+        for attr in ('w', 'out', 'err'):
+            fd = getattr(self, attr)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, attr, None)
+
+    def stop(self, done):
+        """Let it go.  With done it exits at once; without, it restores
+        the defaults the daemon could not (one is started for that if
+        none runs)."""
+        if self.proc is None and not done:
+            self.start()
+        proc, w = self.proc, self.w
+        if w is not None:
+            try:
+                if done:
+                    os.write(w, b'done\n')
+            except OSError:
+                pass                    # it died meanwhile
+        self._close()
+        if done and proc is not None:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        # else the watchdog (its own session) goes on retrying the VMs that
+        # did not answer; the daemon does not wait for it
+
+    def status(self):
+        with self.lock:
+            alive = self.proc is not None
+            state = ('running' if self.ready else 'error' if self.error
+                     else 'starting' if alive else 'stopped')
+            return dict(state=state, pid=self.proc.pid if alive else None,
+                        restarts=self.restarts, error=self.error)
 
 
 class Arbiter:
@@ -77,23 +217,14 @@ class Arbiter:
         self.actions = {}
         self.snapshot = {}
         self.stop_ev = threading.Event()
-        self.watchdog = None
+        self.watchdog = Watchdog(conf.path, self.log)
 
     # -- life cycle --
-
-    def start_watchdog(self):
-        r, w = os.pipe()
-        self.watchdog = subprocess.Popen(
-            [sys.executable, '-m', 'arbiter.watchdog', self.conf.path],
-            stdin=r, start_new_session=True, close_fds=True,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        os.close(r)
-        self.watchdog_w = w
 
     def run(self):
         self.probe = Probe(self.conf.device, self.conf.probe_iops,
                            self.conf.probe_window_ms / 1000)
-        self.start_watchdog()
+        self.watchdog.start()
         self.probe.start()
         for link in self.links.values():
             link.start()
@@ -107,10 +238,7 @@ class Arbiter:
         period = self.conf.period_ms / 1000
         nxt = time.monotonic()
         while not self.stop_ev.is_set():
-            if self.watchdog.poll() is not None:
-                self.log(dict(event='watchdog-died', rc=self.watchdog.returncode))
-                os.close(self.watchdog_w)
-                self.start_watchdog()
+            self.watchdog.poll()
             self.period()
             nxt += period
             now = time.monotonic()
@@ -126,14 +254,7 @@ class Arbiter:
         for wrote in self.accounting.values():
             v1_disable_accounting(wrote, self.devno)
         res = restore_defaults(self.conf, self.conf.qmp_timeout, self.log)
-        done = all(e is None for e in res.values())
-        if done:
-            os.write(self.watchdog_w, b'done\n')
-        os.close(self.watchdog_w)
-        if done:
-            self.watchdog.wait(timeout=10)
-        # else the watchdog (its own session) goes on retrying the VMs that
-        # did not answer; the daemon does not wait for it
+        self.watchdog.stop(all(e is None for e in res.values()))
         self.log(dict(event='stop'))
         self.log.close()
         try:
@@ -264,6 +385,7 @@ class Arbiter:
         s['actions'] = dict(self.actions)
         s['probe'] = dict(policy=self.probe.policy, restarts=self.probe.restarts,
                           error=self.probe.error)
+        s['watchdog'] = self.watchdog.status()
         return s
 
     def metrics(self):
@@ -305,6 +427,11 @@ class Arbiter:
           [({'vm': n}, st.limit or 0) for n, st in self.states.items()])
         g('vm_up', 'The arbiter reaches the VM',
           [({'vm': n}, 1 if l.state == 'ok' else 0) for n, l in self.links.items()])
+        wd = self.watchdog.status()
+        g('watchdog_up', 'The watchdog runs and has read the configuration',
+          [({}, 1 if wd['state'] == 'running' else 0)])
+        g('watchdog_restarts_total', 'Times the watchdog was started again after it died',
+          [({}, wd['restarts'])], 'counter')
         return '\n'.join(lines) + '\n'
 
     def write_metrics_file(self):

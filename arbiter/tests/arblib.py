@@ -225,11 +225,16 @@ def wait_for(get, pred, timeout, what, check=lambda: None):
 
 
 class Daemon:
-    def __init__(self, conf_path, tmp, state='state', python=sys.executable):
+    """hvarbiter run CONF_PATH (from cwd, if given), its state directory
+    tmp(state)."""
+
+    def __init__(self, conf_path, tmp, state='state', python=sys.executable, cwd=None):
         self.conf = conf_path
+        # the watchdog is given the configuration's real path
+        self.conf_real = os.path.realpath(os.path.join(cwd or os.getcwd(), conf_path))
         self.out = open(tmp(f'{state}.out'), 'a+')
         self.proc = subprocess.Popen([python, HVARBITER, 'run', conf_path],
-                                     stdout=self.out, stderr=subprocess.STDOUT)
+                                     stdout=self.out, stderr=subprocess.STDOUT, cwd=cwd)
         self.log_path = tmp(f'{state}/decisions.jsonl')
         self.sock = tmp(f'{state}/arbiter.sock')
         deadline = time.monotonic() + 20
@@ -279,7 +284,7 @@ class Daemon:
             raise AssertionError('hvarbiter exited: ' + self.output())
 
     def watchdog_pid(self):
-        r = subprocess.run(['pgrep', '-f', f'arbiter.watchdog {self.conf}'],
+        r = subprocess.run(['pgrep', '-f', f'arbiter.watchdog {self.conf_real} '],
                            capture_output=True, text=True)
         return [int(x) for x in r.stdout.split()]
 

@@ -2,12 +2,17 @@
 refused with the section, key and range named."""
 
 import os
+import shutil
+import stat
+import subprocess
 import sys
 import tempfile
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from arbiter.config import Config, ConfigError   # noqa: E402
+
+HVARBITER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'hvarbiter')
 
 GOOD = """
 [arbiter]
@@ -82,8 +87,8 @@ class ConfigTest(unittest.TestCase):
         self.refused(GOOD + '\n[vm a/b]\nqmp=/x\nthrottle-group=t\n', 'unknown section')
         self.refused(GOOD.replace('qmp = /run/vm/web1.qmp', ''),
                      '[vm web1] qmp (a QMP socket) or libvirt (a URI) is required')
-        self.refused(GOOD.replace('qmp = /run/vm/web1.qmp', 'qmp = web1.qmp'),
-                     'not an absolute path')
+        self.refused(GOOD.replace('qmp = /run/vm/web1.qmp', 'qmp = web1\0.qmp'),
+                     '[vm web1] qmp', 'is not a path')
         self.refused(GOOD.replace('throttle-group = tg0', 'throttle-group = ../../x'),
                      'not a valid name')
         self.refused(GOOD + '\n[vm web1]\nqmp=/y\n', 'web1')        # duplicate section
@@ -154,6 +159,78 @@ class ConfigTest(unittest.TestCase):
             self.assertIn('[vm web1] libvirt: the libvirt Python bindings are not installed',
                           r.stderr)
             self.assertIn('python3-libvirt', r.stderr)
+
+    def test_relative_paths_are_the_config_files_dirs(self):
+        """Every path the configuration names may be relative: it is
+        resolved against the directory of the configuration file (its real
+        path), never against the directory the daemon is started from;
+        the configuration's own path is made absolute too (the watchdog,
+        started elsewhere, reads it again)."""
+        d = os.path.realpath(tempfile.mkdtemp())
+        self.addCleanup(shutil.rmtree, d)
+        os.mkdir(os.path.join(d, 'etc'))
+        text = GOOD.replace('state-dir = /run/hvarbiter-test', 'state-dir = state\n'
+                            'metrics-file = ../prom/arb.prom\nlog = logs/decisions.jsonl')
+        text = text.replace('path = /dev/loop0', 'path = /dev/loop0\nmodel = model.json')
+        text = text.replace('qmp = /run/vm/web1.qmp', 'qmp = vm/web1.qmp')
+        text = text.replace('cgroup = /sys/fs/cgroup/blkio/hvctr/db', 'cgroup = cg/db')
+        with open(os.path.join(d, 'etc', 'arb.conf'), 'w') as f:
+            f.write(text)
+        os.symlink('etc', os.path.join(d, 'link'))
+        cwd = os.getcwd()
+        self.addCleanup(os.chdir, cwd)
+        os.chdir(tempfile.gettempdir())
+        for given in (os.path.join(os.path.relpath(d), 'etc', 'arb.conf'),
+                      os.path.join(d, 'link', 'arb.conf')):
+            c = Config(given)
+            etc = os.path.join(d, 'etc')
+            self.assertEqual(c.path, os.path.join(etc, 'arb.conf'))
+            self.assertEqual(c.state_dir, os.path.join(etc, 'state'))
+            self.assertEqual(c.socket, os.path.join(etc, 'state', 'arbiter.sock'))
+            self.assertEqual(c.log, os.path.join(etc, 'logs', 'decisions.jsonl'))
+            self.assertEqual(os.path.normpath(c.metrics_file), os.path.join(d, 'prom', 'arb.prom'))
+            self.assertEqual(c.model, os.path.join(etc, 'model.json'))
+            self.assertEqual(c.device, '/dev/loop0')
+            self.assertEqual(c.vms[0].qmp, os.path.join(etc, 'vm', 'web1.qmp'))
+            self.assertEqual(c.containers[0].cgroup, os.path.join(etc, 'cg', 'db'))
+            self.assertEqual(c.containers[0].pressure, '/sys/fs/cgroup/unified/hvctr/db')
+
+    def write(self, text):
+        with tempfile.NamedTemporaryFile('w', suffix='.conf', delete=False) as f:
+            f.write(text)
+        self.addCleanup(os.unlink, f.name)
+        os.chmod(f.name, 0o644)
+        return f.name
+
+    def hvarbiter(self, *args, cwd=None):
+        return subprocess.run([sys.executable, HVARBITER, *args], capture_output=True, text=True,
+                              timeout=60, cwd=cwd)
+
+    def test_check_refuses_a_missing_device(self):
+        """check verifies that the device the configuration names is
+        there and is a block device, and names it when it is not."""
+        for dev, why in (('/dev/arbiter-test-no-such-device', 'No such file or directory'),
+                         ('/dev/null', 'not a block device')):
+            r = self.hvarbiter('check', self.write(GOOD.replace('/dev/loop0', dev)))
+            self.assertEqual(r.returncode, 1, r.stdout)
+            self.assertIn(f'[device] path: {dev}: {why}', r.stderr)
+
+    @unittest.skipIf(os.geteuid() != 0, 'needs root (a block device node)')
+    def test_check_accepts_a_block_device_from_another_cwd(self):
+        """A configuration whose device is a block device passes check,
+        run from another directory with a relative configuration path and
+        a relative device path."""
+        d = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, d)
+        os.mkdir(os.path.join(d, 'etc'))
+        os.mknod(os.path.join(d, 'etc', 'disk'), 0o600 | stat.S_IFBLK, os.makedev(7, 250))
+        conf = os.path.join(d, 'etc', 'arb.conf')
+        with open(conf, 'w') as f:
+            f.write(GOOD.replace('/dev/loop0', 'disk'))
+        os.chmod(conf, 0o644)
+        r = self.hvarbiter('check', 'etc/arb.conf', cwd=d)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn(f'device {os.path.realpath(d)}/etc/disk', r.stdout)
 
     def test_not_a_file(self):
         with self.assertRaises(ConfigError):
