@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <gio/gio.h>
 
@@ -388,21 +389,20 @@ fail:
     return NULL;
 }
 
-int hvm_catalog_save(HvmCatalog *cat, const char *dir, GError **errp)
+int hvm_catalog_save(HvmCatalog *cat, int dfd, const char *dir, GError **errp)
 {
-    g_autofree char *tmp = g_build_filename(dir, "catalog.tmp", NULL);
-    g_autofree char *dst = g_build_filename(dir, "catalog", NULL);
     GByteArray *buf;
     size_t off = 0;
-    int fd, dfd, ret = 0;
+    int fd, ret = 0;
 
     cat->generation++;
     buf = hvm_catalog_serialize(cat);
-    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+    fd = openat(dfd, "catalog.tmp",
+                O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
     if (fd < 0) {
         ret = -errno;
         g_set_error(errp, G_IO_ERROR, g_io_error_from_errno(-ret),
-                    "cannot create %s: %s", tmp, g_strerror(-ret));
+                    "cannot create %s/catalog.tmp: %s", dir, g_strerror(-ret));
         goto out;
     }
     while (off < buf->len) {
@@ -421,14 +421,14 @@ int hvm_catalog_save(HvmCatalog *cat, const char *dir, GError **errp)
         ret = -errno;
     }
     close(fd);
-    if (!ret && rename(tmp, dst) < 0) {
+    if (!ret && renameat(dfd, "catalog.tmp", dfd, "catalog") < 0) {
         ret = -errno;
     }
     if (ret) {
         /* Nothing is changed: the old catalogue is still in place. */
         g_set_error(errp, G_IO_ERROR, g_io_error_from_errno(-ret),
-                    "cannot write catalogue %s: %s", dst, g_strerror(-ret));
-        unlink(tmp);
+                    "cannot write catalogue %s/catalog: %s", dir, g_strerror(-ret));
+        unlinkat(dfd, "catalog.tmp", 0);
         goto out;
     }
     /*
@@ -439,39 +439,63 @@ int hvm_catalog_save(HvmCatalog *cat, const char *dir, GError **errp)
      * next start would then act on the other version (drop a created
      * region, delete the file of a destroyed one still in use).
      */
-    dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd < 0 || fsync(dfd) < 0) {
-        g_warning("catalogue %s committed, but cannot sync directory %s: %s "
-                  "(the change may not survive a host crash)", dst, dir,
+    if (fsync(dfd) < 0) {
+        g_warning("catalogue %s/catalog committed, but cannot sync directory "
+                  "%s: %s (the change may not survive a host crash)", dir, dir,
                   g_strerror(errno));
-    }
-    if (dfd >= 0) {
-        close(dfd);
     }
 out:
     g_byte_array_free(buf, TRUE);
     return ret;
 }
 
-HvmCatalog *hvm_catalog_load(const char *dir, GError **errp)
+HvmCatalog *hvm_catalog_load(int dfd, const char *dir, GError **errp)
 {
-    g_autofree char *path = g_build_filename(dir, "catalog", NULL);
-    g_autofree char *data = NULL;
-    gsize len;
-    GError *err = NULL;
+    g_autofree uint8_t *data = NULL;
+    struct stat st;
+    size_t off = 0;
     HvmCatalog *cat;
+    int fd;
 
-    if (!g_file_get_contents(path, &data, &len, &err)) {
-        if (g_error_matches(err, G_FILE_ERROR, G_FILE_ERROR_NOENT)) {
-            g_error_free(err);
-            return hvm_catalog_new();
+    fd = openat(dfd, "catalog", O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0 && errno == ENOENT) {
+        return hvm_catalog_new();
+    }
+    if (fd < 0 || fstat(fd, &st) < 0) {
+        g_set_error(errp, G_IO_ERROR, g_io_error_from_errno(errno),
+                    "%s/catalog: %s", dir, g_strerror(errno));
+        if (fd >= 0) {
+            close(fd);
         }
-        g_propagate_error(errp, err);
         return NULL;
     }
-    cat = hvm_catalog_parse((const uint8_t *)data, len, errp);
+    if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size > HVM_CAT_MAX_SIZE) {
+        g_set_error(errp, G_IO_ERROR, G_IO_ERROR_INVALID_DATA,
+                    "%s/catalog: not a regular file of at most %llu bytes",
+                    dir, (unsigned long long)HVM_CAT_MAX_SIZE);
+        close(fd);
+        return NULL;
+    }
+    data = g_malloc(st.st_size + 1);
+    while (off < (size_t)st.st_size) {
+        ssize_t n = read(fd, data + off, st.st_size - off);
+
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n <= 0) {
+            g_set_error(errp, G_IO_ERROR, g_io_error_from_errno(n ? errno : EIO),
+                        "%s/catalog: %s", dir,
+                        n ? g_strerror(errno) : "shorter than its size");
+            close(fd);
+            return NULL;
+        }
+        off += n;
+    }
+    close(fd);
+    cat = hvm_catalog_parse(data, off, errp);
     if (!cat) {
-        g_prefix_error(errp, "%s: ", path);
+        g_prefix_error(errp, "%s/catalog: ", dir);
     }
     return cat;
 }

@@ -36,6 +36,9 @@
 #define HVM_CAT_MAGIC       0x474c5441434d5648ull  /* "HVMCATLG" */
 #define HVM_CAT_VERSION     1
 #define HVM_CAT_HDR_SIZE    48
+/* The largest valid snapshot: every region with every item, longest names. */
+#define HVM_CAT_MAX_SIZE    ((uint64_t)HVM_CAT_HDR_SIZE + (uint64_t)HVM_MAX_REGIONS * \
+                             (36 + HVM_NAME_MAX + HVM_MAX_ITEMS * (24 + HVM_NAME_MAX)))
 
 typedef struct HvmItem {
     char *name;
@@ -99,11 +102,12 @@ GByteArray *hvm_catalog_serialize(const HvmCatalog *cat);
 HvmCatalog *hvm_catalog_parse(const uint8_t *buf, size_t len, GError **errp);
 
 /*
- * Commit protocol above.  Returns 0 once committed (a later failure is a
- * warning), or -errno with @errp set when nothing changed on disk.
+ * Commit protocol above, in the directory open as @dfd (@dir names it in
+ * messages).  Returns 0 once committed (a later failure is a warning), or
+ * -errno with @errp set when nothing changed on disk.
  */
-int hvm_catalog_save(HvmCatalog *cat, const char *dir, GError **errp);
-/* Load "catalog" from @dir; a missing file gives an empty catalogue. */
-HvmCatalog *hvm_catalog_load(const char *dir, GError **errp);
+int hvm_catalog_save(HvmCatalog *cat, int dfd, const char *dir, GError **errp);
+/* Load "catalog" from the directory @dfd; a missing file gives an empty one. */
+HvmCatalog *hvm_catalog_load(int dfd, const char *dir, GError **errp);
 
 #endif

@@ -17,11 +17,6 @@
 
 #include "hvmemd.h"
 
-char *hvmd_region_path(Broker *b, uint64_t id)
-{
-    return g_strdup_printf("%s/r-%" G_GUINT64_FORMAT, b->pool_dir, id);
-}
-
 /* ---- accounting ---- */
 
 static void usage_of(Broker *b, uint32_t uid, uint64_t *total, uint64_t *by_uid)
@@ -130,7 +125,7 @@ static void region_info(HvmRegion *r, HvmRegionInfo *ri)
 int hvmd_save(Broker *b, char *msg, size_t ml)
 {
     GError *err = NULL;
-    int ret = hvm_catalog_save(b->cat, b->state_dir, &err);
+    int ret = hvm_catalog_save(b->cat, b->state_fd, b->state_dir, &err);
 
     if (ret) {
         snprintf(msg, ml, "catalogue not saved: %s", err->message);
@@ -144,9 +139,10 @@ int hvmd_save(Broker *b, char *msg, size_t ml)
 void hvmd_region_release_file(Broker *b, HvmRegion *r)
 {
     g_autofree char *path = hvmd_region_path(b, r->id);
+    int ret = hvmd_region_unlink(b, r->id);
 
-    if (unlink(path) < 0 && errno != ENOENT) {
-        g_warning("cannot remove %s: %s", path, g_strerror(errno));
+    if (ret && ret != -ENOENT) {
+        g_warning("cannot remove %s: %s", path, g_strerror(-ret));
     }
     g_message("region '%s' (id %" G_GUINT64_FORMAT ") freed", r->name, r->id);
     hvm_region_free(r);
@@ -169,7 +165,6 @@ static int op_create(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
 {
     Broker *b = c->b;
     uint64_t size = hvmd_round_up(q->size, b->align);
-    g_autofree char *path = NULL;
     HvmRegionInfo ri;
     HvmRegion *r;
     int fd, ret;
@@ -186,23 +181,26 @@ static int op_create(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
     }
     r = hvm_region_new(q->name, b->cat->next_id++, size, q->mode, c->cred.uid,
                        c->cred.gid);
-    path = hvmd_region_path(b, r->id);
-    fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-    if (fd < 0 || ftruncate(fd, size) < 0) {
-        ret = -errno;
-        if (fd >= 0) {
-            close(fd);
-            unlink(path);
-        }
+    fd = hvmd_region_open(b, r->id, O_RDWR | O_CREAT | O_EXCL, msg, ml);
+    if (fd < 0) {
         hvm_region_free(r);
-        FAIL(ret, "cannot create %s: %s", path, g_strerror(-ret));
+        return fd;
+    }
+    if (ftruncate(fd, size) < 0) {
+        ret = -errno;
+        close(fd);
+        hvmd_region_unlink(b, r->id);
+        hvm_region_free(r);
+        FAIL(ret, "cannot size region '%s' to %" G_GUINT64_FORMAT ": %s",
+             q->name, size, g_strerror(-ret));
     }
     close(fd);
     g_hash_table_insert(b->cat->regions, r->name, r);
     ret = hvmd_save(b, msg, ml);
     if (ret) {
+        /* Not committed: the catalogue on disk does not name it. */
         g_hash_table_remove(b->cat->regions, r->name);
-        unlink(path);
+        hvmd_region_unlink(b, r->id);
         hvm_region_free(r);
         return ret;
     }
@@ -282,11 +280,28 @@ static int op_destroy(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
     return 0;
 }
 
+/* Set the region's file to @size bytes: 0 or a negative errno with @msg. */
+static int set_file_size(Broker *b, HvmRegion *r, uint64_t size, char *msg,
+                         size_t ml)
+{
+    int ret = 0, fd = hvmd_region_open(b, r->id, O_RDWR, msg, ml);
+
+    if (fd < 0) {
+        return fd;
+    }
+    if (ftruncate(fd, size) < 0) {
+        ret = -errno;
+        snprintf(msg, ml, "cannot resize the file of region '%s' to %"
+                 G_GUINT64_FORMAT ": %s", r->name, size, g_strerror(-ret));
+    }
+    close(fd);
+    return ret;
+}
+
 static int op_resize(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
                      size_t ml)
 {
     Broker *b = c->b;
-    g_autofree char *path = NULL;
     uint64_t size = hvmd_round_up(q->size, b->align), old;
     HvmRegionInfo ri;
     int ret;
@@ -296,7 +311,6 @@ static int op_resize(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
         return ret;
     }
     old = r->size;
-    path = hvmd_region_path(b, r->id);
     if (size < old) {
         if (size < hvm_region_items_end(r)) {
             FAIL(-EBUSY, "region '%s' cannot shrink to %" G_GUINT64_FORMAT
@@ -314,8 +328,8 @@ static int op_resize(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
             r->size = old;
             return ret;
         }
-        if (truncate(path, size) < 0) {
-            g_warning("cannot shrink %s: %s", path, g_strerror(errno));
+        if (set_file_size(b, r, size, msg, ml)) {
+            g_warning("%s (start-up cuts it)", msg);
         }
     } else if (size > old) {
         ret = admit(b, r->uid, size - old, msg, ml);
@@ -323,16 +337,18 @@ static int op_resize(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
             return ret;
         }
         /* Grow: extend the file first, then commit. */
-        if (truncate(path, size) < 0) {
-            ret = -errno;
-            FAIL(ret, "cannot grow %s: %s", path, g_strerror(-ret));
+        ret = set_file_size(b, r, size, msg, ml);
+        if (ret) {
+            return ret;
         }
         r->size = size;
         ret = hvmd_save(b, msg, ml);
         if (ret) {
+            char msg2[HVM_MAX_MSG];
+
             r->size = old;
-            if (truncate(path, old) < 0) {
-                g_warning("cannot shrink %s back: %s", path, g_strerror(errno));
+            if (set_file_size(b, r, old, msg2, sizeof(msg2))) {
+                g_warning("%s (start-up cuts it)", msg2);
             }
             return ret;
         }
@@ -514,7 +530,6 @@ static int op_map(Conn *c, HvmRequest *q, GByteArray *data, int *fd_out,
                   char *msg, size_t ml)
 {
     bool rw = q->flags & HVM_MAP_RW;
-    g_autofree char *path = NULL;
     HvmRegionInfo ri;
     int ret, fd;
     HvmRegion *r = checked(c, q, rw ? 6 : 4, &ret, msg, ml);
@@ -527,12 +542,10 @@ static int op_map(Conn *c, HvmRequest *q, GByteArray *data, int *fd_out,
              "map it read-only or wait until that process lets go",
              r->name, r->lease_pid);
     }
-    path = hvmd_region_path(c->b, r->id);
     /* A reader gets O_RDONLY: mmap(PROT_WRITE, MAP_SHARED) on it is EACCES. */
-    fd = open(path, (rw ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NOFOLLOW);
+    fd = hvmd_region_open(c->b, r->id, rw ? O_RDWR : O_RDONLY, msg, ml);
     if (fd < 0) {
-        ret = -errno;
-        FAIL(ret, "cannot open %s: %s", path, g_strerror(-ret));
+        return fd;
     }
     if (!g_hash_table_contains(c->attached, r)) {
         g_hash_table_add(c->attached, r);

@@ -3,8 +3,9 @@
  * on tmpfs, hugetlbfs or a DAX file system) with owners and mode bits,
  * 2 MiB-aligned items inside them, one read-write owner lease per region, a
  * durable catalogue.  This file: connections, start-up and main; what each
- * request may do and does: hvmemd-ops.c; protocol: proto.h; catalogue:
- * catalog.h; prose and the permission model: docs/broker.md.
+ * request may do and does: hvmemd-ops.c; the pool and state directories:
+ * hvmemd-pool.c; protocol: proto.h; catalogue: catalog.h; prose and the
+ * permission model: docs/broker.md.
  *
  * Copyright (c) 2026 hybridvm contributors
  *
@@ -14,7 +15,6 @@
  * connection, so no state below needs a lock.
  */
 #define _GNU_SOURCE
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
@@ -27,7 +27,6 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/statvfs.h>
 #include <sys/un.h>
 #include <sys/vfs.h>
 #include <time.h>
@@ -313,70 +312,6 @@ static gboolean accept_ready(gint lfd, GIOCondition cond, gpointer opaque)
 
 /* ---- start-up ---- */
 
-static void reconcile(Broker *b, bool *dirty)
-{
-    GHashTable *ids = g_hash_table_new(g_int64_hash, g_int64_equal);
-    GPtrArray *gone = g_ptr_array_new();
-    GHashTableIter it;
-    gpointer v;
-    DIR *d;
-    struct dirent *de;
-
-    g_hash_table_iter_init(&it, b->cat->regions);
-    while (g_hash_table_iter_next(&it, NULL, &v)) {
-        HvmRegion *r = v;
-        g_autofree char *path = hvmd_region_path(b, r->id);
-        struct stat st;
-
-        if (stat(path, &st) < 0) {
-            g_warning("region '%s' (id %" G_GUINT64_FORMAT "): %s is gone "
-                      "(%s; host rebooted or pool cleared?): dropped from the "
-                      "catalogue", r->name, r->id, path, g_strerror(errno));
-            g_ptr_array_add(gone, r);
-            continue;
-        }
-        if ((uint64_t)st.st_size != r->size) {
-            g_warning("region '%s': file has %lld bytes, catalogue says %"
-                      G_GUINT64_FORMAT ": file set to the catalogue's size",
-                      r->name, (long long)st.st_size, r->size);
-            if (truncate(path, r->size) < 0) {
-                g_warning("cannot resize %s: %s", path, g_strerror(errno));
-            }
-        }
-        g_hash_table_add(ids, &r->id);
-    }
-    for (guint i = 0; i < gone->len; i++) {
-        HvmRegion *r = g_ptr_array_index(gone, i);
-
-        g_hash_table_remove(b->cat->regions, r->name);
-        hvm_region_free(r);
-        *dirty = true;
-    }
-    /* Files no catalogue entry names: a crash between create and commit,
-     * or a destroyed region whose last client was attached at shutdown. */
-    d = opendir(b->pool_dir);
-    while (d && (de = readdir(d))) {
-        guint64 id;
-        char *end;
-
-        if (strncmp(de->d_name, "r-", 2)) {
-            continue;
-        }
-        id = g_ascii_strtoull(de->d_name + 2, &end, 10);
-        if (*end || g_hash_table_contains(ids, &id)) {
-            continue;
-        }
-        g_message("removing %s/%s: in no catalogue entry", b->pool_dir,
-                  de->d_name);
-        unlinkat(dirfd(d), de->d_name, 0);
-    }
-    if (d) {
-        closedir(d);
-    }
-    g_ptr_array_free(gone, TRUE);
-    g_hash_table_destroy(ids);
-}
-
 static bool parse_uid(const char *s, uint32_t *uid, uint32_t *gid)
 {
     struct passwd *pw;
@@ -464,6 +399,7 @@ static bool provision(Broker *b, const char *file, bool *dirty, GError **errp)
             uint64_t size;
             char *end;
             HvmRegion *r;
+            bool fresh;
 
             if (why) {
                 g_set_error(errp, G_KEY_FILE_ERROR, G_KEY_FILE_ERROR_INVALID_VALUE,
@@ -494,39 +430,41 @@ static bool provision(Broker *b, const char *file, bool *dirty, GError **errp)
             }
             size = hvmd_round_up(size, b->align);
             r = g_hash_table_lookup(b->cat->regions, name);
-            if (!r) {
-                g_autofree char *path = NULL;
-                int fd;
-
+            fresh = !r;
+            if (fresh) {
                 r = hvm_region_new(name, b->cat->next_id++, size, mode, uid, gid);
-                path = hvmd_region_path(b, r->id);
-                fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-                if (fd < 0 || ftruncate(fd, size) < 0) {
-                    g_set_error(errp, G_IO_ERROR, g_io_error_from_errno(errno),
-                                "%s: cannot create %s: %s", g, path,
-                                g_strerror(errno));
-                    hvm_region_free(r);
+            }
+            if (fresh || size > r->size) {
+                char msg[HVM_MAX_MSG];
+                int fd = hvmd_region_open(b, r->id, O_RDWR |
+                                          (fresh ? O_CREAT | O_EXCL : 0),
+                                          msg, sizeof(msg));
+
+                if (fd >= 0 && ftruncate(fd, size) < 0) {
+                    snprintf(msg, sizeof(msg), "cannot size its file to %"
+                             G_GUINT64_FORMAT ": %s", size, g_strerror(errno));
+                    close(fd);
+                    fd = -1;
+                }
+                if (fd < 0) {
+                    g_set_error(errp, G_IO_ERROR, G_IO_ERROR_FAILED, "%s: [%s]: %s",
+                                file, g, msg);
+                    if (fresh) {
+                        hvm_region_free(r);
+                    }
                     return false;
                 }
                 close(fd);
+                r->size = size;
+            }
+            if (fresh) {
                 g_hash_table_insert(b->cat->regions, r->name, r);
                 g_message("provisioned region '%s': %" G_GUINT64_FORMAT
                           " bytes, mode %03o, uid %u", name, size, mode, uid);
-            } else {
-                if (size > r->size) {
-                    g_autofree char *path = hvmd_region_path(b, r->id);
-
-                    if (truncate(path, size) < 0) {
-                        g_set_error(errp, G_IO_ERROR, g_io_error_from_errno(errno),
-                                    "%s: cannot grow %s", g, path);
-                        return false;
-                    }
-                    r->size = size;
-                }
-                r->mode = mode;
-                r->uid = uid;
-                r->gid = gid;
             }
+            r->mode = mode;
+            r->uid = uid;
+            r->gid = gid;
             *dirty = true;
         } else {
             g_set_error(errp, G_KEY_FILE_ERROR, G_KEY_FILE_ERROR_GROUP_NOT_FOUND,
@@ -571,6 +509,28 @@ static gboolean on_signal(gpointer opaque)
 {
     g_main_loop_quit(opaque);
     return G_SOURCE_REMOVE;
+}
+
+/* Check and open the pool and state directories. */
+static bool open_dirs(Broker *b, GError **errp)
+{
+    b->pool_fd = hvmd_open_dir(b->pool_dir, true, errp);
+    if (b->pool_fd < 0) {
+        g_prefix_error(errp, "unsafe pool directory %s: ", b->pool_dir);
+        return false;
+    }
+    b->state_fd = hvmd_open_dir(b->state_dir, true, errp);
+    if (b->state_fd < 0) {
+        g_prefix_error(errp, "unsafe state directory %s: ", b->state_dir);
+        return false;
+    }
+    /* Clients only ever hold what the broker passes them. */
+    if (fchmod(b->pool_fd, 0700) < 0) {
+        g_set_error(errp, G_IO_ERROR, g_io_error_from_errno(errno), "%s: %s",
+                    b->pool_dir, g_strerror(errno));
+        return false;
+    }
+    return true;
 }
 
 int main(int argc, char **argv)
@@ -646,14 +606,11 @@ int main(int argc, char **argv)
         g_printerr("hvmemd: --quota %s is not a size\n", quota_s);
         return 2;
     }
-    if (g_mkdir_with_parents(b->pool_dir, 0700) < 0 ||
-        g_mkdir_with_parents(b->state_dir, 0700) < 0 ||
-        chmod(b->pool_dir, 0700) < 0) {
-        g_printerr("hvmemd: cannot create %s or %s: %s\n", b->pool_dir,
-                   b->state_dir, g_strerror(errno));
+    if (!open_dirs(b, &err)) {
+        g_printerr("hvmemd: %s\n", err->message);
         return 1;
     }
-    if (statfs(b->pool_dir, &sfs) < 0) {
+    if (fstatfs(b->pool_fd, &sfs) < 0) {
         g_printerr("hvmemd: statfs %s: %s\n", b->pool_dir, g_strerror(errno));
         return 1;
     }
@@ -668,13 +625,16 @@ int main(int argc, char **argv)
         b->capacity = (uint64_t)sfs.f_blocks * sfs.f_bsize;
     }
 
-    b->cat = hvm_catalog_load(b->state_dir, &err);
+    b->cat = hvm_catalog_load(b->state_fd, b->state_dir, &err);
     if (!b->cat) {
         /* Never start over a catalogue we cannot read: it names live data. */
         g_printerr("hvmemd: %s\n", err->message);
         return 1;
     }
-    reconcile(b, &dirty);
+    if (!hvmd_reconcile(b, &dirty, &err)) {
+        g_printerr("hvmemd: %s\n", err->message);
+        return 1;
+    }
     if (config && !provision(b, config, &dirty, &err)) {
         g_printerr("hvmemd: %s\n", err->message);
         return 1;

@@ -1,6 +1,7 @@
 /*
- * hvmemd's internals shared by its two files: hvmemd.c (connections,
- * start-up, main) and hvmemd-ops.c (what a request may do and does).
+ * hvmemd's internals shared by its files: hvmemd.c (connections, start-up,
+ * main), hvmemd-ops.c (what a request may do and does) and hvmemd-pool.c
+ * (the pool and state directories: checks, region files).
  *
  * Copyright (c) 2026 hybridvm contributors
  *
@@ -23,6 +24,8 @@ typedef struct Broker {
     char *pool_dir;
     char *state_dir;
     char *sock_path;
+    int pool_fd;                /* the checked pool directory: files are */
+    int state_fd;               /* opened relative to these (openat) */
     uint64_t capacity;
     uint64_t quota;             /* per uid, 0 = none; [quota] overrides */
     GHashTable *quotas;         /* uid -> uint64_t * */
@@ -50,8 +53,23 @@ typedef struct Conn {
     GHashTable *attached;       /* HvmRegion * this connection mapped */
 } Conn;
 
-/* The region's file in the pool (g_free() it). */
+/*
+ * hvmemd-pool.c.  Open directory @path (creating what is missing when
+ * @create), checking it and every directory and symbolic link on the way
+ * (docs/broker.md, "Directories"): a descriptor, or -1 with @errp set.
+ */
+int hvmd_open_dir(const char *path, bool create, GError **errp);
+/* The region's file in the pool, for messages (g_free() it). */
 char *hvmd_region_path(Broker *b, uint64_t id);
+/*
+ * Open the region's file relative to the pool descriptor, never through a
+ * symbolic link; without O_CREAT it must be a regular file of the broker's.
+ * A descriptor, or a negative errno with @msg.
+ */
+int hvmd_region_open(Broker *b, uint64_t id, int flags, char *msg, size_t ml);
+int hvmd_region_unlink(Broker *b, uint64_t id);
+/* Start-up: catalogue and pool files agree (false: refuse to start). */
+bool hvmd_reconcile(Broker *b, bool *dirty, GError **errp);
 
 static inline uint64_t hvmd_round_up(uint64_t v, uint64_t a)
 {

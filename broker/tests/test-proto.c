@@ -6,9 +6,13 @@
  *
  * SPDX-License-Identifier: GPL-2.0-or-later
  */
+#define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <string.h>
+#include <unistd.h>
 #include <glib.h>
+#include <glib/gstdio.h>
 
 #include "../catalog.h"
 #include "../proto.h"
@@ -246,6 +250,56 @@ static void test_catalog(void)
     hvm_catalog_free(back);
 }
 
+/*
+ * The rename is the commit point: when the directory fsync after it fails,
+ * hvm_catalog_save() reports success (and warns), so that the caller keeps
+ * in memory what the disk already says.  The failure is injected by handing
+ * it an O_PATH descriptor of the directory: openat() and renameat() work
+ * relative to one, fsync() on one fails with EBADF.
+ */
+static void test_commit_point(void)
+{
+    g_autofree char *dir = g_dir_make_tmp("hvm-cat-XXXXXX", NULL);
+    g_autofree char *path = g_build_filename(dir, "catalog", NULL);
+    g_autofree char *tmp = g_build_filename(dir, "catalog.tmp", NULL);
+    HvmCatalog *cat = hvm_catalog_new(), *back;
+    HvmRegion *r = hvm_region_new("r", 1, 4 * MiB, 0600, 0, 0);
+    GByteArray *mem, *disk;
+    GError *err = NULL;
+    int dfd = open(dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
+
+    g_assert_cmpint(dfd, >=, 0);
+    g_assert_cmpint(fsync(dfd), ==, -1);
+    g_hash_table_insert(cat->regions, r->name, r);
+    cat->next_id = 2;
+    g_test_expect_message(NULL, G_LOG_LEVEL_WARNING,
+                          "*committed, but cannot sync directory*");
+    g_assert_cmpint(hvm_catalog_save(cat, dfd, dir, &err), ==, 0);
+    g_test_assert_expected_messages();
+    g_assert_no_error(err);
+    /* what the next start reads is what memory holds */
+    back = hvm_catalog_load(dfd, dir, &err);
+    g_assert_no_error(err);
+    mem = hvm_catalog_serialize(cat);
+    disk = hvm_catalog_serialize(back);
+    g_assert_cmpmem(mem->data, mem->len, disk->data, disk->len);
+    g_assert_nonnull(g_hash_table_lookup(back->regions, "r"));
+    /* a failure before the rename changes nothing and says so */
+    g_assert_cmpint(g_unlink(path), ==, 0);
+    g_assert_cmpint(g_mkdir(path, 0700), ==, 0);    /* rename() over it fails */
+    g_assert_cmpint(hvm_catalog_save(cat, dfd, dir, &err), <, 0);
+    g_assert_nonnull(err);
+    g_clear_error(&err);
+    g_assert_false(g_file_test(tmp, G_FILE_TEST_EXISTS));
+    g_rmdir(path);
+    g_byte_array_free(mem, TRUE);
+    g_byte_array_free(disk, TRUE);
+    hvm_catalog_free(cat);
+    hvm_catalog_free(back);
+    close(dfd);
+    g_rmdir(dir);
+}
+
 static void test_sizes(void)
 {
     uint64_t v;
@@ -272,6 +326,7 @@ int main(int argc, char **argv)
     g_test_add_func("/broker/proto/reply", test_reply);
     g_test_add_func("/broker/catalog/alloc", test_alloc);
     g_test_add_func("/broker/catalog/snapshot", test_catalog);
+    g_test_add_func("/broker/catalog/commit-point", test_commit_point);
     g_test_add_func("/broker/proto/sizes", test_sizes);
     return g_test_run();
 }
