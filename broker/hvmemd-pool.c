@@ -3,7 +3,8 @@
  * directory it checks it and every directory and symbolic link on the way to
  * it, as sshd (safe_path) and systemd (chase with CHASE_SAFE) do, and from
  * then on opens files relative to the checked descriptor, never through a
- * symbolic link.  At start the catalogue and the pool's files are made to agree.  The rules are in
+ * symbolic link.  One broker per directory: an instance lock.  At start the
+ * catalogue and the pool's files are made to agree.  The rules are in
  * docs/broker.md, "Directories".
  *
  * Copyright (c) 2026 hybridvm contributors
@@ -236,6 +237,55 @@ out:
     g_ptr_array_free(names, TRUE);
     g_queue_clear_full(&todo, g_free);
     return dfd;
+}
+
+/*
+ * One broker per directory.  Two on one pool would each delete the files
+ * the other's catalogue names, and the second would take the socket over.
+ * The lock is a POSIX record lock (fcntl F_SETLK, a write lock on the whole
+ * of "hvmemd.lock"): the kernel drops it when the process ends, however it
+ * ends, and F_GETLK names the holder's pid.  A POSIX lock also goes when the
+ * process closes *any* descriptor of the file, so the file is opened once
+ * and its descriptor kept (deliberately leaked) for the process's life.
+ */
+bool hvmd_lock_dir(int dfd, const char *path, GError **errp)
+{
+    struct flock fl = { .l_type = F_WRLCK, .l_whence = SEEK_SET };
+    char pid[32];
+    int fd, n;
+
+    fd = openat(dfd, "hvmemd.lock", O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW,
+                0600);
+    if (fd < 0) {
+        return fail(errp, errno, "cannot open %s/hvmemd.lock: %s", path,
+                    g_strerror(errno));
+    }
+    if (fcntl(fd, F_SETLK, &fl) < 0) {
+        int err = errno;
+        struct flock who = { .l_type = F_WRLCK, .l_whence = SEEK_SET };
+
+        if (err != EAGAIN && err != EACCES) {
+            close(fd);
+            return fail(errp, err, "cannot lock %s/hvmemd.lock: %s", path,
+                        g_strerror(err));
+        }
+        if (fcntl(fd, F_GETLK, &who) == 0 && who.l_type != F_UNLCK &&
+            who.l_pid > 0) {
+            snprintf(pid, sizeof(pid), "pid %d", (int)who.l_pid);
+        } else {
+            /* in another pid namespace, or it has just gone */
+            snprintf(pid, sizeof(pid), "pid unknown here");
+        }
+        close(fd);
+        return fail(errp, EBUSY, "%s is in use by another hvmemd (%s): it holds "
+                    "the lock %s/hvmemd.lock", path, pid, path);
+    }
+    /* For people: the holder's pid (the lock itself is what counts). */
+    n = snprintf(pid, sizeof(pid), "%d\n", (int)getpid());
+    if (ftruncate(fd, 0) < 0 || pwrite(fd, pid, n, 0) != n) {
+        g_warning("cannot write %s/hvmemd.lock: %s", path, g_strerror(errno));
+    }
+    return true;
 }
 
 /* ---- region files ---- */

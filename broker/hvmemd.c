@@ -476,7 +476,8 @@ static bool provision(Broker *b, const char *file, bool *dirty, GError **errp)
     return true;
 }
 
-static int listen_on(const char *path, unsigned mode, GError **errp)
+/* Listen on @path; *@ino is the socket file's, to remove only our own. */
+static int listen_on(const char *path, unsigned mode, ino_t *ino, GError **errp)
 {
     struct sockaddr_un sa = { .sun_family = AF_UNIX };
     struct stat st;
@@ -489,12 +490,13 @@ static int listen_on(const char *path, unsigned mode, GError **errp)
         return -1;
     }
     strcpy(sa.sun_path, path);
+    /* A stale socket of a broker that died (the pool lock says none runs). */
     if (lstat(path, &st) == 0 && S_ISSOCK(st.st_mode)) {
         unlink(path);
     }
     fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0 || bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 ||
-        chmod(path, mode) < 0 || listen(fd, 128) < 0) {
+        chmod(path, mode) < 0 || listen(fd, 128) < 0 || lstat(path, &st) < 0) {
         g_set_error(errp, G_IO_ERROR, g_io_error_from_errno(errno),
                     "cannot listen on %s: %s", path, g_strerror(errno));
         if (fd >= 0) {
@@ -502,6 +504,7 @@ static int listen_on(const char *path, unsigned mode, GError **errp)
         }
         return -1;
     }
+    *ino = st.st_ino;
     return fd;
 }
 
@@ -511,9 +514,11 @@ static gboolean on_signal(gpointer opaque)
     return G_SOURCE_REMOVE;
 }
 
-/* Check and open the pool and state directories. */
+/* Check and open the pool and state directories and take their locks. */
 static bool open_dirs(Broker *b, GError **errp)
 {
+    struct stat ps, ss;
+
     b->pool_fd = hvmd_open_dir(b->pool_dir, true, errp);
     if (b->pool_fd < 0) {
         g_prefix_error(errp, "unsafe pool directory %s: ", b->pool_dir);
@@ -525,12 +530,17 @@ static bool open_dirs(Broker *b, GError **errp)
         return false;
     }
     /* Clients only ever hold what the broker passes them. */
-    if (fchmod(b->pool_fd, 0700) < 0) {
+    if (fchmod(b->pool_fd, 0700) < 0 || fstat(b->pool_fd, &ps) < 0 ||
+        fstat(b->state_fd, &ss) < 0) {
         g_set_error(errp, G_IO_ERROR, g_io_error_from_errno(errno), "%s: %s",
                     b->pool_dir, g_strerror(errno));
         return false;
     }
-    return true;
+    if (!hvmd_lock_dir(b->pool_fd, b->pool_dir, errp)) {
+        return false;
+    }
+    return (ps.st_dev == ss.st_dev && ps.st_ino == ss.st_ino) ||
+           hvmd_lock_dir(b->state_fd, b->state_dir, errp);
 }
 
 int main(int argc, char **argv)
@@ -567,7 +577,9 @@ int main(int argc, char **argv)
     GError *err = NULL;
     struct statfs sfs;
     struct rlimit rl;
+    struct stat st;
     unsigned sock_mode = 0666;
+    ino_t sock_ino = 0;
     bool dirty = false;
 
     g_option_context_add_main_entries(ctx, entries, NULL);
@@ -659,7 +671,7 @@ int main(int argc, char **argv)
         }
     }
     b->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-    b->listen_fd = listen_on(b->sock_path, sock_mode, &err);
+    b->listen_fd = listen_on(b->sock_path, sock_mode, &sock_ino, &err);
     if (b->listen_fd < 0) {
         g_printerr("hvmemd: %s\n", err->message);
         return 1;
@@ -675,7 +687,9 @@ int main(int argc, char **argv)
               b->sock_path, b->pool_dir, b->capacity, b->align,
               g_hash_table_size(b->cat->regions), b->cat->generation);
     g_main_loop_run(b->loop);
-    unlink(b->sock_path);
+    if (lstat(b->sock_path, &st) == 0 && st.st_ino == sock_ino) {
+        unlink(b->sock_path);
+    }
     g_message("stopped");
     return 0;
 }

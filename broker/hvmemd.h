@@ -1,7 +1,7 @@
 /*
  * hvmemd's internals shared by its files: hvmemd.c (connections, start-up,
  * main), hvmemd-ops.c (what a request may do and does) and hvmemd-pool.c
- * (the pool and state directories: checks, region files).
+ * (the pool and state directories: checks, lock, region files).
  *
  * Copyright (c) 2026 hybridvm contributors
  *
@@ -59,6 +59,8 @@ typedef struct Conn {
  * (docs/broker.md, "Directories"): a descriptor, or -1 with @errp set.
  */
 int hvmd_open_dir(const char *path, bool create, GError **errp);
+/* Take the instance lock of the directory @dfd (named @path) or say who has it. */
+bool hvmd_lock_dir(int dfd, const char *path, GError **errp);
 /* The region's file in the pool, for messages (g_free() it). */
 char *hvmd_region_path(Broker *b, uint64_t id);
 /*

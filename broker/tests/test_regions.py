@@ -100,7 +100,7 @@ class RegionTest(BrokerTestCase):
         self.c.create('x' * 255, MiB)
         self.c.create('ok-name_1.2', MiB)
         self.assertBrokerError(errno.EINVAL, self.c.alloc, 'ok-name_1.2', 'i/j', 1)
-        self.assertEqual(sorted(os.listdir(self.pool)), ['catalog', 'r-1', 'r-2'])
+        self.assertEqual(sorted(os.listdir(self.pool)), ['catalog', 'hvmemd.lock', 'r-1', 'r-2'])
         self.assertHealthy()
 
     def test_cli(self):

@@ -1,13 +1,15 @@
 """What the broker checks before it serves anyone: its pool and state
 directories must be its own and out of other users' reach, every directory
 above them too (the rule of docs/broker.md, "Directories"), region files are
-opened relative to the checked directory and never through a symbolic link.
+opened relative to the checked directory and never through a symbolic link;
+and one broker per pool and state directory (a lock names the first).
 
 Another user is the real uid `nobody` (65534): these tests need root."""
 
 import errno
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import unittest
@@ -112,6 +114,7 @@ class PoolDirectoryTest(StartupTestCase):
         os.lchown(link, 0, 0)
         self.accepted(link)
         self.assertEqual(os.stat(target).st_mode & 0o777, 0o700)    # the pool
+        self.assertIn('hvmemd.lock', os.listdir(target))
         # a link owned by root through a directory another user owns
         nobodys = self.tempdir(self.workdir, 0o755, NOBODY)
         os.symlink(os.path.join(nobodys, 'x'), os.path.join(self.workdir, 'via'))
@@ -142,6 +145,36 @@ class PoolDirectoryTest(StartupTestCase):
         self.broker.start()
         self.c = self.broker.client()
         self.assertEqual(self.c.list(), [])     # its file is gone: dropped
+
+
+class SingleInstanceTest(StartupTestCase):
+
+    def test_second_broker_on_the_same_pool_refused(self):
+        """A second hvmemd on the same pool and socket exits non-zero naming
+        the first one's pid; the first keeps its socket and answers.  The
+        same for a second one sharing only the state directory."""
+        self.c.create('r', MiB)
+        pid = self.broker.proc.pid
+        second = self.other(self.pool)
+        second.sock = self.broker.sock
+        rc = second.start(expect_fail=True, timeout=5)
+        log = second.read_log()
+        self.assertIsNotNone(rc, 'second hvmemd did not exit: ' + log)
+        self.assertNotEqual(rc, 0, log)
+        self.assertIn(f'{self.pool} is in use by another hvmemd (pid {pid})', log)
+        self.assertTrue(os.path.exists(self.broker.sock))
+        self.assertHealthy()
+        self.assertEqual([r['name'] for r in self.c.list()], ['r'])
+        fresh = os.path.join(self.tempdir('/dev/shm'), 'pool')
+        self.refused(fresh, ['--state-dir', self.pool],
+                     words=(f'{self.pool} is in use by another hvmemd (pid {pid})',))
+        self.assertHealthy()
+        # once the first is gone, the next one starts
+        self.c.close()
+        self.broker.stop(signal.SIGKILL)
+        self.broker.start()
+        self.c = self.broker.client()
+        self.assertEqual([r['name'] for r in self.c.list()], ['r'])
 
 
 if __name__ == '__main__':
