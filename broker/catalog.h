@@ -60,6 +60,8 @@ typedef struct HvmRegion {
     unsigned attached;      /* connections that mapped it */
     void *lease;            /* the connection holding the read-write lease */
     uint32_t lease_pid;
+    void *last_lease;       /* the connection that released it, while open */
+    uint32_t last_lease_pid;    /* the last holder's pid, 0 if none since start */
 } HvmRegion;
 
 typedef struct HvmCatalog {

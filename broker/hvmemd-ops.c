@@ -526,6 +526,87 @@ static int op_list(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
     return 0;
 }
 
+/*
+ * Is the region's file open for writing anywhere?  1 yes, 0 no (or the
+ * kernel cannot tell: *@err is then set), negative errno with @msg when the
+ * file cannot be opened.  Releasing a lease (or closing the
+ * connection that held it) takes back no descriptor: the last holder, or a
+ * process it passed the descriptor to (hvmem map's COMMAND), may still
+ * write.  The kernel counts every open-for-writing file description of the
+ * inode, in any process, and a shared writable mapping keeps its file open:
+ * a read lease (F_SETLEASE, F_RDLCK) is refused with EAGAIN exactly while
+ * that count is not zero.  So take one on a read-only descriptor and drop it
+ * at once.  Meanwhile an open for writing (only root could: the file is 0600
+ * in a 0700 directory) waits for the release; the SIGIO that tells the lease
+ * holder is ignored (main).  No pid is involved, so pid reuse cannot fool it.
+ */
+static int open_for_writing(Broker *b, HvmRegion *r, int *err, char *msg,
+                            size_t ml)
+{
+    int ret = 0, fd = hvmd_region_open(b, r->id, O_RDONLY, msg, ml);
+
+    if (fd < 0) {
+        return fd;
+    }
+    if (fcntl(fd, F_SETLEASE, F_RDLCK) < 0) {
+        ret = errno == EAGAIN;
+        *err = errno == EAGAIN ? 0 : errno;
+    } else if (fcntl(fd, F_SETLEASE, F_UNLCK) < 0) {
+        g_warning("cannot drop the lease on region '%s': %s", r->name,
+                  g_strerror(errno));
+    }
+    close(fd);
+    return ret;
+}
+
+/*
+ * May @c take @r's read-write lease?  Not while another connection holds it,
+ * nor while someone can still write through a descriptor of an earlier one
+ * (unless @c itself released it: it is that writer, or passed it on).
+ */
+static int may_lease(Conn *c, HvmRegion *r, char *msg, size_t ml)
+{
+    static bool warned;
+    char who[96];
+    int ret, err = 0;
+
+    if (r->lease == c) {
+        return 0;
+    }
+    if (r->lease) {
+        FAIL(-EBUSY, "region '%s' already has a read-write owner (pid %u); "
+             "map it read-only or wait until that process lets go",
+             r->name, r->lease_pid);
+    }
+    if (r->last_lease == c) {
+        return 0;
+    }
+    ret = open_for_writing(c->b, r, &err, msg, ml);
+    if (ret < 0) {
+        return ret;
+    }
+    if (err && !warned) {
+        /* e.g. /proc/sys/fs/leases-enable is 0: grant on the release alone */
+        g_warning("cannot tell whether region files are still open for "
+                  "writing (F_SETLEASE: %s): read-write leases are granted "
+                  "once released, whoever still holds a descriptor",
+                  g_strerror(err));
+        warned = true;
+    }
+    if (!ret) {
+        return 0;
+    }
+    if (r->last_lease_pid) {
+        snprintf(who, sizeof(who), "by its last read-write owner, pid %u, or "
+                 "a process it passed the descriptor to", r->last_lease_pid);
+    } else {
+        snprintf(who, sizeof(who), "by a process that mapped it before this "
+                 "broker started");
+    }
+    FAIL(-EBUSY, "region '%s' is still open for writing (%s); map it "
+         "read-only, or wait until that process lets go", r->name, who);
+}
+
 static int op_map(Conn *c, HvmRequest *q, GByteArray *data, int *fd_out,
                   char *msg, size_t ml)
 {
@@ -537,10 +618,11 @@ static int op_map(Conn *c, HvmRequest *q, GByteArray *data, int *fd_out,
     if (!r) {
         return ret;
     }
-    if (rw && r->lease && r->lease != c) {
-        FAIL(-EBUSY, "region '%s' already has a read-write owner (pid %u); "
-             "map it read-only or wait until that process lets go",
-             r->name, r->lease_pid);
+    if (rw) {
+        ret = may_lease(c, r, msg, ml);
+        if (ret) {
+            return ret;
+        }
     }
     /* A reader gets O_RDONLY: mmap(PROT_WRITE, MAP_SHARED) on it is EACCES. */
     fd = hvmd_region_open(c->b, r->id, rw ? O_RDWR : O_RDONLY, msg, ml);
@@ -577,6 +659,8 @@ static int op_release(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
              r->name);
     }
     r->lease = NULL;
+    r->last_lease = c;
+    r->last_lease_pid = r->lease_pid;
     r->lease_pid = 0;
     return 0;
 }

@@ -120,7 +120,11 @@ static void conn_close(Conn *c)
             g_message("region '%s': read-write lease of pid %u released "
                       "(connection closed)", r->name, r->lease_pid);
             r->lease = NULL;
+            r->last_lease_pid = r->lease_pid;
             r->lease_pid = 0;
+        }
+        if (r->last_lease == c) {
+            r->last_lease = NULL;
         }
         g_assert(r->attached > 0);
         if (--r->attached == 0 && r->destroyed) {
@@ -677,6 +681,7 @@ int main(int argc, char **argv)
         return 1;
     }
     signal(SIGPIPE, SIG_IGN);
+    signal(SIGIO, SIG_IGN);     /* lease breaks: see open_for_writing() */
     b->loop = g_main_loop_new(NULL, FALSE);
     g_unix_signal_add(SIGTERM, on_signal, b->loop);
     g_unix_signal_add(SIGINT, on_signal, b->loop);

@@ -338,6 +338,9 @@ def agent_main(sock):
                 info, fd = client.map(cmd['name'], cmd.get('rw', False))
                 prot = mmap.PROT_READ | (mmap.PROT_WRITE if cmd.get('rw') else 0)
                 m = mmap.mmap(fd, info['size'], flags=mmap.MAP_SHARED, prot=prot)
+                if cmd['name'] in held:     # a second map replaces the first
+                    held[cmd['name']][1].close()
+                    os.close(held[cmd['name']][0])
                 held[cmd['name']] = (fd, m)
                 out = {'result': info,
                        'accmode': fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE}
@@ -358,6 +361,11 @@ def agent_main(sock):
             elif op == 'read':
                 m = held[cmd['name']][1]
                 out = {'result': m[cmd['offset']:cmd['offset'] + cmd['len']].hex()}
+            elif op == 'unmap':
+                fd, m = held.pop(cmd['name'])
+                m.close()
+                os.close(fd)
+                out = {'result': None}
             else:
                 out = {'errno': errno.EINVAL, 'msg': f'unknown agent op {op}'}
         except BrokerError as e:

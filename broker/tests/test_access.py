@@ -3,7 +3,8 @@ one process's read-write mapping is read through another's read-only one; a
 read-only descriptor cannot be mapped writable; one read-write owner at a
 time, its lease gone with its process; mode bits refuse other uids;
 only the owner changes permissions or destroys; destroy waits for the last
-attached client before the file goes."""
+attached client before the file goes; a new read-write owner waits until no
+process can still write through an old descriptor."""
 
 import errno
 import os
@@ -186,7 +187,54 @@ class AccessTest(BrokerTestCase):
         finally:
             os.killpg(holder.pid, signal.SIGKILL)
             holder.wait()
-        self.hvmem('map', 'm', '--rw', '--', 'true')
+        # the killed group's sleep held the descriptor: gone, the lease is free
+        wait_for(lambda: self.hvmem('map', 'm', '--rw', '--', 'true',
+                                    check=False).returncode == 0, what='read-write map')
+        self.assertHealthy()
+
+    def test_no_new_writer_while_an_old_one_can_write(self):
+        """After a release, another process's read-write map is refused with
+        EBUSY (naming the last holder) while that holder still has the region
+        open for writing, and granted once it lets go; the connection that
+        released may take the lease back; read-only maps work throughout."""
+        self.c.create('r', 2 * MiB, 0o666)
+        a, b = self.agent(), self.agent(NOBODY)
+        a.ok(op='map', name='r', rw=True)
+        a.ok(op='call', method='release', name='r')
+        res = b.do(op='map', name='r', rw=True)
+        self.assertEqual(res.get('errno'), errno.EBUSY, res)
+        self.assertIn('still open for writing', res['msg'])
+        self.assertIn(f'pid {a.pid}', res['msg'])
+        self.assertEqual(self.c.lookup('r')['flags'] & LEASED, 0)
+        b.ok(op='map', name='r')
+        a.ok(op='write', name='r', offset=0, hex='0a')     # what the refusal is for
+        self.assertEqual(b.ok(op='read', name='r', offset=0, len=1)['result'], '0a')
+        a.ok(op='map', name='r', rw=True)                  # its own lease back
+        a.ok(op='call', method='release', name='r')
+        a.ok(op='unmap', name='r')
+        self.assertEqual(b.ok(op='map', name='r', rw=True)['result']['lease_pid'], b.pid)
+        self.assertHealthy()
+
+    def test_cli_command_keeps_the_region_writable(self):
+        """hvmem map --rw killed while its COMMAND still holds the descriptor:
+        the lease goes with hvmem, but no new read-write owner is admitted
+        until COMMAND exits too."""
+        self.c.create('m', 2 * MiB)
+        holder = subprocess.Popen([HVMEM, '-s', self.broker.sock, 'map', 'm', '--rw',
+                                   '--', 'sleep', '60'], start_new_session=True)
+        try:
+            wait_for(lambda: self.c.lookup('m')['lease_pid'] == holder.pid,
+                     what='lease to the hvmem process')
+            holder.kill()
+            holder.wait()
+            wait_for(lambda: not self.c.lookup('m')['flags'] & LEASED, what='lease release')
+            p = self.hvmem('map', 'm', '--rw', '--', 'true', check=False)
+            self.assertEqual(p.returncode, 1, p.stderr)
+            self.assertIn('still open for writing', p.stderr)
+        finally:
+            os.killpg(holder.pid, signal.SIGKILL)
+        wait_for(lambda: self.hvmem('map', 'm', '--rw', '--', 'true',
+                                    check=False).returncode == 0, what='read-write map')
         self.assertHealthy()
 
 

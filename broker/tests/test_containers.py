@@ -6,6 +6,7 @@ are made through mmap inside the containers."""
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -105,9 +106,12 @@ class ContainerTest(unittest.TestCase):
         os.close(fd)
 
     def test_lease_held_while_running_and_released_at_death(self):
+        """The runner holds the lease while the container runs; killing the
+        runner alone releases it, but the container lives on and can still
+        write, so no other read-write owner is admitted until it is gone."""
         self.c.create('leased', 4 * MiB)
         p = subprocess.Popen([CONTAINER, '-s', self.broker.sock, '--rw', 'leased', '--',
-                              'sleep', '60'], env=self.env)
+                              'sleep', '60'], env=self.env, start_new_session=True)
         try:
             B.wait_for(lambda: self.c.lookup('leased')['flags'] & B.LEASED,
                        what='the lease')
@@ -118,19 +122,31 @@ class ContainerTest(unittest.TestCase):
             r = self.run_in('leased', PY, '-c', STORE, 'x', rw=True, check=False)
             self.assertNotEqual(r.returncode, 0)
             self.assertIn('read-write owner', r.stderr)
-            p.kill()                     # the runner dies with its container
+            p.kill()                     # the runner (hvmem) only
             p.wait(30)
             B.wait_for(lambda: not self.c.lookup('leased')['flags'] & B.LEASED,
                        what='the lease to go')
-            _, fd = other.map('leased', rw=True)
-            os.close(fd)
+            with self.assertRaises(B.BrokerError) as e:
+                other.map('leased', rw=True)
+            self.assertEqual(e.exception.errno, errno.EBUSY)
+            self.assertIn('still open for writing', e.exception.msg)
+            os.killpg(p.pid, signal.SIGKILL)     # the container too
+
+            def mapped():
+                try:
+                    os.close(other.map('leased', rw=True)[1])
+                    return True
+                except B.BrokerError:
+                    return False
+            B.wait_for(mapped, what='a read-write map once the container is gone')
             other.close()
         finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        subprocess.run(['pkill', '-f', 'sleep 60'], check=False)
-        self.assertEqual(host_mounts(), self.before)
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+        B.wait_for(lambda: host_mounts() == self.before, what='no mount left')
 
     def test_another_uid_refused(self):
         self.c.create('private', 4 * MiB, 0o600)
