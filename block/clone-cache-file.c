@@ -76,16 +76,27 @@ void cc_compute_sums(const uint8_t *data, uint32_t len, uint32_t *sums)
     }
 }
 
-/* @buf holds the slot's bytes [start, end) at buf + start: all as written? */
-bool cc_check_sums(CloneCacheStore *s, uint32_t slot, const uint8_t *buf,
-                   uint32_t start, uint32_t end)
+/*
+ * The slot's row of the sum table, copied under the lock (the filler
+ * writes rows under it) so that a reader checks outside it.
+ */
+void cc_copy_sums(CloneCacheStore *s, uint32_t slot, uint32_t *row)
 {
-    const uint32_t *sums = &s->sums[(uint64_t)slot * s->spb];
+    memcpy(row, &s->sums[(uint64_t)slot * s->spb], s->spb * sizeof(*row));
+}
+
+/*
+ * @buf holds a slot's bytes [start, end) at buf + start, @row the slot's
+ * sums (cc_copy_sums()): are they all as written?
+ */
+bool cc_check_sums(const uint32_t *row, const uint8_t *buf, uint32_t start,
+                   uint32_t end)
+{
     uint32_t off;
 
     assert(start % CC_SUB == 0);
     for (off = start; off < end; off += CC_SUB) {
-        if (cc_crc(buf + off, MIN(CC_SUB, end - off)) != sums[off / CC_SUB]) {
+        if (cc_crc(buf + off, MIN(CC_SUB, end - off)) != row[off / CC_SUB]) {
             return false;
         }
     }
@@ -210,12 +221,23 @@ static int cc_write_super(CloneCacheStore *s, Error **errp)
     return ret;
 }
 
-/* An empty cache: every record zero (invalid), every slot free */
+/*
+ * An empty cache: every record zero (invalid), every slot free.  The
+ * superblock goes into the emptied file before it grows, so that a crash
+ * leaves either an empty file or one with our magic: never a file of
+ * zeros, which the next open would refuse as not ours.
+ */
 static int cc_format(CloneCacheStore *s, Error **errp)
 {
     int ret = blk_truncate(s->blk, 0, true, PREALLOC_MODE_OFF, 0, errp);
     uint64_t i;
 
+    s->epoch = 0;
+    if (ret == 0) {
+        blk_set_allow_write_beyond_eof(s->blk, true);
+        ret = cc_write_super(s, errp);
+        blk_set_allow_write_beyond_eof(s->blk, false);
+    }
     if (ret == 0) {
         ret = blk_truncate(s->blk, s->size, true, PREALLOC_MODE_OFF, 0,
                            errp);
@@ -231,13 +253,14 @@ static int cc_format(CloneCacheStore *s, Error **errp)
         s->slots[i].fp_next = CC_NONE;
         cc_queue_add(s, &s->slots[i], CC_Q_FREE);
     }
-    s->epoch = 0;
     return 0;
 }
 
 /*
  * Check the superblock.  1: matches our geometry; 0: empty, or ours with
  * another geometry or damaged (start empty); -errno: not a cache file.
+ * Only an empty file or one with our magic is ever (re)formatted: a file
+ * of any other content, zeros included, may be someone's data.
  */
 static int cc_check_super(CloneCacheStore *s, Error **errp)
 {
@@ -259,12 +282,10 @@ static int cc_check_super(CloneCacheStore *s, Error **errp)
         error_setg_errno(errp, -ret, "Cannot read '%s'", s->filename);
         return ret;
     }
-    if (memcmp(sb->magic, CC_MAGIC, sizeof(sb->magic))) {
-        if (cc_all_zero(buf, CC_SB_SIZE)) {
-            return 0;
-        }
-        error_setg(errp, "'%s' is not a clone cache file; refusing to "
-                   "overwrite it", s->filename);
+    if (len < sizeof(*sb) || memcmp(sb->magic, CC_MAGIC, sizeof(sb->magic))) {
+        error_setg(errp, "'%s' is not a clone cache file (%" PRId64 " bytes "
+                   "without a clone cache superblock); refusing to overwrite "
+                   "it: give a new or empty file", s->filename, len);
         return -EINVAL;
     }
     if (le32_to_cpu(sb->crc) != cc_crc(sb, offsetof(CloneCacheSuper, crc))) {
@@ -400,6 +421,7 @@ static void cc_load_entry(CloneCacheStore *s, uint64_t i, void *p)
     }
     en->key = key;
     en->slot = slot;
+    en->gen = s->bases[b].gen;
     en->used = true;
     en->next = sl->first_entry;
     sl->first_entry = i;
@@ -480,7 +502,7 @@ static void cc_close(CloneCacheStore *s)
     int b;
 
     if (s->blk) {
-        clone_cache_quiesce(s);
+        clone_cache_quiesce(s);     /* the filler and the sweep */
         blk_flush(s->blk);
         blk_unref(s->blk);
         s->blk = NULL;
@@ -669,6 +691,26 @@ static void cc_prop_fp_bits(Object *obj, Visitor *v, const char *name,
     }
 }
 
+/* Tests pause a hit after its lookup to force interleavings with it */
+static void cc_prop_read_delay(Object *obj, Visitor *v, const char *name,
+                               void *opaque, Error **errp)
+{
+    uint64_t value;
+
+    if (visit_type_uint64(v, name, &value, errp)) {
+        qatomic_set(&CLONE_CACHE(obj)->read_delay_ns,
+                    MIN(value, 10 * NANOSECONDS_PER_SECOND));
+    }
+}
+
+static void cc_prop_read_delay_get(Object *obj, Visitor *v, const char *name,
+                                   void *opaque, Error **errp)
+{
+    uint64_t value = qatomic_read(&CLONE_CACHE(obj)->read_delay_ns);
+
+    visit_type_uint64(v, name, &value, errp);
+}
+
 static void cc_set_direct(Object *obj, bool value, Error **errp)
 {
     CloneCacheStore *s = CLONE_CACHE(obj);
@@ -728,6 +770,9 @@ static void cc_class_init(ObjectClass *klass, void *data)
                               cc_prop_fp_bits, NULL, NULL);
     object_class_property_add_bool(klass, "direct", cc_get_direct,
                                    cc_set_direct);
+    object_class_property_add(klass, "x-read-delay-ns", "uint64",
+                              cc_prop_read_delay_get, cc_prop_read_delay,
+                              NULL, NULL);
 }
 
 static const TypeInfo cc_type_info = {

@@ -30,6 +30,7 @@
 #include "trace.h"
 
 #define CC_BATCH            64
+#define CC_SWEEP_STEP       4096    /* entries or slots per step under lock */
 
 /* ---- 2Q queues and the ghost list ---- */
 
@@ -142,21 +143,57 @@ static void cc_fp_remove(CloneCacheStore *s, uint32_t i)
     *pp = sl->fp_next;
 }
 
+static bool cc_entry_stale(CloneCacheStore *s, CloneCacheEntry *en)
+{
+    return en->gen != s->bases[en->key >> CC_BLOCK_BITS].gen;
+}
+
 static void cc_entry_free(CloneCacheStore *s, uint32_t e)
 {
     CloneCacheEntry *en = &s->entries[e];
     int b = en->key >> CC_BLOCK_BITS;
 
-    g_hash_table_remove(s->map, &en->key);
+    if (g_hash_table_lookup(s->map, &en->key) == en) {
+        g_hash_table_remove(s->map, &en->key);
+    }
+    if (cc_entry_stale(s, en)) {
+        s->nb_stale_entries--;
+    } else {
+        s->bases[b].nb_entries--;
+    }
     en->used = false;
-    s->bases[b].nb_entries--;
     s->free_entries[s->nb_free_entries++] = e;
 }
 
 /*
- * Take a slot out of service: its entries go, and so does the slot.  Its
- * on-disk record may still say valid (STALE), so it is invalidated on disk
- * before new data goes in.  @ghost: remember the keys for 2Q admission.
+ * A slot out of service goes on the free list once nobody reads it: a
+ * reader between its lookup and its check must never find other data (or
+ * other sums) in it.  Its on-disk record may still say valid (STALE), so
+ * it is invalidated on disk before new data goes in.
+ */
+static void cc_slot_retire(CloneCacheStore *s, CloneCacheSlot *sl)
+{
+    if (sl->readers) {
+        sl->state = CC_SLOT_RETIRED;
+    } else {
+        sl->state = CC_SLOT_STALE;
+        cc_queue_add(s, sl, CC_Q_FREE);
+    }
+}
+
+/* Let go of a reader reference taken under the lock (lock held) */
+static void cc_slot_unref(CloneCacheStore *s, CloneCacheSlot *sl)
+{
+    assert(sl->readers > 0);
+    if (--sl->readers == 0 && sl->state == CC_SLOT_RETIRED) {
+        sl->state = CC_SLOT_STALE;
+        cc_queue_add(s, sl, CC_Q_FREE);
+    }
+}
+
+/*
+ * Take a slot out of service: its entries go, and so does the slot (once
+ * no reader holds it).  @ghost: remember the keys for 2Q admission.
  */
 static void cc_slot_drop(CloneCacheStore *s, uint32_t i, bool ghost)
 {
@@ -176,8 +213,7 @@ static void cc_slot_drop(CloneCacheStore *s, uint32_t i, bool ghost)
     cc_fp_remove(s, i);
     cc_queue_remove(s, sl);
     sl->pinned = false;
-    sl->state = CC_SLOT_STALE;
-    cc_queue_add(s, sl, CC_Q_FREE);
+    cc_slot_retire(s, sl);
 }
 
 /* Drop one entry; its slot goes when nothing else points at it */
@@ -229,6 +265,23 @@ static bool cc_evict_one(CloneCacheStore *s)
     return true;
 }
 
+/* The live entry of @key, or NULL; a stale one met is dropped */
+static CloneCacheEntry *cc_entry_find(CloneCacheStore *s, uint64_t key)
+{
+    CloneCacheEntry *en = g_hash_table_lookup(s->map, &key);
+
+    if (en && cc_entry_stale(s, en)) {
+        cc_entry_drop(s, en - s->entries);
+        return NULL;
+    }
+    return en;
+}
+
+bool clone_cache_has(CloneCacheStore *s, int base, uint64_t block)
+{
+    return cc_entry_find(s, clone_cache_key(base, block));
+}
+
 static uint32_t cc_alloc_entry(CloneCacheStore *s)
 {
     if (!s->nb_free_entries && !cc_evict_one(s)) {
@@ -246,6 +299,7 @@ static uint32_t cc_alloc_slot(CloneCacheStore *s, bool *stale)
         return CC_NONE;
     }
     sl = QTAILQ_FIRST(&s->free_slots);
+    assert(!sl->readers);
     cc_queue_remove(s, sl);
     *stale = sl->state == CC_SLOT_STALE;
     sl->state = CC_SLOT_FILLING;
@@ -254,8 +308,7 @@ static uint32_t cc_alloc_slot(CloneCacheStore *s, bool *stale)
 
 uint32_t clone_cache_lookup(CloneCacheStore *s, int base, uint64_t block)
 {
-    uint64_t key = clone_cache_key(base, block);
-    CloneCacheEntry *en = g_hash_table_lookup(s->map, &key);
+    CloneCacheEntry *en = cc_entry_find(s, clone_cache_key(base, block));
     CloneCacheSlot *sl;
 
     if (!en) {
@@ -272,8 +325,11 @@ uint32_t clone_cache_lookup(CloneCacheStore *s, int base, uint64_t block)
  * Read bytes [offset, offset + bytes) of a slot that clone_cache_lookup()
  * returned (and so holds a reader reference on) into @buf + offset, check
  * the 4 KiB pieces they fall in against the slot's sums, and release it.
- * -EIO when the data cannot be trusted: the slot is dropped and the caller
- * reads the base instead.
+ * The reference keeps the slot from being reused, and the slot's sequence
+ * is checked again after the read: anything changed meanwhile (the slot
+ * dropped, its base invalidated) is a miss, -EAGAIN.  -EIO when the data
+ * cannot be trusted: the slot is dropped.  Either way the caller reads the
+ * base instead.
  */
 int coroutine_fn clone_cache_read_slot(CloneCacheStore *s, int base,
                                        uint32_t slot, uint8_t *buf,
@@ -281,34 +337,47 @@ int coroutine_fn clone_cache_read_slot(CloneCacheStore *s, int base,
 {
     CloneCacheSlot *sl = &s->slots[slot];
     uint32_t start = QEMU_ALIGN_DOWN(offset, CC_SUB), end;
-    uint64_t seq;
+    uint32_t sums[CC_MAX_BLOCK / CC_SUB];
+    uint64_t seq, delay = qatomic_read(&s->read_delay_ns);
+    bool same;
     int ret;
 
     qemu_mutex_lock(&s->lock);
+    assert(sl->readers && sl->state == CC_SLOT_VALID);
     seq = sl->seq;
     end = MIN(ROUND_UP(offset + bytes, CC_SUB), sl->len);
+    cc_copy_sums(s, slot, sums);
     qemu_mutex_unlock(&s->lock);
 
+    if (delay) {
+        trace_clone_cache_read_delay(s, slot, delay);
+        qemu_co_sleep_ns(QEMU_CLOCK_REALTIME, delay);
+    }
     ret = blk_co_pread(s->blk, s->data_off + (uint64_t)slot * s->block_size +
                        start, end - start, buf + start, 0);
-    if (ret == 0 && !cc_check_sums(s, slot, buf, start, end)) {
+    if (ret == 0 && !cc_check_sums(sums, buf, start, end)) {
         ret = -EIO;
+    }
+
+    qemu_mutex_lock(&s->lock);
+    same = sl->state == CC_SLOT_VALID && sl->seq == seq;
+    if (!same) {
+        ret = -EAGAIN;
+        trace_clone_cache_slot_changed(s, slot);
+    } else if (ret < 0) {
+        s->checksum_errors++;
+        trace_clone_cache_bad_slot(s, slot, ret);
+        cc_slot_drop(s, slot, false);
+    } else {
+        s->bases[base].st.cache_read_bytes += end - start;
+    }
+    cc_slot_unref(s, sl);
+    qemu_mutex_unlock(&s->lock);
+    if (ret == -EIO) {
         error_report("clone-cache '%s': block in slot %" PRIu32 " fails its "
                      "checksum; it is discarded and read from the base",
                      s->filename, slot);
     }
-    qemu_mutex_lock(&s->lock);
-    sl->readers--;
-    if (ret < 0) {
-        s->checksum_errors++;
-        trace_clone_cache_bad_slot(s, slot, ret);
-        if (sl->state == CC_SLOT_VALID && sl->seq == seq) {
-            cc_slot_drop(s, slot, false);
-        }
-    } else {
-        s->bases[base].st.cache_read_bytes += end - start;
-    }
-    qemu_mutex_unlock(&s->lock);
     return ret;
 }
 
@@ -324,7 +393,8 @@ bool clone_cache_read_pending(CloneCacheStore *s, int base, uint64_t block,
     uint64_t key = clone_cache_key(base, block);
     CloneCacheFill *f = g_hash_table_lookup(s->pending, &key);
 
-    if (!f || offset + bytes > f->len) {
+    /* a fill read before its base was invalidated is not served */
+    if (!f || f->nonce != s->bases[base].nonce || offset + bytes > f->len) {
         return false;
     }
     qemu_iovec_from_buf(qiov, qiov_offset, f->data + offset, bytes);
@@ -333,81 +403,128 @@ bool clone_cache_read_pending(CloneCacheStore *s, int base, uint64_t block,
 
 /* ---- pinning ---- */
 
-void coroutine_fn clone_cache_pin(CloneCacheStore *s, uint32_t slot,
-                                  bool pin)
+/*
+ * Pin or unpin a slot in memory and on disk; the caller holds a reader
+ * reference on it, which keeps its content while the record is written.
+ * When the record cannot be written the slot goes back to what the disk
+ * says.  Lock not held.
+ */
+static int coroutine_fn cc_set_pinned(CloneCacheStore *s, uint32_t slot,
+                                      bool pin)
 {
     CloneCacheSlot *sl = &s->slots[slot];
-    bool write = false;
+    uint64_t seq;
+    int ret;
 
     qemu_mutex_lock(&s->lock);
-    if (pin && !sl->pinned && s->nb_pinned < s->nb_slots / 2) {
-        cc_queue_remove(s, sl);
-        sl->pinned = true;
-        cc_queue_add(s, sl, CC_Q_PINNED);
-        write = true;
+    if (sl->state != CC_SLOT_VALID || sl->pinned == pin ||
+        (pin && s->nb_pinned >= s->nb_slots / 2)) {
+        qemu_mutex_unlock(&s->lock);
+        return 0;
     }
+    seq = sl->seq;
+    cc_queue_remove(s, sl);
+    sl->pinned = pin;
+    cc_queue_add(s, sl, pin ? CC_Q_PINNED : CC_Q_AM);
     qemu_mutex_unlock(&s->lock);
-    if (write) {
-        /* the reader reference keeps the slot's content while we write */
-        cc_write_slot_rec(s, slot, true);
+
+    ret = cc_write_slot_rec(s, slot, true);
+    if (ret < 0) {
+        qemu_mutex_lock(&s->lock);
+        if (sl->state == CC_SLOT_VALID && sl->seq == seq &&
+            sl->pinned == pin) {
+            cc_queue_remove(s, sl);
+            sl->pinned = !pin;
+            cc_queue_add(s, sl, sl->pinned ? CC_Q_PINNED : CC_Q_AM);
+        }
+        qemu_mutex_unlock(&s->lock);
+        trace_clone_cache_pin_failed(s, slot, pin, ret);
     }
-    qemu_mutex_lock(&s->lock);
-    sl->readers--;
-    qemu_mutex_unlock(&s->lock);
+    return ret;
 }
 
-void clone_cache_unpin_base(CloneCacheStore *s, int base)
+int coroutine_fn clone_cache_pin(CloneCacheStore *s, uint32_t slot, bool pin)
 {
-    g_autoptr(GArray) done = g_array_new(false, false, sizeof(uint32_t));
-    CloneCacheSlotRec r;
-    uint32_t i, e;
+    int ret = pin ? cc_set_pinned(s, slot, true) : 0;
 
     qemu_mutex_lock(&s->lock);
-    for (i = 0; i < s->nb_slots; i++) {
-        CloneCacheSlot *sl = &s->slots[i];
+    cc_slot_unref(s, &s->slots[slot]);
+    qemu_mutex_unlock(&s->lock);
+    return ret;
+}
 
-        if (!sl->pinned) {
-            continue;
+/* Whether a live entry of @base points at the slot (lock held) */
+static bool cc_slot_serves(CloneCacheStore *s, CloneCacheSlot *sl, int base)
+{
+    uint32_t e;
+
+    for (e = sl->first_entry; e != CC_NONE; e = s->entries[e].next) {
+        CloneCacheEntry *en = &s->entries[e];
+
+        if (en->key >> CC_BLOCK_BITS == base && !cc_entry_stale(s, en)) {
+            return true;
         }
-        for (e = sl->first_entry; e != CC_NONE; e = s->entries[e].next) {
-            if (s->entries[e].key >> CC_BLOCK_BITS == base) {
-                break;
+    }
+    return false;
+}
+
+/*
+ * Unpin the slots that serve @base: the slot table in steps of
+ * CC_SWEEP_STEP under the lock, yielding between them, so that requests
+ * never wait on a whole-table scan.
+ */
+int coroutine_fn clone_cache_unpin_base(CloneCacheStore *s, int base,
+                                        Error **errp)
+{
+    g_autofree uint32_t *todo = g_new(uint32_t, CC_SWEEP_STEP);
+    uint64_t i, j, failed = 0;
+    uint32_t n, k;
+    int ret = 0;
+
+    for (i = 0; i < s->nb_slots; i += CC_SWEEP_STEP) {
+        uint64_t end = MIN(i + CC_SWEEP_STEP, s->nb_slots);
+
+        qemu_mutex_lock(&s->lock);
+        for (n = 0, j = i; j < end; j++) {
+            CloneCacheSlot *sl = &s->slots[j];
+
+            if (sl->pinned && cc_slot_serves(s, sl, base)) {
+                sl->readers++;          /* released below */
+                todo[n++] = j;
             }
         }
-        if (e == CC_NONE) {
-            continue;
+        qemu_mutex_unlock(&s->lock);
+        for (k = 0; k < n; k++) {
+            if (cc_set_pinned(s, todo[k], false) < 0) {
+                failed++;
+            }
+            qemu_mutex_lock(&s->lock);
+            cc_slot_unref(s, &s->slots[todo[k]]);
+            qemu_mutex_unlock(&s->lock);
         }
-        cc_queue_remove(s, sl);
-        sl->pinned = false;
-        cc_queue_add(s, sl, CC_Q_AM);
-        g_array_append_val(done, i);
+        aio_co_schedule(qemu_get_current_aio_context(), qemu_coroutine_self());
+        qemu_coroutine_yield();
     }
-    for (i = 0; i < done->len; i++) {
-        s->slots[g_array_index(done, uint32_t, i)].readers++;
+    if (failed) {
+        error_setg(errp, "clone-cache '%s': %" PRIu64 " pinned blocks could "
+                   "not be unpinned (their records cannot be written); they "
+                   "stay pinned", s->filename, failed);
+        ret = -EIO;
     }
-    qemu_mutex_unlock(&s->lock);
-
-    /* reader references keep the slots' content while the records go */
-    for (i = 0; i < done->len; i++) {
-        uint32_t slot = g_array_index(done, uint32_t, i);
-
-        qemu_mutex_lock(&s->lock);
-        cc_slot_rec(s, slot, true, &r);
-        qemu_mutex_unlock(&s->lock);
-        blk_pwrite(s->blk, s->slot_off + (uint64_t)slot * CC_REC_SIZE,
-                   sizeof(r), &r, 0);
-        qemu_mutex_lock(&s->lock);
-        s->slots[slot].readers--;
-        qemu_mutex_unlock(&s->lock);
-    }
+    return ret;
 }
 
 /* ---- the filler ---- */
 
 static void coroutine_fn cc_filler(void *opaque);
 
-void clone_cache_queue_fill(CloneCacheStore *s, int base, uint64_t block,
-                            const uint8_t *data, uint32_t len, bool pin)
+/*
+ * Queue a block read from a base for filling.  @nonce: the base's nonce
+ * when the read began; a base invalidated since gets none of it.
+ */
+void clone_cache_queue_fill(CloneCacheStore *s, int base, uint64_t nonce,
+                            uint64_t block, const uint8_t *data,
+                            uint32_t len, bool pin)
 {
     CloneCacheBase *b = &s->bases[base];
     CloneCacheFill *f;
@@ -419,7 +536,8 @@ void clone_cache_queue_fill(CloneCacheStore *s, int base, uint64_t block,
         qemu_mutex_unlock(&s->lock);
         return;                 /* read twice before its fill was written */
     }
-    if (s->fill_pending + len > s->fill_limit || !s->blk) {
+    if (s->fill_pending + len > s->fill_limit || !s->blk ||
+        b->nonce != nonce) {
         b->st.fills_dropped++;
         qemu_mutex_unlock(&s->lock);
         trace_clone_cache_fill_dropped(s, base, block);
@@ -427,7 +545,7 @@ void clone_cache_queue_fill(CloneCacheStore *s, int base, uint64_t block,
     }
     f = g_new0(CloneCacheFill, 1);
     f->key = clone_cache_key(base, block);
-    f->nonce = b->nonce;
+    f->nonce = nonce;
     f->len = len;
     f->pin = pin;
     f->data = qemu_blockalign(blk_bs(s->blk), len);
@@ -474,6 +592,7 @@ static bool coroutine_fn cc_fill_prepare(CloneCacheStore *s,
     CloneCacheFill *f = batch[n];
     uint64_t fp = hybrid_fingerprint(f->data, f->len) & s->fp_mask;
     int b = f->key >> CC_BLOCK_BITS;
+    uint32_t sums[CC_MAX_BLOCK / CC_SUB];
     uint8_t *buf = NULL;
     uint32_t i, first;
     int k;
@@ -482,8 +601,7 @@ static bool coroutine_fn cc_fill_prepare(CloneCacheStore *s,
     f->slot = CC_NONE;
     f->shared = false;
     qemu_mutex_lock(&s->lock);
-    if (s->bases[b].nonce != f->nonce ||
-        g_hash_table_contains(s->map, &f->key)) {
+    if (s->bases[b].nonce != f->nonce || cc_entry_find(s, f->key)) {
         goto fail;
     }
     /* the same content earlier in this batch */
@@ -510,12 +628,13 @@ static bool coroutine_fn cc_fill_prepare(CloneCacheStore *s,
             continue;
         }
         sl->readers++;
+        cc_copy_sums(s, i, sums);
         qemu_mutex_unlock(&s->lock);
         buf = buf ? buf : qemu_blockalign(blk_bs(s->blk), f->len);
         same = blk_co_pread(s->blk,
                             s->data_off + (uint64_t)i * s->block_size,
                             f->len, buf, 0) == 0 &&
-               cc_check_sums(s, i, buf, 0, f->len) &&
+               cc_check_sums(sums, buf, 0, f->len) &&
                !memcmp(buf, f->data, f->len);
         qemu_mutex_lock(&s->lock);
         if (same && sl->state == CC_SLOT_VALID && sl->seq == seq) {
@@ -525,11 +644,12 @@ static bool coroutine_fn cc_fill_prepare(CloneCacheStore *s,
             plan->held = true;      /* the reader is kept until published */
             goto entry;
         }
-        sl->readers--;
-        trace_clone_cache_fp_clash(s, i, fp);
         if (sl->state != CC_SLOT_VALID) {
+            cc_slot_unref(s, sl);
             break;                  /* dropped meanwhile: chain changed */
         }
+        cc_slot_unref(s, sl);
+        trace_clone_cache_fp_clash(s, i, fp);
     }
     /* only the filler fills: no other coroutine can take this content */
     f->slot = cc_alloc_slot(s, stale);
@@ -552,7 +672,7 @@ entry:
         return true;
     }
     if (plan->held) {
-        s->slots[f->slot].readers--;
+        cc_slot_unref(s, &s->slots[f->slot]);
         plan->held = false;
     } else if (!f->shared) {
         s->slots[f->slot].state = *stale ? CC_SLOT_STALE : CC_SLOT_FREE;
@@ -576,12 +696,12 @@ static void cc_fill_publish(CloneCacheStore *s, CloneCacheFill *f,
     CloneCacheEntry *en = &s->entries[plan->entry];
     bool ok;
 
-    if (plan->held) {
-        sl->readers--;
-    }
     ok = plan->ok && base->nonce == f->nonce && sl->seq == plan->seq &&
-         !g_hash_table_contains(s->map, &f->key) &&
+         !cc_entry_find(s, f->key) &&
          sl->state == (f->shared ? CC_SLOT_VALID : CC_SLOT_FILLING);
+    if (plan->held) {
+        cc_slot_unref(s, sl);   /* after the check: it may free the slot */
+    }
     if (!ok) {
         if (!f->shared && sl->state == CC_SLOT_FILLING) {
             /* its data or record may have reached the disk */
@@ -612,6 +732,7 @@ static void cc_fill_publish(CloneCacheStore *s, CloneCacheFill *f,
     }
     en->key = f->key;
     en->slot = f->slot;
+    en->gen = base->gen;
     en->used = true;
     en->next = sl->first_entry;
     sl->first_entry = plan->entry;
@@ -727,12 +848,13 @@ static void coroutine_fn cc_filler(void *opaque)
     }
 }
 
-/* Drop the fills not started and wait for the filler (main loop) */
+/* Drop the fills not started, wait for the filler and the sweep (main loop) */
 void clone_cache_quiesce(CloneCacheStore *s)
 {
     CloneCacheFill *f;
 
     qemu_mutex_lock(&s->lock);
+    s->closing = true;
     while ((f = QSIMPLEQ_FIRST(&s->fills))) {
         QSIMPLEQ_REMOVE_HEAD(&s->fills, next);
         s->fill_pending -= f->len;
@@ -740,20 +862,78 @@ void clone_cache_quiesce(CloneCacheStore *s)
         cc_fill_free(f);
     }
     qemu_mutex_unlock(&s->lock);
-    AIO_WAIT_WHILE_UNLOCKED(NULL, qatomic_read(&s->filler_running));
+    AIO_WAIT_WHILE_UNLOCKED(NULL, qatomic_read(&s->filler_running) ||
+                                  qatomic_read(&s->sweeping));
 }
 
 /* ---- bases ---- */
 
-static void cc_base_forget(CloneCacheStore *s, int b)
+/*
+ * Free the entries of invalidated bases (and the slots only they used), a
+ * step of CC_SWEEP_STEP entries at a time under the lock, yielding to the
+ * main loop between steps.  Until then they are invisible, not wrong.
+ */
+static void coroutine_fn cc_sweep(void *opaque)
 {
-    uint32_t e;
+    CloneCacheStore *s = opaque;
+    uint64_t e = 0, swept = 0;
 
-    for (e = 0; e < s->nb_entries && s->bases[b].nb_entries; e++) {
-        if (s->entries[e].used && s->entries[e].key >> CC_BLOCK_BITS == b) {
-            cc_entry_drop(s, e);
+    qemu_mutex_lock(&s->lock);
+    while (!s->closing && s->nb_stale_entries) {
+        uint64_t end = MIN(e + CC_SWEEP_STEP, s->nb_entries);
+
+        for (; e < end; e++) {
+            if (s->entries[e].used && cc_entry_stale(s, &s->entries[e])) {
+                cc_entry_drop(s, e);
+                swept++;
+            }
         }
+        if (e == s->nb_entries) {
+            e = 0;              /* invalidated again meanwhile: once more */
+        }
+        qemu_mutex_unlock(&s->lock);
+        aio_co_schedule(qemu_get_aio_context(), qemu_coroutine_self());
+        qemu_coroutine_yield();
+        qemu_mutex_lock(&s->lock);
     }
+    qatomic_set(&s->sweeping, false);
+    qemu_mutex_unlock(&s->lock);
+    trace_clone_cache_sweep_done(s, swept);
+    aio_wait_kick();
+}
+
+/*
+ * Give base @b a new nonce: its entries become stale at once (lock held).
+ * The caller writes the base record; the sweep frees what they held.
+ */
+static void cc_base_renew(CloneCacheStore *s, int b)
+{
+    CloneCacheBase *base = &s->bases[b];
+    bool start;
+
+    s->nb_stale_entries += base->nb_entries;
+    base->nb_entries = 0;
+    base->gen++;
+    do {
+        qemu_guest_getrandom_nofail(&base->nonce, sizeof(base->nonce));
+    } while (!base->nonce);
+    memset(&base->st, 0, sizeof(base->st));
+
+    start = s->nb_stale_entries && !s->sweeping && !s->closing;
+    if (start) {
+        /* scheduled, not entered: it takes the lock we hold */
+        qatomic_set(&s->sweeping, true);
+        aio_co_schedule(qemu_get_aio_context(),
+                        qemu_coroutine_create(cc_sweep, s));
+    }
+}
+
+/* Record base @b on disk: entries written before carry another nonce */
+static int cc_base_record(CloneCacheStore *s, int b)
+{
+    int ret = cc_write_base_rec(s, b);
+
+    return ret < 0 ? ret : blk_flush(s->blk);
 }
 
 int clone_cache_attach(CloneCacheStore *s, const char *base_id,
@@ -793,7 +973,7 @@ int clone_cache_attach(CloneCacheStore *s, const char *base_id,
         }
         base = &s->bases[b];
         if (base->id) {
-            cc_base_forget(s, b);
+            cc_base_renew(s, b);        /* the old base's entries go */
             g_free(base->id);
         }
         base->id = g_strdup(base_id);
@@ -801,22 +981,31 @@ int clone_cache_attach(CloneCacheStore *s, const char *base_id,
     }
     base = &s->bases[b];
     if (base->nonce && base->generation != generation) {
+        if (base->users) {
+            /*
+             * One of them would have the other's reads cached as its own,
+             * or drop the blocks the other is reading.
+             */
+            error_setg(errp, "clone-cache '%s': base '%s' is open with "
+                       "generation %" PRIu64 " (node '%s'); a node with "
+                       "generation %" PRIu64 " must wait until it closes",
+                       s->filename, base_id, base->generation,
+                       base->node_name, generation);
+            qemu_mutex_unlock(&s->lock);
+            return -EBUSY;
+        }
         info_report("clone-cache '%s': base '%s' changed (generation %" PRIu64
                     " -> %" PRIu64 "); its %" PRIu64 " cached blocks are "
                     "dropped", s->filename, base_id, base->generation,
                     generation, base->nb_entries);
-        cc_base_forget(s, b);
         base->nonce = 0;
     }
     if (!base->nonce) {
-        do {
-            qemu_guest_getrandom_nofail(&base->nonce, sizeof(base->nonce));
-        } while (!base->nonce);
+        cc_base_renew(s, b);
         base->generation = generation;
-        memset(&base->st, 0, sizeof(base->st));
         qemu_mutex_unlock(&s->lock);
         /* entries carry the nonce: ones written before this are void */
-        if (cc_write_base_rec(s, b) < 0 || blk_flush(s->blk) < 0) {
+        if (cc_base_record(s, b) < 0) {
             warn_report("clone-cache '%s': cannot record base '%s'; it is "
                         "cached for this run only", s->filename, base_id);
         }
@@ -836,5 +1025,47 @@ void clone_cache_detach(CloneCacheStore *s, int b)
     assert(s->bases[b].users > 0);
     s->bases[b].users--;
     qemu_mutex_unlock(&s->lock);
+}
+
+/*
+ * The base changed in place (its generation cannot tell): its cached
+ * blocks are void from now on, for every node that reads it; reads in
+ * flight are not cached.  On disk once the base record is written.
+ */
+int clone_cache_invalidate(CloneCacheStore *s, const char *base_id,
+                           Error **errp)
+{
+    uint64_t dropped;
+    int b, ret;
+
+    if (!s->blk) {
+        error_setg(errp, "clone-cache '%s' is not open", s->filename);
+        return -EINVAL;
+    }
+    qemu_mutex_lock(&s->lock);
+    for (b = 0; b < CC_MAX_BASES; b++) {
+        if (s->bases[b].id && !strcmp(s->bases[b].id, base_id)) {
+            break;
+        }
+    }
+    if (b == CC_MAX_BASES) {
+        qemu_mutex_unlock(&s->lock);
+        error_setg(errp, "clone-cache '%s' has no base '%s'", s->filename,
+                   base_id);
+        return -ENOENT;
+    }
+    dropped = s->bases[b].nb_entries;
+    cc_base_renew(s, b);
+    qemu_mutex_unlock(&s->lock);
+    trace_clone_cache_invalidate(s, b, dropped);
+
+    ret = cc_base_record(s, b);
+    if (ret < 0) {
+        error_setg_errno(errp, -ret, "clone-cache '%s': cannot record that "
+                         "base '%s' changed: its cached blocks are void until "
+                         "the daemon restarts, and would be served after",
+                         s->filename, base_id);
+    }
+    return ret;
 }
 

@@ -22,14 +22,18 @@
 #include "qemu/osdep.h"
 #include "qemu/units.h"
 #include "qemu/cutils.h"
+#include "qemu/error-report.h"
 #include "qapi/error.h"
 #include "qapi/qapi-commands-block-core.h"
-#include "qemu/option.h"
+#include "qapi/qapi-visit-block-core.h"
+#include "qapi/qobject-input-visitor.h"
 #include "qemu/memalign.h"
 #include "qobject/qdict.h"
 #include "block/block_int.h"
 #include "block/block-io.h"
+#include "block/qdict.h"
 #include "system/block-backend.h"
+#include "hybrid-fp.h"
 #include "clone-cache.h"
 #include "trace.h"
 
@@ -58,86 +62,139 @@ typedef struct BDRVCloneCacheState {
     /* boot-set trace (store lock) */
     unsigned long *rec_seen;    /* NULL when not recording */
     GArray *rec_order;          /* uint64_t blocks, first read first */
-    bool prewarming;
+    bool prewarming;            /* atomic: set by QMP, cleared by the job */
 } BDRVCloneCacheState;
 
-static QemuOptsList cc_runtime_opts = {
-    .name = "clone-cache",
-    .head = QTAILQ_HEAD_INITIALIZER(cc_runtime_opts.head),
-    .desc = {
-        {
-            .name = CC_OPT_STORE,
-            .type = QEMU_OPT_STRING,
-            .help = "id of the clone-cache object holding the cache",
-        },
-        {
-            .name = CC_OPT_BASE_ID,
-            .type = QEMU_OPT_STRING,
-            .help = "name of the base in the cache (default: its filename)",
-        },
-        {
-            .name = CC_OPT_GENERATION,
-            .type = QEMU_OPT_NUMBER,
-            .help = "version of the base; a new one voids its cached blocks",
-        },
-        { /* end of list */ }
-    },
-};
+/*
+ * Parse our options with the QAPI visitor (as copy-before-write does).
+ * The 'file' child is opened by bdrv_open_file_child() and may be given
+ * in any syntax, so the visitor sees a placeholder for it.
+ */
+static BlockdevOptions *cc_parse_options(QDict *options, Error **errp)
+{
+    g_autoptr(QDict) copy = qdict_clone_shallow(options);
+    BlockdevOptions *opts = NULL;
+    Visitor *v;
+
+    qdict_extract_subqdict(copy, NULL, "file.");
+    qdict_put_str(copy, "file", "");
+    qdict_put_str(copy, "driver", "clone-cache");
+    v = qobject_input_visitor_new_flat_confused(copy, errp);
+    if (!v) {
+        return NULL;
+    }
+    visit_type_BlockdevOptions(v, NULL, &opts, errp);
+    visit_free(v);
+    if (opts) {
+        qdict_del(options, CC_OPT_STORE);
+        qdict_del(options, CC_OPT_BASE_ID);
+        qdict_del(options, CC_OPT_GENERATION);
+    }
+    return opts;
+}
+
+/* Mix @len bytes of @p into a generation, 56 bytes and the chain a time */
+static uint64_t cc_gen_mix(uint64_t gen, const void *p, size_t len)
+{
+    uint8_t buf[64];    /* the fingerprint takes multiples of 32 bytes */
+    size_t off = 0;
+
+    do {
+        size_t n = MIN(len - off, 56);
+
+        memset(buf, 0, sizeof(buf));
+        memcpy(buf, (const uint8_t *)p + off, n);
+        stq_le_p(buf + 56, gen);
+        gen = hybrid_fingerprint(buf, sizeof(buf));
+        off += n;
+    } while (off < len);
+    return gen;
+}
 
 /*
- * Without generation=, a file base's generation is its inode, size and
- * modification time: a file replaced or rewritten voids its entries.
+ * Without generation=, a base's generation is what names its data and
+ * what a user cannot set back: for a file (or device), its device, inode,
+ * size and change time (cp -p or rsync -t restore the modification time,
+ * not the change time); for RBD, the cluster, pool, image id and snapshot
+ * id (an image or snapshot made anew under the same name has other ids).
+ * 0 for anything else: such bases should be given a generation.
  */
-static uint64_t cc_default_generation(BlockDriverState *base)
+static uint64_t GRAPH_RDLOCK cc_default_generation(BlockDriverState *bs)
 {
-    struct stat st;
+    for (; bs; ) {
+        const char *fmt = bs->drv->format_name;
+        BdrvChild *c;
 
-    while (base && strcmp(base->drv->format_name, "file")) {
-        BdrvChild *c = bdrv_filter_or_cow_child(base);
-        if (!c && !strcmp(base->drv->format_name, "raw")) {
-            c = base->file;
+        if (!strcmp(fmt, "file") || !strcmp(fmt, "host_device")) {
+            struct stat st;
+            uint64_t id[6];
+
+            if (stat(bs->filename, &st) < 0) {
+                return 0;
+            }
+            id[0] = st.st_dev;
+            id[1] = st.st_ino;
+            id[2] = st.st_size;
+            id[3] = st.st_ctim.tv_sec;
+            id[4] = st.st_ctim.tv_nsec;
+            id[5] = st.st_rdev;
+            return cc_gen_mix(1, id, sizeof(id));
         }
-        base = c ? c->bs : NULL;
+        if (!strcmp(fmt, "rbd")) {
+            g_autoptr(ImageInfoSpecific) info =
+                bdrv_get_specific_info(bs, NULL);
+            ImageInfoSpecificRbd *r;
+            uint64_t gen = 2;
+
+            if (!info || info->type != IMAGE_INFO_SPECIFIC_KIND_RBD ||
+                !info->u.rbd.data->image_id) {
+                return 0;
+            }
+            r = info->u.rbd.data;
+            gen = cc_gen_mix(gen, r->image_id, strlen(r->image_id));
+            if (r->cluster_fsid) {
+                gen = cc_gen_mix(gen, r->cluster_fsid, strlen(r->cluster_fsid));
+            }
+            gen = cc_gen_mix(gen, &r->pool_id, sizeof(r->pool_id));
+            gen = cc_gen_mix(gen, &r->snapshot_id, sizeof(r->snapshot_id));
+            return gen;
+        }
+        c = bdrv_filter_or_cow_child(bs);
+        if (!c && !strcmp(fmt, "raw")) {
+            c = bs->file;
+        }
+        bs = c ? c->bs : NULL;
     }
-    if (!base || stat(base->filename, &st) < 0) {
-        return 0;
-    }
-    return (uint64_t)st.st_ino * 0x9e3779b97f4a7c15ULL ^
-           ((uint64_t)st.st_mtim.tv_sec * 1000000000ULL + st.st_mtim.tv_nsec) ^
-           ((uint64_t)st.st_size << 17);
+    return 0;
 }
 
 static int cc_open(BlockDriverState *bs, QDict *options, int flags,
                    Error **errp)
 {
     BDRVCloneCacheState *s = bs->opaque;
-    g_autoptr(QemuOpts) opts = NULL;
-    const char *id, *base_id;
+    g_autoptr(BlockdevOptions) full = NULL;
+    BlockdevOptionsCloneCache *opts;
+    const char *base_id;
     uint64_t generation;
     int ret;
 
     GLOBAL_STATE_CODE();
 
+    full = cc_parse_options(options, errp);
+    if (!full) {
+        return -EINVAL;
+    }
+    opts = &full->u.clone_cache;
     ret = bdrv_open_file_child(NULL, options, "file", bs, errp);
     if (ret < 0) {
         return ret;
-    }
-    opts = qemu_opts_create(&cc_runtime_opts, NULL, 0, &error_abort);
-    if (!qemu_opts_absorb_qdict(opts, options, errp)) {
-        return -EINVAL;
     }
     ret = bdrv_apply_auto_read_only(bs, "clone-cache nodes are read-only "
                                     "(use read-only=on)", errp);
     if (ret < 0) {
         return ret;
     }
-    id = qemu_opt_get(opts, CC_OPT_STORE);
-    if (!id) {
-        error_setg(errp, "clone-cache: '" CC_OPT_STORE "' (the id of a "
-                   "clone-cache object) is required");
-        return -EINVAL;
-    }
-    s->store = clone_cache_store_find(id, errp);
+    s->store = clone_cache_store_find(opts->store, errp);
     if (!s->store) {
         return -EINVAL;
     }
@@ -145,9 +202,9 @@ static int cc_open(BlockDriverState *bs, QDict *options, int flags,
     bdrv_graph_rdlock_main_loop();
     s->length = bdrv_getlength(bs->file->bs);
     bdrv_refresh_filename(bs->file->bs);
-    base_id = qemu_opt_get(opts, CC_OPT_BASE_ID) ?: bs->file->bs->filename;
-    generation = qemu_opt_get_number(opts, CC_OPT_GENERATION,
-                                     cc_default_generation(bs->file->bs));
+    base_id = opts->base_id ?: bs->file->bs->filename;
+    generation = opts->has_generation ? opts->generation
+                                      : cc_default_generation(bs->file->bs);
     bdrv_graph_rdunlock_main_loop();
     if (s->length < 0) {
         error_setg_errno(errp, -s->length, "Cannot get the base's length");
@@ -178,7 +235,8 @@ static void cc_close(BlockDriverState *bs)
 {
     BDRVCloneCacheState *s = bs->opaque;
 
-    assert(!g_hash_table_size(s->inflight) && !s->prewarming);
+    assert(!g_hash_table_size(s->inflight) &&
+           !qatomic_load_acquire(&s->prewarming));
     g_hash_table_destroy(s->inflight);
     g_free(s->rec_seen);
     if (s->rec_order) {
@@ -188,16 +246,20 @@ static void cc_close(BlockDriverState *bs)
     object_unref(OBJECT(s->store));
 }
 
-#define CC_PERM_PASSTHROUGH (BLK_PERM_CONSISTENT_READ)
-
-/* The base must not change under the cache: nobody may write it */
+/*
+ * A filter's permissions, and the base must not change under the cache:
+ * nobody in this process may write or resize it.  The cache reads whole
+ * blocks whoever asks, so it needs consistent reads of its own.
+ */
 static void cc_child_perm(BlockDriverState *bs, BdrvChild *c,
                           BdrvChildRole role, BlockReopenQueue *reopen_queue,
                           uint64_t perm, uint64_t shared,
                           uint64_t *nperm, uint64_t *nshared)
 {
-    *nperm = BLK_PERM_CONSISTENT_READ;
-    *nshared = BLK_PERM_ALL & ~(BLK_PERM_WRITE | BLK_PERM_RESIZE);
+    bdrv_default_perms(bs, c, role, reopen_queue, perm, shared,
+                       nperm, nshared);
+    *nperm |= BLK_PERM_CONSISTENT_READ;
+    *nshared &= ~(BLK_PERM_WRITE | BLK_PERM_RESIZE);
 }
 
 static int64_t coroutine_fn GRAPH_RDLOCK cc_co_getlength(BlockDriverState *bs)
@@ -227,6 +289,7 @@ cc_read_base(BlockDriverState *bs, CloneCacheInflight *f, bool pin)
     int64_t off = f->first * bsz;
     int64_t len = MIN(f->nb * bsz, s->length - off);
     CloneCacheBaseStats *st = &store->bases[s->base].st;
+    uint64_t nonce = store->bases[s->base].nonce;   /* before the read */
 
     for (i = 0; i < f->nb; i++) {
         uint64_t *key = g_new(uint64_t, 1);
@@ -255,7 +318,7 @@ cc_read_base(BlockDriverState *bs, CloneCacheInflight *f, bool pin)
 
     if (f->ret == 0) {
         for (i = 0; i < f->nb; i++) {
-            clone_cache_queue_fill(store, s->base, f->first + i,
+            clone_cache_queue_fill(store, s->base, nonce, f->first + i,
                                    f->buf + i * bsz,
                                    MIN(bsz, len - i * bsz), pin);
         }
@@ -280,7 +343,7 @@ static bool cc_is_miss(BDRVCloneCacheState *s, uint64_t block)
 {
     uint64_t key = clone_cache_key(s->base, block);
 
-    return !g_hash_table_contains(s->store->map, &key) &&
+    return !clone_cache_has(s->store, s->base, block) &&
            !g_hash_table_contains(s->store->pending, &key) &&
            !g_hash_table_contains(s->inflight, &block);
 }
@@ -328,7 +391,7 @@ cc_co_preadv_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
                 qiov_offset += chunk;
                 continue;
             }
-            ret = 0;                /* not trusted: read the base */
+            ret = 0;                /* changed or not trusted: a miss */
         }
 
         if (clone_cache_read_pending(store, s->base, block, offset % bsz,
@@ -647,8 +710,7 @@ static int coroutine_fn cc_prewarm_one(BlockDriverState *bs, uint64_t block,
     slot = clone_cache_lookup(store, s->base, block);
     if (slot != CC_NONE) {
         qemu_mutex_unlock(&store->lock);
-        clone_cache_pin(store, slot, pin);
-        return 0;
+        return clone_cache_pin(store, slot, pin);
     }
     if (!cc_is_miss(s, block)) {
         qemu_mutex_unlock(&store->lock);
@@ -682,17 +744,24 @@ static void coroutine_fn cc_prewarm_co(void *opaque)
     BlockDriverState *bs = p->bs;
     BDRVCloneCacheState *s = bs->opaque;
     uint64_t i;
+    int ret = 0;
 
     for (i = 0; i < p->blocks->len; i++) {
         uint64_t block = g_array_index(p->blocks, uint64_t, i);
 
-        if (qatomic_read(&bs->quiesce_counter) ||
-            cc_prewarm_one(bs, block, p->pin) < 0) {
+        if (qatomic_read(&bs->quiesce_counter)) {
+            break;
+        }
+        ret = cc_prewarm_one(bs, block, p->pin);
+        if (ret < 0) {
+            warn_report("clone-cache: prewarming node '%s' stopped at block "
+                        "%" PRIu64 " of %u: %s", bdrv_get_node_name(bs), i,
+                        p->blocks->len, strerror(-ret));
             break;
         }
     }
     trace_clone_cache_prewarm_done(bs, i, p->blocks->len);
-    s->prewarming = false;
+    qatomic_store_release(&s->prewarming, false);
     g_array_free(p->blocks, true);
     g_free(p);
     bdrv_dec_in_flight(bs);
@@ -712,7 +781,7 @@ void qmp_clone_cache_prewarm(const char *node_name, const char *filename,
         return;
     }
     s = bs->opaque;
-    if (s->prewarming) {
+    if (qatomic_load_acquire(&s->prewarming)) {
         error_setg(errp, "Node '%s' is already prewarming", node_name);
         return;
     }
@@ -724,19 +793,35 @@ void qmp_clone_cache_prewarm(const char *node_name, const char *filename,
     p->bs = bs;
     p->blocks = blocks;
     p->pin = has_pin && pin;
-    s->prewarming = true;
+    qatomic_set(&s->prewarming, true);
     bdrv_inc_in_flight(bs);
     aio_co_enter(bdrv_get_aio_context(bs),
                  qemu_coroutine_create(cc_prewarm_co, p));
 }
 
-void qmp_clone_cache_unpin(const char *node_name, Error **errp)
+/* A coroutine command: the slot table is scanned in steps */
+void coroutine_fn qmp_clone_cache_unpin(const char *node_name, Error **errp)
 {
-    BlockDriverState *bs = cc_find_node(node_name, errp);
+    BlockDriverState *bs;
     BDRVCloneCacheState *s;
 
-    if (bs) {
-        s = bs->opaque;
-        clone_cache_unpin_base(s->store, s->base);
+    GLOBAL_STATE_CODE();
+    bs = cc_find_node(node_name, errp);
+    if (!bs) {
+        return;
+    }
+    bdrv_ref(bs);               /* the node may close while we yield */
+    s = bs->opaque;
+    clone_cache_unpin_base(s->store, s->base, errp);
+    bdrv_co_unref(bs);
+}
+
+void qmp_clone_cache_invalidate(const char *id, const char *base_id,
+                                Error **errp)
+{
+    CloneCacheStore *s = clone_cache_store_find(id, errp);
+
+    if (s) {
+        clone_cache_invalidate(s, base_id, errp);
     }
 }

@@ -96,6 +96,11 @@ typedef enum {
     CC_SLOT_STALE,              /* unused; on-disk record may be valid */
     CC_SLOT_FILLING,            /* being written by the filler */
     CC_SLOT_VALID,
+    /*
+     * Out of service while readers still hold it: on no list, so the
+     * filler cannot reuse it; the last reader makes it STALE and free.
+     */
+    CC_SLOT_RETIRED,
 } CloneCacheSlotState;
 
 typedef enum {
@@ -112,7 +117,7 @@ typedef struct CloneCacheSlot {
     uint32_t len;
     uint32_t sums_crc;          /* at open only: the record's, to check */
     uint32_t refcnt;            /* entries pointing here */
-    uint32_t readers;           /* hits reading it now: not evictable */
+    uint32_t readers;           /* reading it now: never freed or reused */
     uint32_t first_entry;       /* entries pointing here, via ->next */
     uint32_t fp_next;           /* slots with the same fingerprint */
     uint8_t state;              /* CloneCacheSlotState */
@@ -121,10 +126,18 @@ typedef struct CloneCacheSlot {
     QTAILQ_ENTRY(CloneCacheSlot) link;
 } CloneCacheSlot;
 
+/*
+ * An entry whose gen is not its base's current gen is stale: invisible to
+ * lookups, dropped when met and by the background sweep.  Invalidating a
+ * base is thus O(1) under the lock; the sweep frees the slots in bounded
+ * steps.  (gen wraps only after 2^32 invalidations, and every sweep visits
+ * all entries long before that.)
+ */
 typedef struct CloneCacheEntry {
     uint64_t key;               /* hash key of store->map */
     uint32_t slot;
     uint32_t next;              /* next entry of the same slot */
+    uint32_t gen;               /* the base's gen when it was added */
     bool used;
 } CloneCacheEntry;
 
@@ -138,7 +151,8 @@ typedef struct CloneCacheBase {
     char *id;                   /* NULL = unused */
     uint64_t generation;
     uint64_t nonce;
-    uint64_t nb_entries;
+    uint32_t gen;               /* bumped with the nonce: see CloneCacheEntry */
+    uint64_t nb_entries;        /* live (not stale) entries */
     int users;                  /* open nodes */
     char *node_name;            /* last node that attached */
     CloneCacheBaseStats st;
@@ -199,7 +213,13 @@ struct CloneCacheStore {
     GHashTable *pending;        /* &fill->key -> fill, until written */
     uint64_t fill_pending;      /* bytes queued */
     bool filler_running;
-    int users;
+    uint64_t nb_stale_entries;  /* of invalidated bases, not swept yet */
+    bool sweep_again;           /* a base was invalidated during a sweep */
+    bool sweeping;              /* the sweep coroutine runs */
+    bool closing;               /* the sweep stops */
+
+    /* x-read-delay-ns (atomic, not under the lock): tests pause hits */
+    uint64_t read_delay_ns;
 
     /* store-wide statistics */
     uint64_t evictions, fill_errors, checksum_errors, discarded_records;
@@ -218,8 +238,9 @@ int coroutine_fn cc_write_slot_rec(CloneCacheStore *s, uint32_t i,
 int coroutine_fn cc_write_sums(CloneCacheStore *s, uint32_t i);
 void cc_compute_sums(const uint8_t *data, uint32_t len, uint32_t *sums);
 uint32_t cc_sums_crc(CloneCacheStore *s, uint32_t i);
-bool cc_check_sums(CloneCacheStore *s, uint32_t slot, const uint8_t *buf,
-                   uint32_t start, uint32_t end);
+void cc_copy_sums(CloneCacheStore *s, uint32_t slot, uint32_t *row);
+bool cc_check_sums(const uint32_t *row, const uint8_t *buf, uint32_t start,
+                   uint32_t end);
 int coroutine_fn cc_write_entry_rec(CloneCacheStore *s, uint32_t e,
                                     uint64_t key, uint64_t nonce,
                                     uint32_t slot, uint64_t seq);
@@ -233,6 +254,8 @@ int clone_cache_attach(CloneCacheStore *s, const char *base_id,
                        uint64_t generation, const char *node_name,
                        Error **errp);
 void clone_cache_detach(CloneCacheStore *s, int base);
+int clone_cache_invalidate(CloneCacheStore *s, const char *base_id,
+                           Error **errp);
 /* Under s->lock: the slot serving (base, block), or CC_NONE */
 uint32_t clone_cache_lookup(CloneCacheStore *s, int base, uint64_t block);
 int coroutine_fn clone_cache_read_slot(CloneCacheStore *s, int base,
@@ -241,13 +264,17 @@ int coroutine_fn clone_cache_read_slot(CloneCacheStore *s, int base,
 bool clone_cache_read_pending(CloneCacheStore *s, int base, uint64_t block,
                               uint64_t offset, uint64_t bytes,
                               QEMUIOVector *qiov, size_t qiov_offset);
-void clone_cache_queue_fill(CloneCacheStore *s, int base, uint64_t block,
-                            const uint8_t *data, uint32_t len, bool pin);
+/* Under s->lock: whether a live entry serves (base, block) */
+bool clone_cache_has(CloneCacheStore *s, int base, uint64_t block);
+void clone_cache_queue_fill(CloneCacheStore *s, int base, uint64_t nonce,
+                            uint64_t block, const uint8_t *data,
+                            uint32_t len, bool pin);
 CloneCacheInfo *clone_cache_store_info(CloneCacheStore *s);
 /* Pin (or only release) a slot returned by clone_cache_lookup() */
-void coroutine_fn clone_cache_pin(CloneCacheStore *s, uint32_t slot,
-                                  bool pin);
-void clone_cache_unpin_base(CloneCacheStore *s, int base);
+int coroutine_fn clone_cache_pin(CloneCacheStore *s, uint32_t slot,
+                                 bool pin);
+int coroutine_fn clone_cache_unpin_base(CloneCacheStore *s, int base,
+                                        Error **errp);
 
 static inline uint64_t clone_cache_key(int base, uint64_t block)
 {

@@ -67,10 +67,11 @@ class CloneCacheTest(unittest.TestCase):
         return path
 
     def start(self, bases, cache_opts='', throttle=None, system=False,
-              size=16 * MiB):
+              size=16 * MiB, extra=()):
         """bases: list of (name, path, extra node options)."""
-        args = ['--object', f'clone-cache,id=cc0,filename={self.cache},'
-                f'size={size}{cache_opts}']
+        args = list(extra) + [
+            '--object', f'clone-cache,id=cc0,filename={self.cache},'
+            f'size={size}{cache_opts}']
         if throttle:
             args += ['--object', 'throttle-group,id=tg,'
                      f'x-bps-read={throttle}']
@@ -410,14 +411,34 @@ class CloneCacheTest(unittest.TestCase):
         self.assertIn('superblock is damaged', open(self.tmp('qsd.log')).read())
 
     def test_a_file_that_is_not_a_cache_is_never_overwritten(self):
-        victim = self.tmp('precious')
-        with open(victim, 'wb') as f:
-            f.write(b'precious data' * 1000)
-        with self.assertRaisesRegex(RuntimeError, 'not a clone cache file'):
-            self.cache = victim
-            self.start([('b0', self.make_base('b.img', size=1 * MiB), '')])
-        self.qsd = None
-        self.assertEqual(open(victim, 'rb').read(), b'precious data' * 1000)
+        """Only a new or empty file, or a file that is already a clone
+        cache, may become one: anything else is refused with a message
+        naming it, and not one byte of it changes (also when its first
+        4 KiB are zero, and through a symlink)."""
+        base = self.make_base('b.img', size=1 * MiB)
+        zero_head = bytes(4096) + b'precious data' * 1000
+        cases = {'precious': b'precious data' * 1000,
+                 'zero-head': zero_head,
+                 'one-zero-page': bytes(4096)}
+        for name, content in cases.items():
+            victim = self.tmp(name)
+            with open(victim, 'wb') as f:
+                f.write(content)
+            link = self.tmp(name + '.link')
+            os.symlink(victim, link)
+            for path in (victim, link):
+                self.cache = path
+                with self.assertRaisesRegex(
+                        RuntimeError, f"'{re.escape(path)}' is not a clone "
+                        "cache file.*refusing to overwrite it"):
+                    self.start([('b0', base, '')])
+                self.qsd = None
+                self.assertEqual(open(victim, 'rb').read(), content, path)
+        # an empty file is taken
+        self.cache = self.tmp('empty')
+        open(self.cache, 'wb').close()
+        self.start([('b0', base, '')])
+        self.assertEqual(self.read_all('b0'), open(base, 'rb').read())
 
     def refused(self, *args):
         """qemu-storage-daemon exits at once with an error: its message."""
@@ -466,6 +487,182 @@ class CloneCacheTest(unittest.TestCase):
             f.write(new)
         self.start([('b0', path, '')])
         self.assertEqual(self.read_all('b0'), new)
+
+    def test_a_replaced_base_with_its_old_mtime_is_not_served_stale(self):
+        """cp -p and rsync -t restore a file's mtime, and a file rewritten
+        in place keeps its inode and size: the default generation comes
+        from what a user cannot restore (ctime, device, inode, size)."""
+        path = self.make_base('base.img', size=1 * MiB)
+        self.start([('b0', path, '')])
+        self.read_all('b0')
+        self.settle()
+        self.qsd.stop()
+        st = os.stat(path)
+        new = rand_bytes(self.rnd, 1 * MiB)
+        with open(path, 'r+b') as f:            # same inode, same size
+            f.write(new)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        st2 = os.stat(path)
+        self.assertEqual((st2.st_ino, st2.st_size, st2.st_mtime_ns),
+                         (st.st_ino, st.st_size, st.st_mtime_ns))
+        self.start([('b0', path, '')])
+        self.assertEqual(self.read_all('b0'), new)
+
+    def test_invalidate_a_base_changed_in_place_while_served(self):
+        """A base changed in place while the daemon runs is not detected
+        (documented); clone-cache-invalidate tells the cache, and reads
+        then come from the base again, through every node of that base."""
+        path = self.make_base('base.img', size=1 * MiB)
+        old = open(path, 'rb').read()
+        self.start([('b0', path, ',base-id=V')])
+        self.assertEqual(self.read_all('b0'), old)
+        self.settle()
+        new = rand_bytes(self.rnd, 1 * MiB)
+        with open(path, 'r+b') as f:
+            f.write(new)
+        self.assertEqual(self.read_all('b0'), old)       # the known limit
+        self.qsd.cmd('clone-cache-invalidate', id='cc0', **{'base-id': 'V'})
+        self.assertEqual(self.base('V')['entries'], 0)
+        self.assertEqual(self.read_all('b0'), new)
+        self.settle()
+        self.assertEqual(self.read_all('b0'), new)       # and cached anew
+        self.assertEqual(self.base('V')['entries'], 1 * MiB // BS)
+        for args, msg in [(dict(id='nope', **{'base-id': 'V'}),
+                           "No clone-cache object with id 'nope'"),
+                          (dict(id='cc0', **{'base-id': 'W'}),
+                           "has no base 'W'")]:
+            r = self.qsd.qmp('clone-cache-invalidate', **args)
+            self.assertIn(msg, r['error']['desc'])
+
+    def test_a_second_generation_of_an_open_base_is_refused(self):
+        """Two nodes may share a base-id only with one generation: a node
+        with another would have the first node's reads cached as its own
+        (or drop the blocks the first node is reading)."""
+        path = self.make_base('base.img', size=1 * MiB)
+        self.start([('b0', path, ',base-id=T,generation=1')])
+        self.read_all('b0')
+        self.settle()
+        r = self.qsd.qmp('blockdev-add', driver='clone-cache',
+                         **{'node-name': 'b1', 'store': 'cc0',
+                            'file': 'f-b0', 'read-only': True,
+                            'base-id': 'T', 'generation': 2})
+        self.assertIn("base 'T' is open with generation 1 (node 'b0')",
+                      r['error']['desc'])
+        self.assertEqual(self.base('T')['entries'], 1 * MiB // BS)
+        self.qsd.cmd('blockdev-add', driver='clone-cache',
+                     **{'node-name': 'b1', 'store': 'cc0', 'file': 'f-b0',
+                        'read-only': True, 'base-id': 'T', 'generation': 1})
+        self.assertEqual(self.base('T')['entries'], 1 * MiB // BS)
+
+    # -- readers against the filler --
+
+    def patterned_base(self, name, nblocks, first):
+        """A base whose block i is filled with byte first + i (distinct
+        blocks: no two share a slot)."""
+        return self.make_base(name, data=b''.join(
+            bytes([first + i]) * BS for i in range(nblocks)))
+
+    def trace_seen(self, event, count=1, timeout=30):
+        deadline = time.monotonic() + timeout
+        while open(self.tmp('qsd.log')).read().count(event) < count:
+            self.assertLess(time.monotonic(), deadline, f'no {event}')
+            time.sleep(0.02)
+
+    def test_a_slot_being_read_is_never_reused(self):
+        """A reader holds its slot: dropped under it (here: the base is
+        invalidated), the slot stays off the free list until the reader
+        lets go, and the reader sees the change and reads the base.
+        Forced interleaving: a reader paused (x-read-delay-ns) after its
+        lookup, while every slot of a full 16-slot cache is dropped and
+        refilled with other blocks."""
+        path = self.patterned_base('base.img', 32, 1)
+        # 1216 KiB holds exactly 16 slots of 64 KiB (docs/clone-cache.rst)
+        self.start([('b0', path, ',base-id=K')], size=1216 * KiB,
+                   extra=['--trace', 'clone_cache_read_delay'])
+        self.assertEqual(self.info()['slots'], 16)
+        self.io('b0', *[f'read -P {i + 1} {i * BS} {BS}' for i in range(16)])
+        self.assertEqual(self.settle()['used'], 16)
+        self.qsd.cmd('qom-set', path='/objects/cc0',
+                     property='x-read-delay-ns', value=3 * 10**9)
+        r1 = subprocess.Popen(
+            [H.binary('qemu-io'), '-r', '-f', 'raw', '-c', 'read -P 1 0 4k',
+             self.uri('b0')], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        self.trace_seen('clone_cache_read_delay')
+        self.qsd.cmd('qom-set', path='/objects/cc0',
+                     property='x-read-delay-ns', value=0)
+        self.qsd.cmd('clone-cache-invalidate', id='cc0', **{'base-id': 'K'})
+        self.io('b0', *[f'read -P {i + 1} {i * BS} {BS}'
+                        for i in range(16, 32)])
+        c = self.settle()
+        self.assertGreaterEqual(c['used'], 15)
+        out = r1.communicate(timeout=60)[0]
+        self.assertEqual(r1.returncode, 0, out)
+        self.assertNotIn('fail', out)          # "Pattern verification failed"
+        self.assertIn('read 4096/4096 bytes', out)
+
+    def test_stress_readers_checksum_failures_and_invalidations(self):
+        """Many readers on two nodes of one base-id and on a second base,
+        a cache too small for them (evictions), cached blocks damaged
+        under the readers (checksum failures drop slots others read) and
+        the shared base invalidated again and again: every read returns
+        the base's bytes."""
+        nblocks = 48
+        k = self.patterned_base('k.img', nblocks, 1)
+        m = self.patterned_base('m.img', nblocks, 101)
+        self.start([('b0', k, ',base-id=K'), ('b1', k, ',base-id=K'),
+                    ('m0', m, ',base-id=M')], size=2 * MiB)
+        L = self.layout()
+        rnd = random.Random(35)
+
+        def reader(r):
+            node, first = [('b0', 1), ('b1', 1), ('m0', 101)][r % 3]
+            cmds = []
+            for _ in range(150):
+                b = rnd.randrange(nblocks)
+                off = rnd.randrange(0, BS, 4096)
+                ln = min(rnd.choice([4096, 8192, BS]), BS - off)
+                cmds += ['-c', f'read -P {first + b} {b * BS + off} {ln}']
+            return subprocess.Popen(
+                [H.binary('qemu-io'), '-r', '-f', 'raw'] + cmds +
+                [self.uri(node)], stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True)
+
+        def check(p):
+            out = p.communicate()[0]
+            odd = [line for line in out.splitlines() if not re.match(
+                r'(read \d+/\d+ bytes at offset \d+|[\d.]+ [KM]iB, 1 ops;)',
+                line)]
+            self.assertEqual((p.returncode, odd[:20]), (0, []))
+            self.assertEqual(out.count('read '), 150)
+
+        readers = [reader(r) for r in range(6)]
+        rounds = runs = 0
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            rounds += 1
+            self.qsd.cmd('qom-set', path='/objects/cc0',
+                         property='x-read-delay-ns',
+                         value=rnd.choice([0, 10**6, 5 * 10**6]))
+            slot = rnd.randrange(L['nslots'])
+            self.corrupt(L['data_off'] + slot * L['bsz'] +
+                         rnd.randrange(BS - 16))
+            if rounds % 4 == 0:
+                self.qsd.cmd('clone-cache-invalidate', id='cc0',
+                             **{'base-id': 'K'})
+            for r, p in enumerate(readers):
+                if p.poll() is not None:
+                    check(p)
+                    runs += 1
+                    readers[r] = reader(r)
+            time.sleep(0.02)
+        for p in readers:
+            check(p)
+        c = self.settle()
+        self.assertGreater(rounds, 40)
+        self.assertGreater(runs, 6)
+        self.assertGreater(c['checksum-errors'], 0)
+        self.assertGreater(c['evictions'], 0)
 
     def test_full_cache_file_system_reads_from_the_base(self):
         mnt = self.tmp('small')
