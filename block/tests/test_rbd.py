@@ -229,8 +229,9 @@ class RbdTest(unittest.TestCase):
     def test_clone_cache_over_rbd_snapshot(self):
         """A qemu-storage-daemon caches a protected RBD snapshot for the
         host: bytes equal `rbd export`'s, the second reader and a restarted
-        daemon read nothing from the cluster, and the snapshot's id as the
-        generation drops the entries when the snapshot is recreated."""
+        daemon read nothing from the cluster, and the default generation
+        (cluster, pool, image id, snapshot id: qemu-img info shows them)
+        drops the entries when the snapshot is recreated under its name."""
         img = self.image('gold', size='16M')
         data = os.urandom(8 * MiB)
         src = self.tmp('src')
@@ -246,15 +247,14 @@ class RbdTest(unittest.TestCase):
         sock = self.tmp('nbd.sock')
         uri = f'nbd+unix:///gold?socket={sock}'
 
-        def start(generation):
+        def start():
             d = H.StorageDaemon(
                 self.tmp, '--object', 'clone-cache,id=cc0,'
                 f'filename={self.tmp("cc")},size=32M',
                 '--blockdev', self.ceph.blockdev(img) +
                 ',node-name=rbd0,snapshot=s1,read-only=on',
                 '--blockdev', 'clone-cache,node-name=gold,store=cc0,'
-                f'file=rbd0,read-only=on,base-id=rbd/{img}@s1,'
-                f'generation={generation}',
+                f'file=rbd0,read-only=on,base-id=rbd/{img}@s1',
                 '--nbd-server', f'addr.type=unix,addr.path={sock}',
                 '--export', 'nbd,id=e0,node-name=gold')
             self.procs.append(d)
@@ -274,7 +274,15 @@ class RbdTest(unittest.TestCase):
             time.sleep(0.1)
             return d.cmd('query-clone-cache')[0]['bases'][0]
 
-        d = start(snap_id)
+        info = json.loads(H.qemu_img(
+            'info', '--output=json', '--image-opts',
+            self.ceph.blockdev(img) + ',snapshot=s1'
+        ).stdout)['format-specific']['data']
+        self.assertEqual(info['snapshot-id'], snap_id)
+        self.assertTrue(info['image-id'] and info['cluster-fsid'])
+        d = start()
+        gen = d.cmd('query-clone-cache')[0]['bases'][0]['generation']
+        self.assertNotEqual(gen, 0)
         self.assertEqual(read_all(), want)
         cold = stats(d)
         # the unwritten half is a hole in RBD: block status skips it
@@ -284,9 +292,10 @@ class RbdTest(unittest.TestCase):
         self.assertEqual(stats(d)['base-read-bytes'], cold['base-read-bytes'])
         d.stop()
         self.procs.remove(d)
-        d = start(snap_id)
+        d = start()
         self.assertEqual(read_all(), want)
         warm = stats(d)
+        self.assertEqual(warm['generation'], gen)
         self.assertEqual((warm['base-read-bytes'], warm['misses']), (0, 0))
         d.stop()
         self.procs.remove(d)
@@ -299,9 +308,10 @@ class RbdTest(unittest.TestCase):
                                          f'rbd/{img}').stdout)
         new_id = [x['id'] for x in snaps if x['name'] == 's1'][0]
         self.assertNotEqual(new_id, snap_id)
-        d = start(new_id)
-        self.assertEqual(d.cmd('query-clone-cache')[0]['bases'][0]['entries'],
-                         0)
+        d = start()
+        base = d.cmd('query-clone-cache')[0]['bases'][0]
+        self.assertEqual(base['entries'], 0)
+        self.assertNotEqual(base['generation'], gen)
         got = read_all()
         self.assertEqual(got[:MiB], b'\x77' * MiB)
         self.assertEqual(got[MiB:], want[MiB:])
