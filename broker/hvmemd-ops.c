@@ -19,10 +19,13 @@
 
 /* ---- accounting ---- */
 
-static void usage_of(Broker *b, uint32_t uid, uint64_t *total, uint64_t *by_uid)
+/* Bytes in the pool, and bytes and regions of @uid (destroyed ones count). */
+static void usage_of(Broker *b, uint32_t uid, uint64_t *total, uint64_t *by_uid,
+                     unsigned *regions_of_uid)
 {
     GHashTableIter it;
     gpointer v;
+    unsigned n = 0;
 
     *total = *by_uid = 0;
     g_hash_table_iter_init(&it, b->cat->regions);
@@ -31,20 +34,35 @@ static void usage_of(Broker *b, uint32_t uid, uint64_t *total, uint64_t *by_uid)
 
         *total += r->size;
         *by_uid += r->uid == uid ? r->size : 0;
+        n += r->uid == uid;
     }
     for (guint i = 0; i < b->zombies->len; i++) {
         HvmRegion *r = g_ptr_array_index(b->zombies, i);
 
         *total += r->size;
         *by_uid += r->uid == uid ? r->size : 0;
+        n += r->uid == uid;
+    }
+    if (regions_of_uid) {
+        *regions_of_uid = n;
     }
 }
 
+/*
+ * [quota] for the uid, else --quota, else a quarter of the pool for every
+ * uid but 0 (so that one user cannot take it all) and none for uid 0.
+ */
 static uint64_t quota_of(Broker *b, uint32_t uid)
 {
     uint64_t *q = g_hash_table_lookup(b->quotas, GUINT_TO_POINTER(uid));
 
-    return q ? *q : b->quota;
+    if (q) {
+        return *q;
+    }
+    if (b->quota_set) {
+        return b->quota;
+    }
+    return uid ? MAX(b->capacity / 4, 1) : 0;
 }
 
 /* May @uid take @delta more bytes?  0 or -ENOSPC/-EDQUOT with @msg. */
@@ -52,7 +70,7 @@ static int admit(Broker *b, uint32_t uid, uint64_t delta, char *msg, size_t ml)
 {
     uint64_t total, mine, quota = quota_of(b, uid);
 
-    usage_of(b, uid, &total, &mine);
+    usage_of(b, uid, &total, &mine, NULL);
     if (delta > b->capacity - MIN(total, b->capacity)) {
         snprintf(msg, ml, "pool full: %" G_GUINT64_FORMAT " bytes asked, %"
                  G_GUINT64_FORMAT " of %" G_GUINT64_FORMAT " free",
@@ -160,6 +178,34 @@ static HvmRegion *get_region(Broker *b, const char *name)
     return g_hash_table_lookup(b->cat->regions, name);
 }
 
+/*
+ * The region table (HVM_MAX_REGIONS) is shared: a uid other than 0 may
+ * hold --max-regions-per-uid regions, and all of them together not the last
+ * HVMD_ROOT_REGIONS, so that one user cannot lock the others, or root, out.
+ */
+static int admit_region(Broker *b, uint32_t uid, char *msg, size_t ml)
+{
+    unsigned n = g_hash_table_size(b->cat->regions) + b->zombies->len, mine;
+    uint64_t total, bytes;
+
+    if (n >= HVM_MAX_REGIONS) {
+        FAIL(-ENOSPC, "too many regions (limit %d)", HVM_MAX_REGIONS);
+    }
+    if (uid == 0) {
+        return 0;
+    }
+    if (n >= HVM_MAX_REGIONS - HVMD_ROOT_REGIONS) {
+        FAIL(-ENOSPC, "too many regions (limit %d, the last %d kept for uid 0)",
+             HVM_MAX_REGIONS, HVMD_ROOT_REGIONS);
+    }
+    usage_of(b, uid, &total, &bytes, &mine);
+    if (mine >= b->max_regions_per_uid) {
+        FAIL(-EDQUOT, "too many regions for uid %u (max %u per uid)", uid,
+             b->max_regions_per_uid);
+    }
+    return 0;
+}
+
 static int op_create(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
                      size_t ml)
 {
@@ -172,8 +218,9 @@ static int op_create(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
     if (get_region(b, q->name)) {
         FAIL(-EEXIST, "region '%s' exists", q->name);
     }
-    if (g_hash_table_size(b->cat->regions) + b->zombies->len >= HVM_MAX_REGIONS) {
-        FAIL(-ENOSPC, "too many regions (limit %d)", HVM_MAX_REGIONS);
+    ret = admit_region(b, c->cred.uid, msg, ml);
+    if (ret) {
+        return ret;
     }
     ret = admit(b, c->cred.uid, size, msg, ml);
     if (ret) {
@@ -482,7 +529,7 @@ static int op_stat(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
             .item_align = HVM_ITEM_ALIGN,
         };
 
-        usage_of(b, c->cred.uid, &pi.used, &pi.caller_used);
+        usage_of(b, c->cred.uid, &pi.used, &pi.caller_used, NULL);
         hvm_pool_encode(data, &pi);
         return 0;
     }

@@ -12,13 +12,15 @@
  * SPDX-License-Identifier: GPL-2.0-or-later
  *
  * Single-threaded: one GMainLoop serves the listening socket and every
- * connection, so no state below needs a lock.
+ * connection, so no state below needs a lock.  Nothing blocks on a peer:
+ * sockets are non-blocking, replies wait in a per-connection queue that is
+ * written when the socket is writable (as Redis does), and a client that
+ * does not read is dropped, never waited for.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
-#include <poll.h>
 #include <pwd.h>
 #include <signal.h>
 #include <stdio.h>
@@ -37,73 +39,69 @@
 #include "hvmemd.h"
 
 #define HUGETLBFS_MAGIC_     0x958458f6
-#define SEND_TIMEOUT_MS      1000    /* a client that does not read is dropped */
+/*
+ * A connection's unwritten replies: at most this many bytes (two of the
+ * largest replies, a LIST of 4096 regions with long names) and this many
+ * descriptors (map replies); a client past either does not read its
+ * replies and is dropped.  Every descriptor counts against RLIMIT_NOFILE.
+ */
+#define OUT_MAX_BYTES        (2 * (HVM_HDR_SIZE + HVM_MAX_REPLY_BODY))
+#define OUT_MAX_FDS          4
 
 static Broker broker;
 
 /* ---- connections ---- */
 
-/* Send all of @buf (with @fd on the first byte, if >= 0) within the timeout. */
-static int send_all(int sock, const uint8_t *buf, size_t len, int fd)
+typedef struct OutMsg {
+    GByteArray *buf;
+    size_t off;         /* bytes of buf already written */
+    int fd;             /* passed with the first byte, then closed; or -1 */
+} OutMsg;
+
+/*
+ * One non-blocking sendmsg() of @len bytes (with @fd on the first byte, if
+ * >= 0): the bytes written, or a negative errno (-EAGAIN: the socket is full).
+ */
+static ssize_t send_some(int sock, const uint8_t *buf, size_t len, int fd)
 {
-    gint64 deadline = g_get_monotonic_time() + SEND_TIMEOUT_MS * 1000;
-    size_t off = 0;
+    struct iovec iov = { (void *)buf, len };
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } u;
+    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+    ssize_t n;
 
-    while (off < len) {
-        struct iovec iov = { (void *)(buf + off), len - off };
-        union {
-            char buf[CMSG_SPACE(sizeof(int))];
-            struct cmsghdr align;
-        } u;
-        struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
-        ssize_t n;
+    if (fd >= 0) {
+        struct cmsghdr *cm;
 
-        if (fd >= 0) {
-            struct cmsghdr *cm;
-
-            memset(&u, 0, sizeof(u));
-            mh.msg_control = u.buf;
-            mh.msg_controllen = sizeof(u.buf);
-            cm = CMSG_FIRSTHDR(&mh);
-            cm->cmsg_level = SOL_SOCKET;
-            cm->cmsg_type = SCM_RIGHTS;
-            cm->cmsg_len = CMSG_LEN(sizeof(int));
-            memcpy(CMSG_DATA(cm), &fd, sizeof(int));
-        }
-        n = sendmsg(sock, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (n > 0) {
-            off += n;
-            fd = -1;
-            continue;
-        }
-        if (n < 0 && errno == EINTR) {
-            continue;
-        }
-        if (n < 0 && errno == EAGAIN) {
-            struct pollfd p = { .fd = sock, .events = POLLOUT };
-            gint64 left = (deadline - g_get_monotonic_time()) / 1000;
-
-            if (left <= 0 || poll(&p, 1, left) <= 0) {
-                return -ETIMEDOUT;
-            }
-            continue;
-        }
-        return n < 0 ? -errno : -EIO;
+        memset(&u, 0, sizeof(u));
+        mh.msg_control = u.buf;
+        mh.msg_controllen = sizeof(u.buf);
+        cm = CMSG_FIRSTHDR(&mh);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(cm), &fd, sizeof(int));
     }
-    return 0;
+    do {
+        n = sendmsg(sock, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0) {
+        return errno == EWOULDBLOCK ? -EAGAIN : -errno;
+    }
+    return n ? n : -EIO;
 }
 
-static int reply(Conn *c, uint16_t op, uint32_t seq, int status,
-                 const char *msg, GByteArray *data, int fd)
+static void out_msg_free(gpointer p)
 {
-    GByteArray *out = g_byte_array_new();
-    int ret;
+    OutMsg *m = p;
 
-    hvm_reply_encode(out, op, seq, status, status ? msg : NULL,
-                     data ? data->data : NULL, data ? data->len : 0);
-    ret = send_all(c->fd, out->data, out->len, fd);
-    g_byte_array_free(out, TRUE);
-    return ret;
+    if (m->fd >= 0) {
+        close(m->fd);
+    }
+    g_byte_array_free(m->buf, TRUE);
+    g_free(m);
 }
 
 static void conn_close(Conn *c)
@@ -111,6 +109,7 @@ static void conn_close(Conn *c)
     Broker *b = c->b;
     GHashTableIter it;
     gpointer v;
+    guint n;
 
     g_hash_table_iter_init(&it, c->attached);
     while (g_hash_table_iter_next(&it, &v, NULL)) {
@@ -136,30 +135,154 @@ static void conn_close(Conn *c)
     if (c->watch) {
         g_source_remove(c->watch);
     }
+    if (c->out_watch) {
+        g_source_remove(c->out_watch);
+    }
+    g_queue_clear_full(&c->out, out_msg_free);
     close(c->fd);
+    n = GPOINTER_TO_UINT(g_hash_table_lookup(b->uid_conns,
+                                             GUINT_TO_POINTER(c->cred.uid)));
+    if (n > 1) {
+        g_hash_table_insert(b->uid_conns, GUINT_TO_POINTER(c->cred.uid),
+                            GUINT_TO_POINTER(n - 1));
+    } else {
+        g_hash_table_remove(b->uid_conns, GUINT_TO_POINTER(c->cred.uid));
+    }
     g_hash_table_remove(b->conns, c);
     g_free(c);
 }
 
-/* Handle the complete requests in c->buf; false when the connection must go. */
-static bool conn_process(Conn *c)
+static gboolean conn_writable(gint fd, GIOCondition cond, gpointer opaque);
+
+/*
+ * Write as much of the queue as the socket takes now.  0, or a negative
+ * errno when the connection must go.  While something is left, a writable
+ * watch calls again; an empty queue's watch removes itself (conn_writable).
+ */
+static int conn_flush(Conn *c)
+{
+    OutMsg *m;
+
+    while ((m = g_queue_peek_head(&c->out))) {
+        ssize_t n = send_some(c->fd, m->buf->data + m->off,
+                              m->buf->len - m->off, m->off ? -1 : m->fd);
+
+        if (n == -EAGAIN) {
+            break;
+        }
+        if (n < 0) {
+            return n;
+        }
+        c->out_since = g_get_monotonic_time();
+        if (m->fd >= 0) {
+            close(m->fd);       /* the peer has its own copy now */
+            m->fd = -1;
+            c->out_fds--;
+        }
+        m->off += n;
+        c->out_bytes -= n;
+        if (m->off == m->buf->len) {
+            out_msg_free(g_queue_pop_head(&c->out));
+        }
+    }
+    if (!g_queue_is_empty(&c->out) && !c->out_watch) {
+        c->out_watch = g_unix_fd_add(c->fd, G_IO_OUT | G_IO_HUP | G_IO_ERR,
+                                     conn_writable, c);
+    }
+    return 0;
+}
+
+/*
+ * Queue a reply (with @fd, which the queue then owns) and write what the
+ * socket takes.  False when the connection must go: the socket failed, or
+ * the client leaves more unread than the queue's bound.
+ */
+static bool conn_reply(Conn *c, uint16_t op, uint32_t seq, int status,
+                       const char *msg, GByteArray *data, int fd)
+{
+    OutMsg *m = g_new0(OutMsg, 1);
+
+    m->buf = g_byte_array_new();
+    m->fd = fd;
+    hvm_reply_encode(m->buf, op, seq, status, status ? msg : NULL,
+                     data ? data->data : NULL, data ? data->len : 0);
+    if (g_queue_is_empty(&c->out)) {
+        c->out_since = g_get_monotonic_time();
+    }
+    g_queue_push_tail(&c->out, m);
+    c->out_bytes += m->buf->len;
+    c->out_fds += fd >= 0;
+    if (conn_flush(c) < 0) {
+        return false;
+    }
+    if (c->out_bytes > OUT_MAX_BYTES || c->out_fds > OUT_MAX_FDS) {
+        g_warning("connection of pid %d uid %u dropped: %zu bytes and %u "
+                  "descriptors of unread replies (limits %u and %u)",
+                  c->cred.pid, c->cred.uid, c->out_bytes, c->out_fds,
+                  (unsigned)OUT_MAX_BYTES, OUT_MAX_FDS);
+        return false;
+    }
+    return true;
+}
+
+/*
+ * Say why (an unsolicited reply) and hang up: read nothing more, close once
+ * the queue is written (or dropped by reap_slow if it never is).
+ */
+static void conn_finish(Conn *c, int status, const char *msg)
+{
+    if (c->watch) {
+        g_source_remove(c->watch);
+        c->watch = 0;
+    }
+    c->closing = true;
+    c->have = 0;
+    if (!conn_reply(c, 0, 0, status, msg, NULL, -1) ||
+        g_queue_is_empty(&c->out)) {
+        conn_close(c);
+    }
+}
+
+static gboolean conn_writable(gint fd, GIOCondition cond, gpointer opaque)
+{
+    Conn *c = opaque;
+
+    if (conn_flush(c) < 0) {
+        c->out_watch = 0;
+        conn_close(c);
+        return G_SOURCE_REMOVE;
+    }
+    if (g_queue_is_empty(&c->out)) {
+        c->out_watch = 0;
+        if (c->closing) {
+            conn_close(c);
+        }
+        return G_SOURCE_REMOVE;
+    }
+    return G_SOURCE_CONTINUE;
+}
+
+typedef enum { CONN_OK, CONN_DROP, CONN_FINISH } ConnState;
+
+/* Handle the complete requests in c->buf. */
+static ConnState conn_process(Conn *c, int *status, const char **why)
 {
     while (c->have >= HVM_HDR_SIZE) {
         HvmHeader h;
         HvmRequest q;
-        const char *why;
         char msg[HVM_MAX_MSG];
         GByteArray *data;
+        bool ok;
         int ret, fd = -1;
 
-        ret = hvm_header_decode(c->buf, &h, false, &why);
+        ret = hvm_header_decode(c->buf, &h, false, why);
         if (ret) {
             /* Framing cannot be trusted any more: say why and hang up. */
-            reply(c, 0, 0, ret, why, NULL, -1);
-            return false;
+            *status = ret;
+            return CONN_FINISH;
         }
         if (c->have < HVM_HDR_SIZE + h.length) {
-            return true;
+            return CONN_OK;
         }
         data = g_byte_array_new();
         ret = hvm_request_decode(h.op, h.seq, c->buf + HVM_HDR_SIZE, h.length,
@@ -170,25 +293,24 @@ static bool conn_process(Conn *c)
         if (ret) {
             g_byte_array_set_size(data, 0);
         }
-        ret = reply(c, h.op, h.seq, ret, msg, data, fd);
+        ok = conn_reply(c, h.op, h.seq, ret, msg, data, fd);
         g_byte_array_free(data, TRUE);
-        if (fd >= 0) {
-            close(fd);
-        }
-        if (ret) {
-            return false;
+        if (!ok) {
+            return CONN_DROP;
         }
         memmove(c->buf, c->buf + HVM_HDR_SIZE + h.length,
                 c->have - HVM_HDR_SIZE - h.length);
         c->have -= HVM_HDR_SIZE + h.length;
         c->partial_since = g_get_monotonic_time();
     }
-    return true;
+    return CONN_OK;
 }
 
 static gboolean conn_ready(gint fd, GIOCondition cond, gpointer opaque)
 {
     Conn *c = opaque;
+    const char *why = NULL;
+    int status = 0;
     ssize_t n;
 
     n = recv(fd, c->buf + c->have, sizeof(c->buf) - c->have, MSG_DONTWAIT);
@@ -204,63 +326,108 @@ static gboolean conn_ready(gint fd, GIOCondition cond, gpointer opaque)
         c->partial_since = g_get_monotonic_time();
     }
     c->have += n;
-    if (!conn_process(c)) {
+    switch (conn_process(c, &status, &why)) {
+    case CONN_OK:
+        return G_SOURCE_CONTINUE;
+    case CONN_DROP:
         c->watch = 0;
         conn_close(c);
         return G_SOURCE_REMOVE;
+    case CONN_FINISH:
+    default:
+        c->watch = 0;
+        conn_finish(c, status, why);
+        return G_SOURCE_REMOVE;
     }
-    return G_SOURCE_CONTINUE;
 }
 
 /*
  * Once a second: a connection sitting on a partial request for longer than
- * the timeout is dropped, so that slow or stuck senders cannot keep slots.
- * Idle connections (nothing pending) stay: an idle connection is how a
- * client holds its lease.
+ * the timeout is told so and dropped, so that slow or stuck senders cannot
+ * keep slots; one whose replies have not moved for as long is dropped (it
+ * does not read).  Idle connections (nothing pending either way) stay: an
+ * idle connection is how a client holds its lease.
  */
 static gboolean reap_slow(gpointer opaque)
 {
     Broker *b = opaque;
     gint64 limit = g_get_monotonic_time() - (gint64)b->request_timeout * G_USEC_PER_SEC;
-    GPtrArray *slow = g_ptr_array_new();
+    GPtrArray *slow = g_ptr_array_new(), *deaf = g_ptr_array_new();
     GHashTableIter it;
     gpointer v;
+    char msg[96];
 
     g_hash_table_iter_init(&it, b->conns);
     while (g_hash_table_iter_next(&it, &v, NULL)) {
         Conn *c = v;
 
-        if (c->have && c->partial_since < limit) {
+        if (!g_queue_is_empty(&c->out) && c->out_since < limit) {
+            g_ptr_array_add(deaf, c);
+        } else if (c->have && c->partial_since < limit) {
             g_ptr_array_add(slow, c);
         }
     }
-    for (guint i = 0; i < slow->len; i++) {
-        Conn *c = g_ptr_array_index(slow, i);
-        char msg[96];
+    for (guint i = 0; i < deaf->len; i++) {
+        Conn *c = g_ptr_array_index(deaf, i);
 
-        snprintf(msg, sizeof(msg), "request not complete within %u s",
-                 b->request_timeout);
-        reply(c, 0, 0, -ETIMEDOUT, msg, NULL, -1);
+        g_warning("connection of pid %d uid %u dropped: its replies not read "
+                  "for %u s (%zu bytes queued)", c->cred.pid, c->cred.uid,
+                  b->request_timeout, c->out_bytes);
         conn_close(c);
     }
+    snprintf(msg, sizeof(msg), "request not complete within %u s",
+             b->request_timeout);
+    for (guint i = 0; i < slow->len; i++) {
+        conn_finish(g_ptr_array_index(slow, i), -ETIMEDOUT, msg);
+    }
     g_ptr_array_free(slow, TRUE);
+    g_ptr_array_free(deaf, TRUE);
     return G_SOURCE_CONTINUE;
 }
 
+/* Refuse a connection just accepted: its socket is empty, so one try does. */
 static void refuse(int fd, int status, const char *msg)
 {
     GByteArray *out = g_byte_array_new();
 
     hvm_reply_encode(out, 0, 0, status, msg, NULL, 0);
-    send_all(fd, out->data, out->len, -1);
+    send_some(fd, out->data, out->len, -1);
     g_byte_array_free(out, TRUE);
     close(fd);
+}
+
+/*
+ * May @uid open one more connection?  NULL, or why not.  Every uid but 0
+ * has at most --max-conns-per-uid, and all of them together leave the last
+ * --reserved-conns slots to uid 0: no user can lock root (or, with the
+ * per-uid limit, everyone else) out by opening idle connections.
+ */
+static const char *conn_limit(Broker *b, uid_t uid, char *msg, size_t ml)
+{
+    unsigned n = g_hash_table_size(b->conns);
+    unsigned mine = GPOINTER_TO_UINT(g_hash_table_lookup(b->uid_conns,
+                                                         GUINT_TO_POINTER(uid)));
+
+    if (n >= b->max_conns) {
+        snprintf(msg, ml, "too many connections (max %u)", b->max_conns);
+    } else if (uid && n >= b->max_conns - b->reserved_conns) {
+        snprintf(msg, ml, "too many connections (max %u, the last %u kept "
+                 "for uid 0)", b->max_conns, b->reserved_conns);
+    } else if (uid && mine >= b->max_conns_per_uid) {
+        snprintf(msg, ml, "too many connections from uid %u (max %u per uid)",
+                 (unsigned)uid, b->max_conns_per_uid);
+    } else {
+        return NULL;
+    }
+    return msg;
 }
 
 /* Accept (or refuse) one pending connection; false when none is pending. */
 static bool accept_one(Broker *b, int lfd)
 {
+    struct ucred cred;
     socklen_t len;
+    char msg[128];
     Conn *c;
     int fd;
 
@@ -278,29 +445,30 @@ static bool accept_one(Broker *b, int lfd)
         }
         return false;
     }
-    if (g_hash_table_size(b->conns) >= b->max_conns) {
-        char msg[128];
-
-        snprintf(msg, sizeof(msg), "too many connections (max %u)",
-                 b->max_conns);
+    len = sizeof(cred);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0) {
+        refuse(fd, -EPROTO, "no peer credentials");
+        return true;
+    }
+    if (conn_limit(b, cred.uid, msg, sizeof(msg))) {
         refuse(fd, -EUSERS, msg);
         return true;
     }
     c = g_new0(Conn, 1);
     c->b = b;
     c->fd = fd;
-    len = sizeof(c->cred);
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &c->cred, &len) < 0) {
-        g_free(c);
-        refuse(fd, -EPROTO, "no peer credentials");
-        return true;
-    }
+    c->cred = cred;
     len = sizeof(c->groups);
     if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, c->groups, &len) == 0) {
         c->ngroups = len / sizeof(gid_t);
     }
+    g_queue_init(&c->out);
     c->attached = g_hash_table_new(NULL, NULL);
     g_hash_table_add(b->conns, c);
+    g_hash_table_insert(b->uid_conns, GUINT_TO_POINTER(cred.uid),
+                        GUINT_TO_POINTER(1 + GPOINTER_TO_UINT(
+                            g_hash_table_lookup(b->uid_conns,
+                                                GUINT_TO_POINTER(cred.uid)))));
     c->watch = g_unix_fd_add(fd, G_IO_IN | G_IO_HUP | G_IO_ERR, conn_ready, c);
     return true;
 }
@@ -547,12 +715,26 @@ static bool open_dirs(Broker *b, GError **errp)
            hvmd_lock_dir(b->state_fd, b->state_dir, errp);
 }
 
+/* An option in 1..@max, or @def when not given (-1). */
+static bool opt_range(const char *name, int *v, int def, int max)
+{
+    if (*v == -1) {
+        *v = def;
+    }
+    if (*v < 1 || *v > max) {
+        g_printerr("hvmemd: --%s %d out of range (1..%d)\n", name, *v, max);
+        return false;
+    }
+    return true;
+}
+
 int main(int argc, char **argv)
 {
     Broker *b = &broker;
     g_autofree char *pool = NULL, *state = NULL, *sock = NULL, *config = NULL;
     g_autofree char *capacity_s = NULL, *quota_s = NULL, *sock_mode_s = NULL;
-    int max_conns = 256;
+    int max_conns = 256, max_conns_per_uid = -1, reserved_conns = -1;
+    int max_regions_per_uid = 256;
     int request_timeout = 10;
     GOptionEntry entries[] = {
         { "pool", 'p', 0, G_OPTION_ARG_FILENAME, &pool,
@@ -570,11 +752,21 @@ int main(int argc, char **argv)
         { "capacity", 0, 0, G_OPTION_ARG_STRING, &capacity_s,
           "bytes the pool may hand out (default: the file system's size)", "SIZE" },
         { "quota", 0, 0, G_OPTION_ARG_STRING, &quota_s,
-          "default per-uid quota (default: none)", "SIZE" },
+          "per-uid quota, uid 0 included (default: a quarter of the capacity "
+          "for every uid but 0)", "SIZE" },
         { "max-conns", 0, 0, G_OPTION_ARG_INT, &max_conns,
           "maximum client connections (default 256)", "N" },
+        { "max-conns-per-uid", 0, 0, G_OPTION_ARG_INT, &max_conns_per_uid,
+          "connections of one uid other than 0 (default: a quarter of "
+          "--max-conns)", "N" },
+        { "reserved-conns", 0, 0, G_OPTION_ARG_INT, &reserved_conns,
+          "the last connections, kept for uid 0 (default: a sixteenth of "
+          "--max-conns, at least 1)", "N" },
+        { "max-regions-per-uid", 0, 0, G_OPTION_ARG_INT, &max_regions_per_uid,
+          "regions of one uid other than 0 (default 256)", "N" },
         { "request-timeout", 0, 0, G_OPTION_ARG_INT, &request_timeout,
-          "seconds a started request may take to arrive (default 10)", "S" },
+          "seconds a started request may take to arrive, and unread replies "
+          "may wait (default 10)", "S" },
         { NULL }
     };
     g_autoptr(GOptionContext) ctx = g_option_context_new("- hybridvm memory broker");
@@ -597,17 +789,15 @@ int main(int argc, char **argv)
     b->quotas = g_hash_table_new_full(NULL, NULL, NULL, g_free);
     b->zombies = g_ptr_array_new();
     b->conns = g_hash_table_new(NULL, NULL);
-    if (max_conns < 1 || max_conns > 65536) {
-        g_printerr("hvmemd: --max-conns %d out of range (1..65536)\n", max_conns);
-        return 2;
-    }
-    b->max_conns = max_conns;
-    if (request_timeout < 1 || request_timeout > 3600) {
-        g_printerr("hvmemd: --request-timeout %d out of range (1..3600)\n",
-                   request_timeout);
+    b->uid_conns = g_hash_table_new(NULL, NULL);
+    if (!opt_range("max-conns", &max_conns, 256, 65536) ||
+        !opt_range("request-timeout", &request_timeout, 10, 3600) ||
+        !opt_range("max-regions-per-uid", &max_regions_per_uid, 256,
+                   HVM_MAX_REGIONS - HVMD_ROOT_REGIONS)) {
         return 2;
     }
     b->request_timeout = request_timeout;
+    b->max_regions_per_uid = max_regions_per_uid;
     if (sock_mode_s) {
         char *end;
 
@@ -622,6 +812,42 @@ int main(int argc, char **argv)
         g_printerr("hvmemd: --quota %s is not a size\n", quota_s);
         return 2;
     }
+    b->quota_set = quota_s != NULL;
+    if (capacity_s && hvm_parse_size(capacity_s, &b->capacity)) {
+        g_printerr("hvmemd: --capacity %s is not a size\n", capacity_s);
+        return 2;
+    }
+
+    /*
+     * Every connection is one descriptor, and its unread replies may hold
+     * OUT_MAX_FDS more; keep a margin for the rest.
+     */
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 &&
+        rl.rlim_cur < (rlim_t)max_conns * (1 + OUT_MAX_FDS) + 64) {
+        rl.rlim_cur = MIN(rl.rlim_max, (rlim_t)max_conns * (1 + OUT_MAX_FDS) + 64);
+        setrlimit(RLIMIT_NOFILE, &rl);
+        if (rl.rlim_cur < (rlim_t)max_conns * (1 + OUT_MAX_FDS) + 64) {
+            max_conns = MAX(rl.rlim_cur > 128 ? (rl.rlim_cur - 64) / (1 + OUT_MAX_FDS) : 1, 1);
+            g_warning("RLIMIT_NOFILE %llu: at most %d connections",
+                      (unsigned long long)rl.rlim_cur, max_conns);
+        }
+    }
+    b->max_conns = max_conns;
+    if (!opt_range("max-conns-per-uid", &max_conns_per_uid,
+                   MAX(max_conns / 4, 1), max_conns)) {
+        return 2;
+    }
+    b->max_conns_per_uid = max_conns_per_uid;
+    if (reserved_conns == -1) {
+        reserved_conns = max_conns > 1 ? MAX(max_conns / 16, 1) : 0;
+    }
+    if (reserved_conns < 0 || reserved_conns >= max_conns) {
+        g_printerr("hvmemd: --reserved-conns %d out of range (0..%d)\n",
+                   reserved_conns, max_conns - 1);
+        return 2;
+    }
+    b->reserved_conns = reserved_conns;
+
     if (!open_dirs(b, &err)) {
         g_printerr("hvmemd: %s\n", err->message);
         return 1;
@@ -632,12 +858,7 @@ int main(int argc, char **argv)
     }
     /* hugetlbfs files grow in huge pages; tmpfs and DAX in base pages. */
     b->align = sfs.f_type == HUGETLBFS_MAGIC_ ? sfs.f_bsize : sysconf(_SC_PAGESIZE);
-    if (capacity_s) {
-        if (hvm_parse_size(capacity_s, &b->capacity)) {
-            g_printerr("hvmemd: --capacity %s is not a size\n", capacity_s);
-            return 2;
-        }
-    } else {
+    if (!capacity_s) {
         b->capacity = (uint64_t)sfs.f_blocks * sfs.f_bsize;
     }
 
@@ -664,16 +885,6 @@ int main(int argc, char **argv)
         }
     }
 
-    /* Every connection is one descriptor; keep a margin for the rest. */
-    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < b->max_conns + 64) {
-        rl.rlim_cur = MIN(rl.rlim_max, (rlim_t)b->max_conns + 64);
-        setrlimit(RLIMIT_NOFILE, &rl);
-        if (rl.rlim_cur < b->max_conns + 64) {
-            b->max_conns = rl.rlim_cur > 128 ? rl.rlim_cur - 64 : rl.rlim_cur / 2;
-            g_warning("RLIMIT_NOFILE %llu: at most %u connections",
-                      (unsigned long long)rl.rlim_cur, b->max_conns);
-        }
-    }
     b->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     b->listen_fd = listen_on(b->sock_path, sock_mode, &sock_ino, &err);
     if (b->listen_fd < 0) {

@@ -19,6 +19,8 @@
 #include "proto.h"
 
 #define MAX_GROUPS           256
+/* Regions only uid 0 may create once the table is this close to full. */
+#define HVMD_ROOT_REGIONS    64
 
 typedef struct Broker {
     char *pool_dir;
@@ -28,8 +30,13 @@ typedef struct Broker {
     int state_fd;               /* opened relative to these (openat) */
     uint64_t capacity;
     uint64_t quota;             /* per uid, 0 = none; [quota] overrides */
+    bool quota_set;             /* --quota given: it applies to uid 0 too */
     GHashTable *quotas;         /* uid -> uint64_t * */
     unsigned max_conns;
+    unsigned max_conns_per_uid; /* uid 0 exempt */
+    unsigned reserved_conns;    /* the last slots, for uid 0 only */
+    unsigned max_regions_per_uid;   /* uid 0 exempt */
+    GHashTable *uid_conns;      /* uid -> connections it has open */
     unsigned request_timeout;   /* seconds a partial request may wait */
     uint32_t align;
     HvmCatalog *cat;
@@ -43,13 +50,19 @@ typedef struct Broker {
 typedef struct Conn {
     Broker *b;
     int fd;
-    guint watch;
+    guint watch;                /* readable; 0 once closing */
+    guint out_watch;            /* writable, while replies are queued */
     struct ucred cred;
     gid_t groups[MAX_GROUPS];
     int ngroups;
     uint8_t buf[HVM_HDR_SIZE + HVM_MAX_REQ_BODY];
     size_t have;
     gint64 partial_since;       /* monotonic us when c->buf became non-empty */
+    GQueue out;                 /* OutMsg *: replies not yet written */
+    size_t out_bytes;           /* their unwritten bytes */
+    unsigned out_fds;           /* descriptors among them */
+    gint64 out_since;           /* monotonic us of the queue's last progress */
+    bool closing;               /* a last reply is queued: close when written */
     GHashTable *attached;       /* HvmRegion * this connection mapped */
 } Conn;
 

@@ -326,6 +326,7 @@ class Agent:
 def agent_main(sock):
     client = Client(sock)
     held = {}   # name -> (fd, mmap)
+    extra = []  # connections opened by 'connect'
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd.pop('op')
@@ -366,6 +367,34 @@ def agent_main(sock):
                 m.close()
                 os.close(fd)
                 out = {'result': None}
+            elif op == 'connect':
+                # n more connections, each asked for the pool; refused ones closed
+                accepted, refused = 0, []
+                for _ in range(cmd['n']):
+                    c = Client(sock)
+                    try:
+                        c.pool()
+                        extra.append(c)
+                        accepted += 1
+                    except BrokerError as e:
+                        refused.append(e.msg)
+                        c.close()
+                out = {'result': {'accepted': accepted, 'refused': refused}}
+            elif op == 'disconnect':
+                for c in extra:
+                    c.close()
+                extra.clear()
+                out = {'result': None}
+            elif op == 'create_many':
+                # create prefix0, prefix1, ... until n are made or one fails
+                made, out = 0, None
+                while made < cmd['n'] and out is None:
+                    try:
+                        client.create(f"{cmd['prefix']}{made}", cmd.get('size', 4096))
+                        made += 1
+                    except BrokerError as e:
+                        out = {'result': made, 'errno': e.errno, 'msg': e.msg}
+                out = out or {'result': made}
             else:
                 out = {'errno': errno.EINVAL, 'msg': f'unknown agent op {op}'}
         except BrokerError as e:

@@ -198,8 +198,10 @@ class ProvisioningTest(BrokerTestCase):
         self.assertEqual(os.pread(fd, 11, 0), b'provisioned')
         os.close(fd)
         if os.geteuid() == 0:
+            # without [quota] (nor --quota): the default, a quarter of the pool
             n = self.agent(NOBODY)
-            self.assertEqual(n.ok(op='call', method='pool')['result']['quota'], 0)
+            pool = n.ok(op='call', method='pool')['result']
+            self.assertEqual(pool['quota'], pool['capacity'] // 4)
 
     def test_quota_from_config(self):
         """[quota] USER=SIZE caps that uid, with the region counted."""

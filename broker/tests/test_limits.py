@@ -1,7 +1,9 @@
 """Hostile and greedy clients: pool capacity and per-uid quotas refuse with
 clear errors; malformed, oversized and garbage requests get an error (and a
 hang-up when framing is lost) while the broker stays healthy; connections
-beyond the maximum are refused with a message and no descriptor leaks."""
+beyond the maximum are refused with a message and no descriptor leaks; one
+uid cannot take every connection or region (per-uid limits, slots kept for
+root), and a client that never reads its replies delays no one else."""
 
 import errno
 import os
@@ -9,6 +11,7 @@ import resource
 import socket
 import struct
 import sys
+import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -198,6 +201,132 @@ class ConnectionLimitTest(BrokerTestCase):
         slow.close()
         self.assertEqual(holder.lookup('r')['lease_pid'], os.getpid())
         holder.close()
+        self.assertHealthy()
+
+
+class PerUidConnectionTest(BrokerTestCase):
+    BROKER_ARGS = ('--max-conns', '16')
+
+    def test_one_uid_cannot_lock_root_out(self):
+        """With --max-conns 16, nobody opening 20 idle connections gets a
+        quarter of them (the default per uid, its agent's own included) and
+        'too many connections from uid 65534'; root and another uid still
+        connect and are served."""
+        n = self.agent(NOBODY)
+        res = n.ok(op='connect', n=20)['result']
+        self.assertEqual(res['accepted'], 3, res)
+        self.assertEqual(len(res['refused']), 17)
+        self.assertIn(f'too many connections from uid {NOBODY} (max 4 per uid)',
+                      res['refused'][0])
+        roots = [self.broker.client() for _ in range(4)]
+        for c in roots:
+            c.pool()
+        other = self.agent(NOBODY - 1)
+        self.assertEqual(other.ok(op='connect', n=1)['result']['accepted'], 1)
+        for c in roots:
+            c.close()
+        n.ok(op='disconnect')
+        self.assertHealthy()
+
+
+class RootReserveTest(BrokerTestCase):
+    BROKER_ARGS = ('--max-conns', '16', '--max-conns-per-uid', '16',
+                   '--reserved-conns', '2')
+
+    def test_slots_kept_for_root(self):
+        """Even a uid allowed every connection leaves the --reserved-conns
+        last slots to root: root's clients are served, then the limit holds
+        for root too."""
+        n = self.agent(NOBODY)
+        res = n.ok(op='connect', n=20)['result']
+        # 16 slots - 2 for root - self.c - the agent's own connection
+        self.assertEqual(res['accepted'], 12, res)
+        self.assertIn('too many connections (max 16, the last 2 kept for uid 0)',
+                      res['refused'][0])
+        roots = [self.broker.client() for _ in range(2)]
+        for c in roots:
+            c.pool()
+        late = self.broker.client()
+        self.assertBrokerError(errno.EUSERS, late.pool)
+        late.close()
+        for c in roots:
+            c.close()
+
+
+class PerUidRegionTest(BrokerTestCase):
+
+    def test_one_uid_cannot_fill_the_region_table(self):
+        """One uid may hold 256 regions by default (the table has 4096):
+        nobody creating tiny regions is refused with EDQUOT at its limit,
+        while root and another uid still create."""
+        n = self.agent(NOBODY)
+        res = n.do(op='create_many', prefix='n', n=300)
+        self.assertEqual(res['result'], 256, res)
+        self.assertEqual(res.get('errno'), errno.EDQUOT, res)
+        self.assertIn(f'too many regions for uid {NOBODY} (max 256 per uid)', res['msg'])
+        self.c.create('root-region', 4096)
+        other = self.agent(NOBODY - 1)
+        other.ok(op='call', method='create', name='other-region', size=4096)
+        n.ok(op='call', method='destroy', name='n0')
+        n.ok(op='call', method='create', name='n-again', size=4096)
+
+    def test_option(self):
+        """--max-regions-per-uid sets the limit."""
+        self.c.close()
+        self.broker.stop()
+        self.broker.start(['--max-regions-per-uid', '3'])
+        self.c = self.broker.client()
+        n = self.agent(NOBODY)
+        res = n.do(op='create_many', prefix='n', n=5)
+        self.assertEqual((res['result'], res.get('errno')), (3, errno.EDQUOT), res)
+        for i in range(5):
+            self.c.create(f'root{i}', 4096)     # uid 0 has no per-uid limit
+
+
+class SlowReaderTest(BrokerTestCase):
+    BROKER_ARGS = ('--request-timeout', '2')
+
+    def flood(self, nreq):
+        """A connection that sends @nreq list requests (about 8 KiB of reply
+        each) and never reads."""
+        hog = self.broker.client()
+        hog.sock.sendall(b''.join(encode(OPS['list'], seq=i) for i in range(nreq)))
+        return hog
+
+    def setUp(self):
+        super().setUp()
+        for i in range(32):
+            self.c.create(f'r{i:02d}-' + 'x' * 200, 4096)
+
+    def test_client_that_never_reads_delays_no_one(self):
+        """While a client's unread replies fill its socket, another client's
+        requests are answered within 200 ms; the reader-less client is
+        dropped after --request-timeout without progress."""
+        hog = self.flood(300)
+        time.sleep(0.3)         # the broker has more for hog than its socket holds
+        for _ in range(5):
+            t0 = time.monotonic()
+            self.c.pool()
+            self.assertLess(time.monotonic() - t0, 0.2)
+            time.sleep(0.05)
+        wait_for(lambda: 'replies not read for 2 s' in self.broker.read_log(),
+                 timeout=10, what='the slow reader dropped')
+        hog.sock.settimeout(10)
+        with self.assertRaises(ConnectionError):
+            while True:
+                hog.read_reply()
+        hog.close()
+        self.assertHealthy()
+
+    def test_queue_bound(self):
+        """A client whose unread replies pass the queue's bound is dropped at
+        once, with a message naming it."""
+        hog = self.flood(3000)
+        wait_for(lambda: 'unread replies' in self.broker.read_log(),
+                 timeout=10, what='the queue bound')
+        self.assertIn(f'pid {os.getpid()} uid 0', self.broker.read_log())
+        self.c.pool()
+        hog.close()
         self.assertHealthy()
 
 
