@@ -275,6 +275,8 @@ hybrid_amend(BlockDriverState *bs, BlockdevAmendOptionsHybrid *new,
         h.ram_size = new->ram_size;
         ret = hybrid_check_ram_blocks(h.ram_size >> s->block_shift,
                                       h.ram_size, s->block_size, errp);
+        ret = ret ?: hybrid_check_ram_size(h.ram_size, s->block_size,
+                                           s->header.virtual_size, errp);
         if (ret < 0) {
             return ret;
         }

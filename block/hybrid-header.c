@@ -103,6 +103,24 @@ int hybrid_check_ram_blocks(uint64_t blocks, uint64_t ram_size,
 }
 
 /*
+ * A ram-size the user gives must fit the disk: a larger one would promise
+ * RAM the image never uses.  (A stored one may exceed the disk after a
+ * shrink; the RAM tier is then the whole disk.)
+ */
+int hybrid_check_ram_size(uint64_t ram_size, uint64_t bsz,
+                          uint64_t disk_size, Error **errp)
+{
+    if (ram_size > disk_size) {
+        error_setg(errp, "ram-size %" PRIu64 " is larger than the disk (%"
+                   PRIu64 " bytes): the RAM tier holds at most the whole "
+                   "disk; give ram-size=%" PRIu64 " or less", ram_size,
+                   disk_size, disk_size);
+        return -EINVAL;
+    }
+    return hybrid_check_ram_blocks(ram_size / bsz, ram_size, bsz, errp);
+}
+
+/*
  * Validate a header as read from disk (@le, disk byte order) and convert it
  * into @h.  Every field is checked: the image is untrusted input.
  */
@@ -299,6 +317,7 @@ hybrid_co_create(BlockdevCreateOptions *create_options, Error **errp)
     if (o->has_ram_size) {
         ret = hybrid_check_ram_blocks(o->ram_size / bsz, o->ram_size, bsz,
                                       errp);
+        ret = ret ?: hybrid_check_ram_size(o->ram_size, bsz, size, errp);
         if (ret < 0) {
             return ret;
         }

@@ -347,9 +347,12 @@ int coroutine_fn GRAPH_RDLOCK
 hybrid_co_flush_to_os(BlockDriverState *bs)
 {
     BDRVHybridState *s = bs->opaque;
+    AioContext *from = hybrid_co_go_home(bs);
     GArray *alloc = hybrid_backing_flush_begin(s);
+    int ret = hybrid_backing_flush_end(s, alloc, hybrid_flush_ram(bs));
 
-    return hybrid_backing_flush_end(s, alloc, hybrid_flush_ram(bs));
+    hybrid_co_go_back(from);
+    return ret;
 }
 
 /* Bytes a write of [lo, hi) would add to dirty_bytes in @slot's block */

@@ -128,10 +128,39 @@ hybrid_read_run(BDRVHybridState *s, bool backing, int64_t offset,
                                bytes, qiov, qoff, 0);
 }
 
+/*
+ * Requests from another AioContext.  The node's state is single-threaded
+ * by design: all of it is touched in the node's AioContext (hybrid.h).  A
+ * multiqueue device (virtio-blk's iothread-vq-mapping) submits from several
+ * iothreads, so such a request moves to the node's context for its
+ * duration and back to its own to complete, as bdrv_co_enter() and
+ * bdrv_co_leave() do for callers outside the block layer.  The generic
+ * layer counts it in flight first, so the node cannot change context under
+ * it.  A request already at home costs a comparison.
+ */
+AioContext *coroutine_fn hybrid_co_go_home(BlockDriverState *bs)
+{
+    AioContext *here = qemu_get_current_aio_context();
+    AioContext *home = bdrv_get_aio_context(bs);
+
+    if (here == home) {
+        return NULL;
+    }
+    trace_hybrid_foreign_request(bs, here, home);
+    aio_co_reschedule_self(home);
+    return here;
+}
+
+void coroutine_fn hybrid_co_go_back(AioContext *from)
+{
+    if (from) {
+        aio_co_reschedule_self(from);
+    }
+}
+
 static int coroutine_fn GRAPH_RDLOCK
-hybrid_co_preadv_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
-                      QEMUIOVector *qiov, size_t qiov_offset,
-                      BdrvRequestFlags flags)
+hybrid_do_read(BlockDriverState *bs, int64_t offset, int64_t bytes,
+               QEMUIOVector *qiov, size_t qiov_offset)
 {
     BDRVHybridState *s = bs->opaque;
     int64_t child_start = -1, child_len = 0;
@@ -140,6 +169,7 @@ hybrid_co_preadv_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
     int64_t promote = -1;
     int ret;
 
+    HYBRID_ASSERT_HOME(bs);
     while (bytes > 0) {
         uint64_t idx = offset >> s->block_shift;
         uint32_t boff = offset & (s->block_size - 1);
@@ -334,12 +364,26 @@ hybrid_write_through(BDRVHybridState *s, int64_t offset, int64_t bytes,
 }
 
 static int coroutine_fn GRAPH_RDLOCK
-hybrid_do_write(BlockDriverState *bs, int64_t offset, int64_t bytes,
-                QEMUIOVector *qiov, size_t qiov_offset, BdrvRequestFlags flags)
+hybrid_co_preadv_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
+                      QEMUIOVector *qiov, size_t qiov_offset,
+                      BdrvRequestFlags flags)
+{
+    AioContext *from = hybrid_co_go_home(bs);
+    int ret = hybrid_do_read(bs, offset, bytes, qiov, qiov_offset);
+
+    hybrid_co_go_back(from);
+    return ret;
+}
+
+static int coroutine_fn GRAPH_RDLOCK
+hybrid_do_write_home(BlockDriverState *bs, int64_t offset, int64_t bytes,
+                     QEMUIOVector *qiov, size_t qiov_offset,
+                     BdrvRequestFlags flags)
 {
     BDRVHybridState *s = bs->opaque;
     int ret;
 
+    HYBRID_ASSERT_HOME(bs);
     ret = hybrid_mark_dirty(s);
     if (ret < 0) {
         return ret;
@@ -372,6 +416,18 @@ hybrid_do_write(BlockDriverState *bs, int64_t offset, int64_t bytes,
 }
 
 static int coroutine_fn GRAPH_RDLOCK
+hybrid_do_write(BlockDriverState *bs, int64_t offset, int64_t bytes,
+                QEMUIOVector *qiov, size_t qiov_offset, BdrvRequestFlags flags)
+{
+    AioContext *from = hybrid_co_go_home(bs);
+    int ret = hybrid_do_write_home(bs, offset, bytes, qiov, qiov_offset,
+                                   flags);
+
+    hybrid_co_go_back(from);
+    return ret;
+}
+
+static int coroutine_fn GRAPH_RDLOCK
 hybrid_co_pwritev_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
                        QEMUIOVector *qiov, size_t qiov_offset,
                        BdrvRequestFlags flags)
@@ -397,9 +453,8 @@ hybrid_co_pdiscard(BlockDriverState *bs, int64_t offset, int64_t bytes)
 }
 
 static int coroutine_fn GRAPH_RDLOCK
-hybrid_co_block_status(BlockDriverState *bs, bool want_zero, int64_t offset,
-                       int64_t bytes, int64_t *pnum, int64_t *map,
-                       BlockDriverState **file)
+hybrid_do_block_status(BlockDriverState *bs, int64_t offset, int64_t bytes,
+                       int64_t *pnum, int64_t *map, BlockDriverState **file)
 {
     BDRVHybridState *s = bs->opaque;
     uint64_t idx = offset >> s->block_shift;
@@ -441,6 +496,18 @@ hybrid_co_block_status(BlockDriverState *bs, bool want_zero, int64_t offset,
     *map = hybrid_host_offset(s, offset);
     *file = bs->file->bs;
     return BDRV_BLOCK_RAW | BDRV_BLOCK_OFFSET_VALID;
+}
+
+static int coroutine_fn GRAPH_RDLOCK
+hybrid_co_block_status(BlockDriverState *bs, bool want_zero, int64_t offset,
+                       int64_t bytes, int64_t *pnum, int64_t *map,
+                       BlockDriverState **file)
+{
+    AioContext *from = hybrid_co_go_home(bs);
+    int ret = hybrid_do_block_status(bs, offset, bytes, pnum, map, file);
+
+    hybrid_co_go_back(from);
+    return ret;
 }
 
 static void hybrid_drain_begin(BlockDriverState *bs)
@@ -488,11 +555,11 @@ static void hybrid_drain_end(BlockDriverState *bs)
 /* ---- open / close ---- */
 
 /*
- * Parse our options with the QAPI visitor.  The 'file' child is opened by
- * bdrv_open_file_child() and may be given in any syntax, so the visitor
- * sees a placeholder for it.
+ * Parse our options with the QAPI visitor; @options is left as it is.
+ * The 'file' child is opened by bdrv_open_file_child() and may be given
+ * in any syntax, so the visitor sees a placeholder for it.
  */
-static BlockdevOptionsHybrid *hybrid_parse_options(QDict *options,
+static BlockdevOptionsHybrid *hybrid_visit_options(QDict *options,
                                                    Error **errp)
 {
     g_autoptr(QDict) copy = qdict_clone_shallow(options);
@@ -526,7 +593,18 @@ static BlockdevOptionsHybrid *hybrid_parse_options(QDict *options,
     opts->u.hybrid.file = ret->file;
     ret->file = NULL;
     qapi_free_BlockdevOptions(opts);
+    return ret;
+}
 
+/* At open: parse, and take every option of ours out of @options */
+static BlockdevOptionsHybrid *hybrid_parse_options(QDict *options,
+                                                   Error **errp)
+{
+    BlockdevOptionsHybrid *ret = hybrid_visit_options(options, errp);
+
+    if (!ret) {
+        return NULL;
+    }
     qdict_del(options, HYBRID_OPT_RAM_SIZE);
     qdict_del(options, HYBRID_OPT_MODE);
     qdict_del(options, HYBRID_OPT_DEDUP);
@@ -664,6 +742,13 @@ static int hybrid_open(BlockDriverState *bs, QDict *options, int flags,
 
     s->mode = o->has_mode ? o->mode : hybrid_default_mode(s);
     s->dedup = o->has_dedup ? o->dedup : s->header.dedup;
+    if (o->has_ram_size) {
+        ret = hybrid_check_ram_size(o->ram_size, s->block_size,
+                                    s->header.virtual_size, errp);
+        if (ret < 0) {
+            goto fail;
+        }
+    }
     s->ram_size = o->has_ram_size ? o->ram_size : s->header.ram_size;
     s->dirty_limit = o->has_dirty_limit ? o->dirty_limit
                                         : HYBRID_DEFAULT_DIRTY_LIMIT;
@@ -874,33 +959,15 @@ static void hybrid_close(BlockDriverState *bs)
     hybrid_backing_close(s);
 }
 
-/* Options blockdev-reopen (and hybrid-set-mode) may change */
-static QemuOptsList hybrid_reopen_opts = {
-    .name = "hybrid-reopen",
-    .head = QTAILQ_HEAD_INITIALIZER(hybrid_reopen_opts.head),
-    .desc = {
-        {
-            .name = HYBRID_OPT_MODE,
-            .type = QEMU_OPT_STRING,
-            .help = "Write mode (sync, async)",
-        },
-        {
-            .name = HYBRID_OPT_DIRTY_LIMIT,
-            .type = QEMU_OPT_SIZE,
-            .help = "Async: writers wait while this many bytes are dirty",
-        },
-        { /* end of list */ }
-    },
-};
-
 typedef struct HybridReopenState {
     HybridMode mode;
     uint64_t dirty_limit;
 } HybridReopenState;
 
 /*
- * mode and dirty-limit may change (an omitted one goes back to its
- * default); the block layer refuses a change of any other option.
+ * mode and dirty-limit (hybrid_mutable_opts) may change, an omitted one
+ * going back to its default; they are taken out of the options, and the
+ * block layer refuses a change of any other.
  */
 static int GRAPH_UNLOCKED
 hybrid_reopen_prepare(BDRVReopenState *state, BlockReopenQueue *queue,
@@ -908,36 +975,24 @@ hybrid_reopen_prepare(BDRVReopenState *state, BlockReopenQueue *queue,
 {
     BDRVHybridState *s = state->bs->opaque;
     g_autofree HybridReopenState *r = g_new0(HybridReopenState, 1);
-    QemuOpts *opts;
-    const char *mode;
-    int ret = -EINVAL;
+    g_autoptr(BlockdevOptionsHybrid) o = NULL;
+    int ret;
 
-    opts = qemu_opts_create(&hybrid_reopen_opts, NULL, 0, &error_abort);
-    if (!qemu_opts_absorb_qdict(opts, state->options, errp)) {
-        goto out;
+    o = hybrid_visit_options(state->options, errp);
+    if (!o) {
+        return -EINVAL;
     }
-    mode = qemu_opt_get(opts, HYBRID_OPT_MODE);
-    r->mode = hybrid_default_mode(s);
-    if (mode) {
-        int m = qapi_enum_parse(&HybridMode_lookup, mode, -1, NULL);
-
-        if (m < 0) {
-            error_setg(errp, "Invalid mode '%s' (expected sync or async)",
-                       mode);
-            goto out;
-        }
-        r->mode = m;
-    }
-    r->dirty_limit = qemu_opt_get_size(opts, HYBRID_OPT_DIRTY_LIMIT,
-                                       HYBRID_DEFAULT_DIRTY_LIMIT);
+    r->mode = o->has_mode ? o->mode : hybrid_default_mode(s);
+    r->dirty_limit = o->has_dirty_limit ? o->dirty_limit
+                                        : HYBRID_DEFAULT_DIRTY_LIMIT;
     ret = hybrid_check_dirty_limit(s, r->dirty_limit, errp);
     if (ret < 0) {
-        goto out;
+        return ret;
     }
+    qdict_del(state->options, HYBRID_OPT_MODE);
+    qdict_del(state->options, HYBRID_OPT_DIRTY_LIMIT);
     state->opaque = g_steal_pointer(&r);
-out:
-    qemu_opts_del(opts);
-    return ret;
+    return 0;
 }
 
 /*

@@ -379,6 +379,8 @@ static inline uint64_t hybrid_host_offset(BDRVHybridState *s, uint64_t off)
 /* hybrid-header.c */
 void hybrid_header_to_le(const HybridHeader *cpu, HybridHeader *le);
 int hybrid_check_block_size_opt(uint64_t bsz, Error **errp);
+int hybrid_check_ram_size(uint64_t ram_size, uint64_t bsz,
+                          uint64_t disk_size, Error **errp);
 int hybrid_check_ram_blocks(uint64_t blocks, uint64_t ram_size,
                             uint64_t bsz, Error **errp);
 int hybrid_header_check(const HybridHeader *le, HybridHeader *h,
@@ -470,6 +472,11 @@ void hybrid_flusher_kick(BDRVHybridState *s);
 bool coroutine_fn hybrid_may_defer_write(BDRVHybridState *s, HybridSlot *slot,
                                          uint32_t lo, uint32_t hi);
 int coroutine_fn GRAPH_RDLOCK hybrid_co_flush_to_os(BlockDriverState *bs);
+/* A request from another AioContext runs in the node's (hybrid.c) */
+#define HYBRID_ASSERT_HOME(bs) \
+    assert(qemu_get_current_aio_context() == bdrv_get_aio_context(bs))
+AioContext *coroutine_fn hybrid_co_go_home(BlockDriverState *bs);
+void coroutine_fn hybrid_co_go_back(AioContext *from);
 
 /* hybrid-restore.c */
 void hybrid_restore_kick(BDRVHybridState *s);

@@ -58,7 +58,7 @@ avocado_lane() {  # name test...
 
 mapfile -t guest_tests < <(cd "$top" && ls tests/avocado/test_*.py \
     block/tests/test_hybrid_boot.py block/tests/test_hybrid_guest_errors.py \
-    block/tests/test_hybrid_backing.py \
+    block/tests/test_hybrid_backing.py block/tests/test_hybrid_multiqueue.py \
     arbiter/tests/test_guest_*.py 2>/dev/null)
 mapfile -t host_tests < <(cd "$top" && ls block/tests/test_*.py redis-module/tests/test_*.py \
     migration/app-assist/tests/test_*.py libvirt-hooks/tests/test_*.py broker/tests/test_*.py \

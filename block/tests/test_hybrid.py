@@ -234,6 +234,31 @@ class HybridTest(unittest.TestCase):
                       '-c', 'read 0 4k', check=False)
         self.assert_clean_error(r, 'raw=on')
 
+    def test_ram_size_larger_than_the_disk_is_refused(self):
+        """A ram-size the user gives that exceeds the disk would promise RAM
+        the image never uses: refused at create, open and amend, naming
+        the limit; one stored by a disk that later shrank means the whole
+        disk."""
+        msg = 'ram-size 8388608 is larger than the disk (4194304 bytes)'
+        p = self.tmp('big.hyb')
+        self.assert_clean_error(H.qemu_img('create', '-f', 'hybrid', '-o',
+                                           'ram-size=8M', p, '4M',
+                                           check=False), msg)
+        p = self.create(size='4M', ram_size='4M')
+        r = H.qemu_io('--image-opts', self.opts(p, ram_size='8M'),
+                      '-c', 'read 0 4k', check=False)
+        self.assert_clean_error(r, msg)
+        self.assert_clean_error(H.qemu_img('amend', '-f', 'hybrid', '-o',
+                                           'ram-size=8M', p, check=False),
+                                msg)
+        self.assertEqual(H.img_info(p)['format-specific']['data']['ram-size'],
+                         4 * MiB)
+        # shrunk below its stored ram-size: the RAM tier is the whole disk
+        H.qemu_img('resize', '-f', 'hybrid', '--shrink', p, '2M')
+        out = H.qemu_io('-f', 'hybrid', '-c', 'write -P 9 0 2M',
+                        '-c', 'read -P 9 0 2M', p).stdout
+        self.assertNotIn('failed', out)
+
     def test_fuzz_open(self):
         """Random header mutations never crash qemu-img (bounded time)."""
         import random
