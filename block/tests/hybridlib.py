@@ -129,8 +129,9 @@ class QemuIo:
 class StorageDaemon:
     """qemu-storage-daemon with a QMP socket; events are collected."""
 
-    def __init__(self, tmp, *args, system=False, pass_fds=()):
-        """system=True: qemu-system-x86_64 -M none instead (has HMP)."""
+    def __init__(self, tmp, *args, system=False, pass_fds=(), env=None):
+        """system=True: qemu-system-x86_64 -M none instead (has HMP);
+        env: the daemon's environment (default: ours)."""
         self.sock_path = tmp('qmp.sock')
         self.log = open(tmp('qsd.log'), 'w+')
         prog = [binary('qemu-storage-daemon')]
@@ -141,7 +142,8 @@ class StorageDaemon:
             prog +
             ['--chardev', f'socket,id=qmp,path={self.sock_path},server=on,wait=off',
              '--mon', 'chardev=qmp,mode=control'] + list(args),
-            stdout=self.log, stderr=subprocess.STDOUT, pass_fds=pass_fds)
+            stdout=self.log, stderr=subprocess.STDOUT, pass_fds=pass_fds,
+            env=env)
         deadline = time.monotonic() + 30
         while True:
             try:

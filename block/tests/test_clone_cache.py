@@ -67,7 +67,7 @@ class CloneCacheTest(unittest.TestCase):
         return path
 
     def start(self, bases, cache_opts='', throttle=None, system=False,
-              size=16 * MiB, extra=()):
+              size=16 * MiB, extra=(), env=None):
         """bases: list of (name, path, extra node options)."""
         args = list(extra) + [
             '--object', f'clone-cache,id=cc0,filename={self.cache},'
@@ -90,7 +90,7 @@ class CloneCacheTest(unittest.TestCase):
                      f'file={child},read-only=on{extra}']
             if not system:
                 args += ['--export', f'nbd,id=e-{name},node-name={name}']
-        self.qsd = H.StorageDaemon(self.tmp, *args, system=system)
+        self.qsd = H.StorageDaemon(self.tmp, *args, system=system, env=env)
         return self.qsd
 
     def uri(self, name):
@@ -298,6 +298,76 @@ class CloneCacheTest(unittest.TestCase):
         # pinned survives a restart, and unpin releases it
         self.restart(bases)
         self.assertEqual(self.info()['pinned'], 5)
+        self.qsd.cmd('clone-cache-unpin', **{'node-name': 'b0'})
+        self.assertEqual(self.info()['pinned'], 0)
+
+    def log_text(self):
+        with open(self.tmp('qsd.log')) as f:
+            return f.read()
+
+    def faulty_records_env(self):
+        """An environment whose daemon fails writes to the cache's slot
+        records while self.tmp('fault') exists (cc-faultinject.c)."""
+        so = self.tmp('cc-faultinject.so')
+        subprocess.run(['cc', '-shared', '-fPIC', '-O2', '-o', so,
+                        os.path.join(HERE, 'cc-faultinject.c'), '-ldl'],
+                       check=True)
+        L = self.layout()
+        return dict(os.environ, LD_PRELOAD=so, CC_FAULT_FLAG=self.tmp('fault'),
+                    CC_FAULT_FILE=self.cache, CC_FAULT_LO=str(L['slot_off']),
+                    CC_FAULT_HI=str(L['entry_off']))
+
+    def test_pin_and_unpin_record_failures_keep_memory_as_disk(self):
+        """A pin or unpin whose slot record cannot be written is undone in
+        memory, so that memory says what the disk says (and a restart
+        finds the same): prewarm stops with a message, unpin fails with
+        an error naming the count."""
+        path = self.make_base('base.img', size=1 * MiB)
+        bases = [('b0', path, ',base-id=P')]
+        self.start(bases)
+        self.qsd.cmd('clone-cache-record', **{'node-name': 'b0'})
+        self.read_all('b0')
+        trace = self.tmp('boot.trace')
+        self.qsd.cmd('clone-cache-record-stop', filename=trace,
+                     **{'node-name': 'b0'})
+        self.settle()
+        self.qsd.stop()
+        env = self.faulty_records_env()
+        fault = self.tmp('fault')
+
+        # pin fails: nothing pinned, in memory or after a restart
+        self.start(bases, env=env)
+        open(fault, 'w').close()
+        self.qsd.cmd('clone-cache-prewarm', filename=trace, pin=True,
+                     **{'node-name': 'b0'})
+        deadline = time.monotonic() + 30
+        while 'prewarming node' not in self.log_text():
+            self.assertLess(time.monotonic(), deadline, 'prewarm never stopped')
+            time.sleep(0.05)
+        self.assertIn("prewarming node 'b0' stopped at block 0 of 16",
+                      self.log_text())
+        self.assertEqual(self.info()['pinned'], 0)
+        os.unlink(fault)
+        self.qsd.stop()
+        self.start(bases, env=env)
+        self.assertEqual(self.info()['pinned'], 0)
+
+        # pinned for real, then unpin fails: still pinned, here and after
+        self.qsd.cmd('clone-cache-prewarm', filename=trace, pin=True,
+                     **{'node-name': 'b0'})
+        deadline = time.monotonic() + 30
+        while self.info()['pinned'] < 16:
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.05)
+        open(fault, 'w').close()
+        r = self.qsd.qmp('clone-cache-unpin', **{'node-name': 'b0'})
+        self.assertIn('16 pinned blocks could not be unpinned',
+                      r['error']['desc'])
+        self.assertEqual(self.info()['pinned'], 16)
+        os.unlink(fault)
+        self.qsd.stop()
+        self.start(bases)
+        self.assertEqual(self.info()['pinned'], 16)
         self.qsd.cmd('clone-cache-unpin', **{'node-name': 'b0'})
         self.assertEqual(self.info()['pinned'], 0)
 
@@ -564,7 +634,7 @@ class CloneCacheTest(unittest.TestCase):
 
     def trace_seen(self, event, count=1, timeout=30):
         deadline = time.monotonic() + timeout
-        while open(self.tmp('qsd.log')).read().count(event) < count:
+        while self.log_text().count(event) < count:
             self.assertLess(time.monotonic(), deadline, f'no {event}')
             time.sleep(0.02)
 

@@ -1,0 +1,70 @@
+/*
+ * Test-only fault injection for test_clone_cache.py (LD_PRELOAD into
+ * qemu-storage-daemon; never linked into QEMU): while the file named by
+ * $CC_FAULT_FLAG exists, a write to the file named by $CC_FAULT_FILE that
+ * touches bytes [$CC_FAULT_LO, $CC_FAULT_HI) fails with EIO, as a failing
+ * disk would make it.  The tests aim it at the slot records, to fail the
+ * record writes of pinning and unpinning.  QEMU's thread pool writes with
+ * pwrite() for one buffer and pwritev() for several.
+ *
+ * Copyright (c) 2026 The hybridvm authors
+ *
+ * SPDX-License-Identifier: GPL-2.0-or-later
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+static int cc_fault(int fd, off_t off, size_t len)
+{
+    const char *flag = getenv("CC_FAULT_FLAG");
+    const char *file = getenv("CC_FAULT_FILE");
+    const char *lo = getenv("CC_FAULT_LO"), *hi = getenv("CC_FAULT_HI");
+    struct stat a, b;
+
+    if (!flag || !file || !lo || !hi || access(flag, F_OK) != 0 ||
+        fstat(fd, &a) != 0 || stat(file, &b) != 0 ||
+        a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
+        return 0;
+    }
+    return off < strtoll(hi, NULL, 0) && off + (off_t)len > strtoll(lo, NULL, 0);
+}
+
+ssize_t pwrite64(int fd, const void *buf, size_t len, off_t off)
+{
+    static ssize_t (*real)(int, const void *, size_t, off_t);
+
+    if (!real) {
+        real = (ssize_t (*)(int, const void *, size_t, off_t))
+               dlsym(RTLD_NEXT, "pwrite64");
+    }
+    if (cc_fault(fd, off, len)) {
+        errno = EIO;
+        return -1;
+    }
+    return real(fd, buf, len, off);
+}
+
+ssize_t pwritev64(int fd, const struct iovec *iov, int n, off_t off)
+{
+    static ssize_t (*real)(int, const struct iovec *, int, off_t);
+    size_t len = 0;
+    int i;
+
+    if (!real) {
+        real = (ssize_t (*)(int, const struct iovec *, int, off_t))
+               dlsym(RTLD_NEXT, "pwritev64");
+    }
+    for (i = 0; i < n; i++) {
+        len += iov[i].iov_len;
+    }
+    if (cc_fault(fd, off, len)) {
+        errno = EIO;
+        return -1;
+    }
+    return real(fd, iov, n, off);
+}
