@@ -150,7 +150,7 @@ static int relocateKey(RedisModuleString *key) {
 static void compactScanCb(RedisModuleCtx *ctx, RedisModuleString *keyname,
                           RedisModuleKey *kh, void *priv) {
     (void)priv;
-    if (kh && RedisModule_KeyType(kh) != REDISMODULE_KEYTYPE_STRING) return;
+    if (kh && (RedisModule_KeyType(kh) != REDISMODULE_KEYTYPE_STRING || hmExpiresSoon(kh))) return;
     RedisModule_RetainString(ctx, keyname);
     hmKeyListPush(&hm.pending, keyname);
 }

@@ -76,7 +76,8 @@ static void scanCb(RedisModuleCtx *ctx, RedisModuleString *keyname,
         int idle_ok, d;
         int b = coldBucket(kh, &idle_ok, &d);
         uint32_t share = keyShare(keyname);
-        if (d >= hm.pass.threshold && idle_ok && (d > hm.pass.threshold || share >= hm.pass.keep_at_threshold)) {
+        if (d >= hm.pass.threshold && idle_ok && (d > hm.pass.threshold || share >= hm.pass.keep_at_threshold) &&
+            !hmExpiresSoon(kh)) {
             RedisModule_RetainString(ctx, keyname);
             hmKeyListPush(&hm.pending, keyname);
         } else {

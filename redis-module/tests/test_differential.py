@@ -406,6 +406,58 @@ class ScanExpiryTest(ServerTestCase):
         self.compare(self.N // 2, scan, self.expired())
 
 
+class BackgroundExpiryTest(ServerTestCase):
+    """The module's background walks (demotion, compaction) never expire a
+    key: with active expiry off, expired keys stay until accessed, as on
+    stock Redis, hot or cold; nothing reaches replicas until the access.
+    Before, the demotion pass's lookup of a key that had expired (a cold
+    item the expiry sweep had promoted, or a hot key) deleted it, a slice's
+    DELs wrapped in MULTI/EXEC (Redis's own expire.tcl, "Redis should lazy
+    expire keys", failed with the module demoting aggressively)."""
+
+    def test_walks_do_not_expire_keys(self):
+        """Keys expiring hot and cold, a compaction pass and demotion passes
+        meanwhile: the same keys, DBSIZE, expired_keys and replication
+        stream as stock until the keys are read, and after."""
+        extra = ['--repl-diskless-sync', 'no']
+        stock = self.server('stock', module=False, extra=extra)
+        mod = self.server('mod', extra=extra,
+                          configs=dict(aggressive(), **{'compact-percent': 1}))
+        keys = {}
+        for srv in (stock, mod):
+            c = srv.client()
+            c.execute_command('DEBUG', 'SET-ACTIVE-EXPIRE', '0')
+            for i in range(20):
+                c.set('long%d' % i, 'v' * 50, px=1500)     # demoted, expires cold
+                c.set('short%d' % i, 'v' * 50, px=300)     # expires hot
+                c.set('keep%d' % i, 'v' * 50)
+            rs = ReplicaStream(srv)
+            self.addCleanup(rs.close)
+            c.set('marker', 'before')
+            rs.until(b'set', b'marker', b'before')
+            keys[srv] = (c, rs)
+        c = mod.client()
+        self.wait_for(lambda: c.info('appassist')['appassist_cold_items'] >= 40,
+                      what='the long and keep keys demoted')
+        time.sleep(0.5)
+        c.execute_command('APPASSIST.COMPACT')          # relocates every hot string
+        time.sleep(2)                                   # passes and sweeps
+        seen = {}
+        for srv, (c, rs) in keys.items():
+            before = (c.dbsize(), c.info('stats')['expired_keys'])
+            c.set('marker', 'after')
+            quiet = rs.until(b'set', b'marker', b'after')[:-1]
+            got = c.mget(*['%s%d' % (p, i) for p in ('long', 'short', 'keep') for i in range(20)])
+            c.set('marker', 'end')
+            accessed = sorted(rs.until(b'set', b'marker', b'end')[:-1])
+            seen[srv] = (before, quiet, got, accessed, c.dbsize(), c.info('stats')['expired_keys'])
+        self.assertEqual(seen[stock], seen[mod])
+        self.assertEqual(seen[mod][0], (61, 0))         # 60 keys and the marker
+        self.assertEqual(seen[mod][1], [])
+        self.assertEqual(seen[mod][4:], (21, 40))
+        self.assertHealthy(mod)
+
+
 class DifferentialTest(ServerTestCase):
 
     def stream(self, seed, steps):
