@@ -23,6 +23,7 @@
 #include "qemu/coroutine.h"
 #include "qom/object.h"
 #include "qapi/qapi-types-block-core.h"
+#include "block/graph-lock.h"
 
 #define TYPE_CLONE_CACHE "clone-cache"
 OBJECT_DECLARE_SIMPLE_TYPE(CloneCacheStore, CLONE_CACHE)
@@ -275,6 +276,38 @@ int coroutine_fn clone_cache_pin(CloneCacheStore *s, uint32_t slot,
                                  bool pin);
 int coroutine_fn clone_cache_unpin_base(CloneCacheStore *s, int base,
                                         Error **errp);
+
+/* clone-cache.c: a node's state, shared with its QMP (clone-cache-qmp.c) */
+
+/* One base read that other misses may wait for */
+typedef struct CloneCacheInflight {
+    uint64_t first, nb;         /* blocks */
+    uint8_t *buf;
+    int ret;
+    bool done;
+    int refs;
+    CoQueue waiters;
+} CloneCacheInflight;
+
+typedef struct BDRVCloneCacheState {
+    CloneCacheStore *store;
+    int base;                   /* index in store->bases */
+    uint64_t nb_blocks;
+    int64_t length;
+    GHashTable *inflight;       /* block -> CloneCacheInflight (store lock) */
+
+    /* boot-set trace (store lock) */
+    unsigned long *rec_seen;    /* NULL when not recording */
+    GArray *rec_order;          /* uint64_t blocks, first read first */
+    bool prewarming;            /* atomic: set by QMP, cleared by the job */
+} BDRVCloneCacheState;
+
+extern BlockDriver bdrv_clone_cache;
+void cc_inflight_unref(CloneCacheInflight *f);
+/* Under the store lock: whether nothing serves or fetches @block yet */
+bool cc_is_miss(BDRVCloneCacheState *s, uint64_t block);
+int coroutine_fn GRAPH_RDLOCK
+cc_read_base(BlockDriverState *bs, CloneCacheInflight *f, bool pin);
 
 static inline uint64_t clone_cache_key(int base, uint64_t block)
 {
