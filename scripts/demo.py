@@ -36,7 +36,7 @@ RATIO_FIGURES = ('total time (ms)', 'transferred (MiB)',
                  'virsh migrate (s)', 'time elapsed (ms)', 'data processed (MiB)')
 # Figures the chart shows, in this order, when both runs have them as numbers.
 CHART_FIGURES = ('total time (ms)', 'transferred (MiB)', 'setup time (ms)', 'downtime (ms)',
-                 'post-copy page requests',
+                 'post-copy page requests', 'Redis ops/s during migration', 'Redis p99 during (ms)',
                  'virsh migrate (s)', 'time elapsed (ms)', 'data processed (MiB)')
 
 
@@ -69,11 +69,16 @@ def table(runs):
     return '\n'.join([line(head), '  '.join('-' * w for w in widths)] + [line(r) for r in body])
 
 
+def chart_figures(runs):
+    """The CHART_FIGURES every run has as a number, in order."""
+    return [f for f in CHART_FIGURES if all(number(r.get(f)) is not None for _, r in runs)]
+
+
 def chart(runs, path, title):
     """Write the CHART_FIGURES of runs ([(name, {figure: value})]) as a PNG, one
     panel per figure with a bar per run.  Returns path, or None (and says why)
     when there is nothing to draw or matplotlib is missing."""
-    figures = [f for f in CHART_FIGURES if all(number(r.get(f)) is not None for _, r in runs)]
+    figures = chart_figures(runs)
     if not figures:
         print('demo: no figure to chart', file=sys.stderr)
         return None
@@ -145,6 +150,7 @@ def qemu_figures(res, assisted, wrong_hot, wrong_cold, load=None):
     return {**res.row(),
             'Redis ops/s during migration': load.get('ops/s', '-'),
             'Redis p99 during (ms)': load.get('p99 (ms)') or '-',
+            'Redis requests failed during': load.get('failed', '-'),
             'freed by apps (MiB)': round(aa.get('freed-bytes', 0) / 2**20, 1) if assisted else '-',
             'of it zero pages (MiB)': round(aa.get('zeroed-bytes', 0) / 2**20, 1) if assisted else '-',
             'prepare (ms)': aa.get('prepare-time', '-') if assisted else '-',

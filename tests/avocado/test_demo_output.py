@@ -46,10 +46,11 @@ class DemoOutput(Test):
         aa = {'freed-bytes': 60 * 2**20, 'zeroed-bytes': 60 * 2**20, 'prepare-time': 27, 'balloon-time': 0}
         self.qemu_runs = [
             ('stock post-copy', self.demo.qemu_figures(result(), False, 0, 0,
-                                                       {'ops/s': 1806, 'p99 (ms)': 3.6})),
+                                                       {'ops/s': 1806, 'p99 (ms)': 3.6,
+                                                        'failed': 2})),
             ('app-assisted post-copy',
              self.demo.qemu_figures(result(total=1176, setup=29, transferred_mib=126.2, requests=11, aa=aa),
-                                    True, 0, 0, {'ops/s': 1750, 'p99 (ms)': 4.1}))]
+                                    True, 0, 0, {'ops/s': 1750, 'p99 (ms)': 4.1, 'failed': 0}))]
         self.libvirt_runs = [
             ('stock (virsh)', self.demo.libvirt_figures(6.14, JOB, {}, 0, 0)),
             ('app-assisted (virsh)', self.demo.libvirt_figures(5.02, JOB, {'status': 'completed'}, 0, 0))]
@@ -96,6 +97,11 @@ class DemoOutput(Test):
             import matplotlib  # noqa: F401  pylint: disable=unused-import,import-outside-toplevel
         except ImportError:
             self.cancel('matplotlib is not installed (scripts/requirements.txt pins it)')
+        # the database's rows are in the chart, not only in the table
+        self.assertIn('Redis ops/s during migration', self.demo.chart_figures(self.qemu_runs))
+        self.assertIn('Redis p99 during (ms)', self.demo.chart_figures(self.qemu_runs))
+        rows = {line.split('  ')[0]: line for line in self.demo.table(self.qemu_runs).splitlines()[2:]}
+        self.assertRegex(rows['Redis requests failed during'], r' 2 +0$')
         for mode, runs in (('qemu', self.qemu_runs), ('libvirt', self.libvirt_runs)):
             path = os.path.join(self.workdir, f'{mode}.png')
             self.assertEqual(self.demo.chart(runs, path, mode), path)

@@ -47,15 +47,35 @@ def load_hot_cold(client, data, hot_fraction, batch=5000, timeout=600):
     return hot, cold
 
 
+def _mget(client, keys, attempts=5, pause=1.0):
+    """MGET that outlives a client-library error (a reply cut short, a
+    timeout while the destination still pulls pages): retried with a pause,
+    redis-py reconnecting; None when every attempt failed."""
+    for i in range(attempts):
+        try:
+            return client.mget(keys)
+        except Exception:  # noqa: BLE001 -- whatever the library raises
+            if i + 1 < attempts:
+                time.sleep(pause)
+    return None
+
+
 def count_wrong(client, hot, cold, cold_dropped, batch=5000, cold_sample=5000):
     """(hot items whose value is not the expected one, cold items in a sample
-    that are not as expected: misses when `cold_dropped`, else their values)."""
+    that are not as expected: misses when `cold_dropped`, else their values).
+    An item that could not be read at all counts as wrong."""
     wrong = 0
     for i in range(0, len(hot), batch):
         chunk = hot[i:i + batch]
-        wrong += sum(1 for (_, v), got in zip(chunk, client.mget([k for k, _ in chunk])) if got != v)
+        got = _mget(client, [k for k, _ in chunk])
+        if got is None:
+            wrong += len(chunk)
+            continue
+        wrong += sum(1 for (_, v), g in zip(chunk, got) if g != v)
     sample = cold[:cold_sample]
-    got = client.mget([k for k, _ in sample]) if sample else []
+    got = _mget(client, [k for k, _ in sample]) if sample else []
+    if got is None:
+        return wrong, len(sample)
     if cold_dropped:
         wrong_cold = sum(1 for g in got if g is not None)
     else:
