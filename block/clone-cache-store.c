@@ -25,7 +25,7 @@
 #include "block/aio-wait.h"
 #include "block/block-global-state.h"
 #include "system/block-backend.h"
-#include "hybrid-fp.h"
+#include "content-fp.h"
 #include "clone-cache.h"
 #include "trace.h"
 
@@ -590,7 +590,7 @@ static bool coroutine_fn cc_fill_prepare(CloneCacheStore *s,
                                          bool *stale)
 {
     CloneCacheFill *f = batch[n];
-    uint64_t fp = hybrid_fingerprint(f->data, f->len) & s->fp_mask;
+    uint64_t fp = content_fingerprint(f->data, f->len) & s->fp_mask;
     int b = f->key >> CC_BLOCK_BITS;
     uint32_t sums[CC_MAX_BLOCK / CC_SUB];
     uint8_t *buf = NULL;

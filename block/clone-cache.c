@@ -32,7 +32,7 @@
 #include "block/block-io.h"
 #include "block/qdict.h"
 #include "system/block-backend.h"
-#include "hybrid-fp.h"
+#include "content-fp.h"
 #include "clone-cache.h"
 #include "trace.h"
 
@@ -81,7 +81,7 @@ static uint64_t cc_gen_mix(uint64_t gen, const void *p, size_t len)
         memset(buf, 0, sizeof(buf));
         memcpy(buf, (const uint8_t *)p + off, n);
         stq_le_p(buf + 56, gen);
-        gen = hybrid_fingerprint(buf, sizeof(buf));
+        gen = content_fingerprint(buf, sizeof(buf));
         off += n;
     } while (off < len);
     return gen;

@@ -45,40 +45,6 @@
 #include "hybrid.h"
 #include "trace.h"
 
-#define FP_PRIME1 0x9E3779B185EBCA87ULL
-#define FP_PRIME2 0xC2B2AE3D27D4EB4FULL
-
-static inline uint64_t fp_round(uint64_t acc, uint64_t w)
-{
-    acc += w * FP_PRIME2;
-    acc = (acc << 31) | (acc >> 33);
-    return acc * FP_PRIME1;
-}
-
-/*
- * xxh64-style fingerprint over whole 8-byte words (block sizes are powers
- * of two >= 4 KiB).  Four independent lanes keep the multiplier busy.
- */
-uint64_t hybrid_fingerprint(const uint8_t *buf, size_t len)
-{
-    uint64_t a = FP_PRIME1, b = FP_PRIME2, c = 0, d = -FP_PRIME1;
-    size_t i;
-
-    assert(len % 32 == 0);
-    for (i = 0; i < len; i += 32) {
-        a = fp_round(a, ldq_le_p(buf + i));
-        b = fp_round(b, ldq_le_p(buf + i + 8));
-        c = fp_round(c, ldq_le_p(buf + i + 16));
-        d = fp_round(d, ldq_le_p(buf + i + 24));
-    }
-    a = ((a << 1) | (a >> 63)) + ((b << 7) | (b >> 57)) +
-        ((c << 12) | (c >> 52)) + ((d << 18) | (d >> 46));
-    a ^= a >> 33;
-    a *= FP_PRIME2;
-    a ^= a >> 29;
-    return a ^ len;
-}
-
 /*
  * Hand back the pages of a zero block: they read as zero afterwards.  A
  * shared region needs its file's pages freed (MADV_DONTNEED would only
@@ -318,7 +284,7 @@ static HybridChunk *chunk_intern(BDRVHybridState *s, HybridChunk *c)
         return NULL;
     }
     if (!c->fp_valid) {
-        c->fp = hybrid_fingerprint(c->data, s->block_size);
+        c->fp = content_fingerprint(c->data, s->block_size);
     }
     c->fp_valid = false;
     match = chunk_find(s, c->fp, c->data);
@@ -388,7 +354,7 @@ int hybrid_ram_fill(BDRVHybridState *s, uint64_t idx, const uint8_t *buf)
     assert(!(slot->flags & HYBRID_SLOT_LOADED));
     if (s->dedup) {
         if (buf && !buffer_is_zero(buf, s->block_size)) {
-            uint64_t fp = hybrid_fingerprint(buf, s->block_size);
+            uint64_t fp = content_fingerprint(buf, s->block_size);
             HybridChunk *c = chunk_find(s, fp, buf);
 
             if (c) {
@@ -515,7 +481,7 @@ int hybrid_ram_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
          */
         c->fp_valid = qiov && len == bsz;
         if (c->fp_valid) {
-            c->fp = hybrid_fingerprint(c->data, bsz);
+            c->fp = content_fingerprint(c->data, bsz);
         }
         slot->chunk = c;
         if (!defer_intern) {

@@ -20,7 +20,7 @@
 #include "qemu/queue.h"
 #include "qemu/coroutine.h"
 #include "qapi/qapi-types-block-core.h"
-#include "hybrid-fp.h"
+#include "content-fp.h"
 
 /* ---- On-disk header (little endian, see docs/hybrid-format.rst) ---- */
 

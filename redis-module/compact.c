@@ -150,9 +150,8 @@ static int relocateKey(RedisModuleString *key) {
 static void compactScanCb(RedisModuleCtx *ctx, RedisModuleString *keyname,
                           RedisModuleKey *kh, void *priv) {
     (void)priv;
-    if (kh && (RedisModule_KeyType(kh) != REDISMODULE_KEYTYPE_STRING || hmExpiresSoon(kh))) return;
-    RedisModule_RetainString(ctx, keyname);
-    hmKeyListPush(&hm.pending, keyname);
+    if (RedisModule_KeyType(kh) != REDISMODULE_KEYTYPE_STRING) return;
+    hmPendingPush(ctx, keyname, kh);
 }
 
 static void compactEnd(void) {

@@ -81,7 +81,7 @@
 #define HM_BITE_MIN_US          20      /* shortest bite (see hmBgBite) */
 #define HM_BITE_SHARE_DIV       2       /* bites: half the timer's share (see hmBgBite) */
 #define HM_SWEEP_PAUSE_MS       1000    /* between two full expiry sweeps */
-#define HM_EXPIRE_SPARE_MS      1000    /* walks leave keys this close to expiring (hmExpiresSoon) */
+#define HM_EXPIRE_SPARE_MS      100     /* walks leave keys this close to expiring (hmScanApply) */
 #define HM_READ_BACK_MAX        4096    /* visited keys awaiting their way back (hmReadBackSettle) */
 #define HM_SEEN_BITS            (1u << 20) /* per generation of the read filter (128 KiB) */
 #define HM_RECLAIM_ITEMS        256     /* arena items looked at per reclaim step */
@@ -273,6 +273,8 @@ typedef struct HmState {
     int loaded;                 /* OnLoad finished */
     int replica;                /* this server replicates a master */
     KeyList pending;            /* keys a keyspace walk picked (see hmScanApply) */
+    long long *pending_expire;  /* ...their absolute expires, by index */
+    size_t pending_expire_cap;
     HmConfig cfg;
     HmPass pass;
     HmCompact compact;
@@ -337,13 +339,13 @@ void hmReadBackSettle(void);
 int hmPromoteKey(RedisModuleString *key, int visit);
 void hmCollectCb(void *priv, const ColdItem *it);
 int hmPromoteAll(void);
-int hmExpiresSoon(RedisModuleKey *kh);
 RedisModuleKey *hmOpenLiveString(RedisModuleString *key, mstime_t *expire);
 uint64_t hmMoveToArena(RedisModuleString *key, RedisModuleKey *kh, mstime_t expire);
 int hmDemoteKey(RedisModuleString *key);
 
 /* ------------------------------------------------------------ pass.c */
 
+void hmPendingPush(RedisModuleCtx *ctx, RedisModuleString *keyname, RedisModuleKey *kh);
 int hmScanApply(RedisModuleScanCursor *cursor, RedisModuleScanCB cb,
                 int (*fn)(RedisModuleString *), uint64_t deadline);
 void hmPassAbandon(void);

@@ -76,10 +76,8 @@ static void scanCb(RedisModuleCtx *ctx, RedisModuleString *keyname,
         int idle_ok, d;
         int b = coldBucket(kh, &idle_ok, &d);
         uint32_t share = keyShare(keyname);
-        if (d >= hm.pass.threshold && idle_ok && (d > hm.pass.threshold || share >= hm.pass.keep_at_threshold) &&
-            !hmExpiresSoon(kh)) {
-            RedisModule_RetainString(ctx, keyname);
-            hmKeyListPush(&hm.pending, keyname);
+        if (d >= hm.pass.threshold && idle_ok && (d > hm.pass.threshold || share >= hm.pass.keep_at_threshold)) {
+            hmPendingPush(ctx, keyname, kh);
         } else {
             hm.pass.bytes[b][share >> HM_SHARE_BIN_SHIFT] += bytes;
             hm.pass.items++;
@@ -144,16 +142,41 @@ static void passEnd(RedisModuleCtx *ctx) {
     hmCompactCheck(ctx);
 }
 
+/* Add a key a walk's RedisModule_Scan callback picked (open as 'kh') to
+ * hm.pending, with its expire. */
+void hmPendingPush(RedisModuleCtx *ctx, RedisModuleString *keyname, RedisModuleKey *kh) {
+    if (hm.pending.n == hm.pending_expire_cap) {
+        hm.pending_expire_cap = hm.pending_expire_cap ? hm.pending_expire_cap * 2 : 64;
+        hm.pending_expire = RedisModule_Realloc(hm.pending_expire,
+                                                hm.pending_expire_cap * sizeof(*hm.pending_expire));
+    }
+    hm.pending_expire[hm.pending.n] = RedisModule_GetAbsExpire(kh);
+    RedisModule_RetainString(ctx, keyname);
+    hmKeyListPush(&hm.pending, keyname);
+}
+
 /* Walk the keyspace with 'cursor' until it ends or 'deadline' passes: 'cb'
  * collects keys into hm.pending (a key cannot be changed inside the scan
- * callback), then 'fn' acts on each. Returns 1 if the walk has more. */
+ * callback; hmPendingPush), then 'fn' acts on each. Returns 1 if the walk
+ * has more.
+ *
+ * 'fn' opens the key, and any lookup of an expired key makes Redis delete
+ * it there and then. So a key that has expired or expires within
+ * HM_EXPIRE_SPARE_MS is left alone, judged from the expire the scan's
+ * handle showed (it looked nothing up), just before 'fn'; the margin
+ * covers the time to the lookup. Before, the demotion pass and compaction
+ * deleted such keys: an active expire cycle that DEBUG SET-ACTIVE-EXPIRE 0
+ * could not stop (stock Redis keeps them until they are accessed), its
+ * DELs of a slice reaching replicas wrapped in MULTI/EXEC. */
 int hmScanApply(RedisModuleScanCursor *cursor, RedisModuleScanCB cb,
                      int (*fn)(RedisModuleString *), uint64_t deadline) {
     int more = 1;
     while (more && hmNowUs() < deadline) {
         more = RedisModule_Scan(hm.dctx, cursor, cb, NULL);
         for (size_t i = 0; i < hm.pending.n; i++) {
-            fn(hm.pending.v[i]);
+            long long when = hm.pending_expire[i];
+            if (when == REDISMODULE_NO_EXPIRE || when > hmNowMs() + HM_EXPIRE_SPARE_MS)
+                fn(hm.pending.v[i]);
             RedisModule_FreeString(hm.dctx, hm.pending.v[i]);
         }
         hm.pending.n = 0;

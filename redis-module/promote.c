@@ -128,21 +128,6 @@ int hmPromoteAll(void) {
 
 /* ------------------------------------------------------------ demotion */
 
-/* 1 if the key seen through 'kh' has expired or expires within
- * HM_EXPIRE_SPARE_MS. 'kh' must be a handle RedisModule_Scan gave, which
- * looked nothing up: the background walks (demotion, compaction) ask this
- * before they pick a key, and leave such keys alone. Any lookup of an
- * expired key (hmOpenLiveString's too) makes Redis delete it there and
- * then: the walks then worked as an active expire cycle that DEBUG
- * SET-ACTIVE-EXPIRE 0 could not stop (stock Redis keeps the key until it is
- * accessed), and the DELs of a slice reached replicas wrapped in
- * MULTI/EXEC. The margin covers the time between the walk's step and the
- * lookup that follows it in the same slice. */
-int hmExpiresSoon(RedisModuleKey *kh) {
-    mstime_t when = RedisModule_GetAbsExpire(kh);
-    return when != REDISMODULE_NO_EXPIRE && when <= hmNowMs() + HM_EXPIRE_SPARE_MS;
-}
-
 /* Open 'key' for a representation change (demotion, relocation): a write
  * handle that does not touch LRU/LFU, with *expire filled. NULL (nothing
  * open) if the key is not a string or is logically expired: Redis's own

@@ -1,6 +1,6 @@
 /*
  * The content fingerprint shared by hybrid's inline dedup and the clone
- * cache (block/hybrid-ram.c).  A fingerprint only finds candidates: both
+ * cache (block/content-fp.c).  A fingerprint only finds candidates: both
  * users compare the bytes before they share a block.
  *
  * Copyright (c) 2026 The hybridvm authors
@@ -9,10 +9,10 @@
  * See the COPYING file in the top-level directory.
  */
 
-#ifndef BLOCK_HYBRID_FP_H
-#define BLOCK_HYBRID_FP_H
+#ifndef BLOCK_CONTENT_FP_H
+#define BLOCK_CONTENT_FP_H
 
 /* @len must be a multiple of 32 */
-uint64_t hybrid_fingerprint(const uint8_t *buf, size_t len);
+uint64_t content_fingerprint(const uint8_t *buf, size_t len);
 
 #endif
