@@ -13,7 +13,7 @@ import json
 import math
 import os
 
-from pooled_stats import mean_ci, ratio_ci, verdict
+from pooled_stats import in_run_order, mean_ci, ratio_ci, verdict
 
 # (column, what, goal for ours/baseline: ('<=' or '>=', value) or None)
 METRICS = [
@@ -53,10 +53,7 @@ def samples(runs, label, col):
 
 
 def analyse(runs, baseline):
-    labels = []
-    for r in runs:
-        if r['config'] not in labels:
-            labels.append(r['config'])
+    labels = in_run_order(runs, 'config')
     stats = {}
     for label in labels:
         stats[label] = {}

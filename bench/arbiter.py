@@ -44,6 +44,7 @@ import arblib as A          # noqa: E402
 import scenario as S        # noqa: E402
 from arblib import H        # noqa: E402
 from arbiter.model import Model   # noqa: E402
+from pooled_stats import in_run_order, rotated   # noqa: E402
 
 MB = 1000 * 1000
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
@@ -120,8 +121,7 @@ class Bench:
         arb_target = a.target_x * (probe_ms or solo['container']['p99_ms'])
         order = ['contended', 'arbitrated', 'contended (A/A)'] + \
             [f'static {m} MB/s' for m in a.statics] + ['BFQ weights']
-        k = rnd % len(order)
-        for name in order[k:] + order[:k]:
+        for name in rotated(order, rnd):
             if name == 'VM solo':
                 self.record(rnd, sc.phase(name, container=False))
             elif name.startswith('contended'):
@@ -213,10 +213,7 @@ class Bench:
     def write(self, out, measured=None):
         a, gap = self.a, self.gap
         measured = measured or time.strftime('%Y-%m-%d %H:%M')
-        names = []
-        for r in self.rows:
-            if r['phase'] not in names:
-                names.append(r['phase'])
+        names = in_run_order(self.rows, 'phase')
         lines = ['# VMs and containers on one device: the I/O arbiter', '',
                  f'Measured {measured} by `bench/arbiter.py` '
                  f'({" ".join(getattr(a, "argv", None) or []) or "defaults"}): {a.rounds} interleaved rounds of '

@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.join(REPO, 'block', 'tests'))
 import hybridlib as H   # noqa: E402
 from hvlib import Guest   # noqa: E402
 from hvlib.ceph import CephCluster, unavailable   # noqa: E402
+from pooled_stats import rotated   # noqa: E402
 
 MiB = 1 << 20
 NS = 'hvstorm'
@@ -291,9 +292,8 @@ class Storm:
             self.link.shape(rate)
             for n in a.counts:
                 # cc-warm and cc-restart follow cc-cold; the rest rotate
-                order = [c for c in a.configs if not c.startswith('cc')]
-                k = a.counts.index(n) % max(len(order), 1)
-                order = order[k:] + order[:k]
+                order = rotated([c for c in a.configs if not c.startswith('cc')],
+                                a.counts.index(n))
                 cc = [c for c in ['cc-cold', 'cc-warm', 'cc-restart'] if c in a.configs]
                 for c in order[:len(order) // 2] + cc + order[len(order) // 2:]:
                     if c in ('cc-warm', 'cc-restart') and 'cc-cold' not in a.configs:

@@ -35,7 +35,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, 'block', 'tests'))
 import hybridlib as H   # noqa: E402
-from pooled_stats import ratio_ci, verdict   # noqa: E402
+from pooled_stats import mean, ratio_ci, rotated, verdict   # noqa: E402
 
 MiB = 1024 * 1024
 
@@ -235,8 +235,7 @@ class Bench:
             self.wait_restore(qsd)
             for rnd in range(rounds):
                 for (col, rw, bs, dd), nodes in shapes.items():
-                    k = rnd % len(nodes)
-                    for n in nodes[k:] + nodes[:k]:
+                    for n in rotated(nodes, rnd):
                         r = self.fio(n, rw, bs, dd)
                         mbps.setdefault(col, {}).setdefault(n, []).append(
                             r['MBps'])
@@ -277,8 +276,7 @@ class Bench:
                  '| goal | verdict |', '|---|---|---:|---|---:|---:|---|---|']
         for r in res['ratios']:
             m = res['MBps'][r['shape']]
-            ma = sum(m[r['node']]) / len(m[r['node']])
-            mb = sum(m[r['baseline']]) / len(m[r['baseline']])
+            ma, mb = mean(m[r['node']]), mean(m[r['baseline']])
             goal = f'{r["goal"][0]} {r["goal"][1]}' if r['goal'] else '-'
             lines.append(f'| {r["shape"]} | {r["node"]} | {ma:.0f} | '
                          f'{r["baseline"]} | {mb:.0f} | {r["ratio"]:.2f} '

@@ -23,7 +23,6 @@ import argparse
 import csv
 import io
 import json
-import math
 import os
 import random
 import shutil
@@ -38,6 +37,7 @@ import redis
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'redis-module', 'tests'))
 from hmlib import pipe  # noqa: E402
+from pooled_stats import geo_mean_ci, rotated  # noqa: E402
 from procstat import cpu_s  # noqa: E402
 
 TOP = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
@@ -298,9 +298,7 @@ def throughput(workdir, quick):
                         # Rotate who goes first: what one server leaves
                         # behind (caches, the host's other guests) must not
                         # always favour the same one.
-                        order = list(servers.items())
-                        k = rep % len(order)
-                        for name, s in order[k:] + order[:k]:
+                        for name, s in rotated(servers.items(), rep):
                             waited += quiet(servers)
                             results.setdefault((workload, test, p, name), []).append(
                                 run_workload(s, workload, test, p, n * (4 if p == 16 else 1),
@@ -476,21 +474,17 @@ def paired(raw, name, workloads):
     interleaved, so a pair shares the machine's state), pooled over the rows
     of `workloads`: for rps, p99 (every benchmark process) and server CPU
     per request, the geometric mean and its 95 % confidence interval (mean
-    of the logs +- 1.96 standard errors), and the number of pairs."""
-    logs = ([], [], [])
+    of the logs +- 1.96 standard errors: dozens of pairs), and the number
+    of pairs."""
+    ratios = ([], [], [])
     for w in workloads:
         for t in ('get', 'set'):
             for p in (1, 16):
                 for x, b in zip(raw[(w, t, p, name)], raw[(w, t, p, 'stock')]):
-                    logs[0].append(math.log(x[0] / b[0]))
-                    logs[1].extend(math.log(u / v) for u, v in zip(x[1], b[1]) if u and v)
-                    logs[2].append(math.log(x[2] / b[2]))
-    out = []
-    for v in logs:
-        m = statistics.fmean(v)
-        h = 1.96 * statistics.stdev(v) / math.sqrt(len(v))
-        out.append((math.exp(m), math.exp(m - h), math.exp(m + h), len(v)))
-    return out
+                    ratios[0].append(x[0] / b[0])
+                    ratios[1].extend(u / v for u, v in zip(x[1], b[1]) if u and v)
+                    ratios[2].append(x[2] / b[2])
+    return [geo_mean_ci(v, z=1.96) + (len(v),) for v in ratios]
 
 
 def write(tp, raw, setups, stats, n, keyspace, prep, cpu, loadavg, when):
