@@ -6,44 +6,22 @@
  *
  * SPDX-License-Identifier: GPL-2.0-or-later
  *
- * Two ways to run it:
- *   - libFuzzer: build with -DHVM_LIBFUZZER -fsanitize=fuzzer,address;
- *   - standalone (the meson test): fuzz-proto [--seconds N] [--seed S] runs a
- *     time-bounded loop of pure noise and of mutations of valid requests,
- *     replies and catalogues.  Built with -fsanitize=address,undefined so
- *     memory errors abort.
+ * A driver of tests/fuzz/fuzz-main.h, which says how to run it (standalone,
+ * the meson test: broker-fuzz-proto [--seconds N] [--seed S]; or under
+ * libFuzzer).  Its random inputs are pure noise and mutations of valid
+ * requests, replies and catalogues.
  * Invariants checked on every input: an accepted request has names that pass
  * the name rules and re-encodes to the same bytes; an accepted header's
  * length is within the limit; decoders never read past their input.
  */
 #include <errno.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
+#include "fuzz-main.h"
 #include "../catalog.h"
 #include "../proto.h"
 
-#define CHECK(cond) do { \
-    if (!(cond)) { \
-        fprintf(stderr, "%s:%d: invariant failed: %s\n", __FILE__, __LINE__, #cond); \
-        abort(); \
-    } \
-} while (0)
-
-static unsigned long long rng_state;
-
-static unsigned rnd(void)
-{
-    /* xorshift64*: reproducible from --seed */
-    rng_state ^= rng_state >> 12;
-    rng_state ^= rng_state << 25;
-    rng_state ^= rng_state >> 27;
-    return (unsigned)((rng_state * 2685821657736338717ULL) >> 32);
-}
-
-static void one_input(const uint8_t *data, size_t len)
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t len)
 {
     HvmHeader h;
     HvmRequest q;
@@ -53,7 +31,7 @@ static void one_input(const uint8_t *data, size_t len)
     uint8_t *copy;
 
     if (len < HVM_HDR_SIZE) {
-        return;
+        return 0;
     }
     /* As the broker sees it: header, then exactly h.length body bytes. */
     if (hvm_header_decode(data, &h, false, &why) == 0) {
@@ -108,47 +86,41 @@ static void one_input(const uint8_t *data, size_t len)
         g_clear_error(&e);
         free(copy);
     }
-}
-
-#ifdef HVM_LIBFUZZER
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
-{
-    one_input(data, size);
     return 0;
 }
-#else
 
-/* A valid request, reply or catalogue to mutate. */
+/* Standalone: a valid request, reply or catalogue to mutate. */
 static GByteArray *seed_input(void)
 {
     static const char *names[] = { "vm1", "a", "region.x", "z-9_q" };
     GByteArray *b = g_byte_array_new();
-    unsigned kind = rnd() % 3;
+    unsigned kind = fuzz_rnd() % 3;
 
     if (kind == 0) {
-        HvmRequest q = { .op = 1 + rnd() % (HVM_OP__MAX - 1), .seq = rnd() };
+        HvmRequest q = { .op = 1 + fuzz_rnd() % (HVM_OP__MAX - 1),
+                         .seq = fuzz_rnd() };
 
-        g_strlcpy(q.name, names[rnd() % 4], sizeof(q.name));
-        if (rnd() % 2) {
-            g_strlcpy(q.item, names[rnd() % 4], sizeof(q.item));
+        g_strlcpy(q.name, names[fuzz_rnd() % 4], sizeof(q.name));
+        if (fuzz_rnd() % 2) {
+            g_strlcpy(q.item, names[fuzz_rnd() % 4], sizeof(q.item));
         }
-        q.size = rnd() % 3 ? rnd() : 0;
-        q.mode = rnd() % 2 ? 0640 : 0;
-        q.flags = rnd() % 4 == 0;
+        q.size = fuzz_rnd() % 3 ? fuzz_rnd() : 0;
+        q.mode = fuzz_rnd() % 2 ? 0640 : 0;
+        q.flags = fuzz_rnd() % 4 == 0;
         hvm_request_encode(b, &q);
     } else if (kind == 1) {
         GByteArray *d = g_byte_array_new();
-        HvmRegionInfo ri = { .size = rnd(), .name = "r" };
+        HvmRegionInfo ri = { .size = fuzz_rnd(), .name = "r" };
         HvmItemInfo ii = { .offset = 0, .size = 2 << 20, .name = "i" };
 
         hvm_region_encode(d, &ri);
         hvm_item_encode(d, &ii);
-        hvm_reply_encode(b, HVM_OP_STAT, rnd(), 0, NULL, d->data, d->len);
+        hvm_reply_encode(b, HVM_OP_STAT, fuzz_rnd(), 0, NULL, d->data, d->len);
         g_byte_array_free(d, TRUE);
     } else {
         HvmCatalog *cat = hvm_catalog_new();
-        HvmRegion *r = hvm_region_new(names[rnd() % 4], 1, 64 << 20, 0600, 0, 0);
+        HvmRegion *r = hvm_region_new(names[fuzz_rnd() % 4], 1, 64 << 20,
+                                      0600, 0, 0);
         GByteArray *s;
         int e;
 
@@ -163,74 +135,48 @@ static GByteArray *seed_input(void)
     return b;
 }
 
-int main(int argc, char **argv)
+size_t fuzz_generate(const uint8_t **data)
 {
-    double seconds = 10;
-    unsigned long long seed = (unsigned long long)time(NULL);
-    unsigned long iters = 0;
-    struct timespec t0, t;
+    static GByteArray *b;
 
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--seconds") && i + 1 < argc) {
-            seconds = atof(argv[++i]);
-        } else if (!strcmp(argv[i], "--seed") && i + 1 < argc) {
-            seed = strtoull(argv[++i], NULL, 0);
-        } else {
-            fprintf(stderr, "usage: %s [--seconds N] [--seed S]\n", argv[0]);
-            return 2;
-        }
-    }
-    /* make check-long (HYBRIDVM_LONG=1) fuzzes for at least five minutes. */
-    if (getenv("HYBRIDVM_LONG") && seconds < 300) {
-        seconds = 300;
-    }
-    rng_state = seed ? seed : 1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    do {
-        GByteArray *b;
-
-        if (rnd() % 8 == 0) {
-            /* noise with a valid magic and version half of the time */
-            size_t n = rnd() % 600;
-
-            b = g_byte_array_sized_new(n);
-            g_byte_array_set_size(b, n);
-            for (size_t i = 0; i < n; i++) {
-                b->data[i] = rnd();
-            }
-            if (n >= 8 && rnd() % 2) {
-                memcpy(b->data, "HVMB\x01\x00", 6);
-            }
-        } else {
-            unsigned muts = 1 + rnd() % 4;
-
-            b = seed_input();
-            for (unsigned m = 0; m < muts && b->len; m++) {
-                switch (rnd() % 4) {
-                case 0:
-                    b->data[rnd() % b->len] = rnd();
-                    break;
-                case 1:
-                    b->data[rnd() % b->len] ^= 1u << (rnd() % 8);
-                    break;
-                case 2:
-                    g_byte_array_set_size(b, rnd() % (b->len + 1));
-                    break;
-                default: {
-                    uint8_t x = rnd();
-
-                    g_byte_array_append(b, &x, 1);
-                }
-                }
-            }
-        }
-        one_input(b->data, b->len);
+    if (b) {
         g_byte_array_free(b, TRUE);
-        iters++;
-        clock_gettime(CLOCK_MONOTONIC, &t);
-    } while ((t.tv_sec - t0.tv_sec) + (t.tv_nsec - t0.tv_nsec) / 1e9 < seconds);
-    printf("fuzz-proto: %lu inputs in %.0f s, seed %llu, no invariant failed\n",
-           iters, seconds, seed);
-    return 0;
+    }
+    if (fuzz_rnd() % 8 == 0) {
+        /* noise with a valid magic and version half of the time */
+        size_t n = fuzz_rnd() % 600;
+
+        b = g_byte_array_sized_new(n);
+        g_byte_array_set_size(b, n);
+        for (size_t i = 0; i < n; i++) {
+            b->data[i] = fuzz_rnd();
+        }
+        if (n >= 8 && fuzz_rnd() % 2) {
+            memcpy(b->data, "HVMB\x01\x00", 6);
+        }
+    } else {
+        unsigned muts = 1 + fuzz_rnd() % 4;
+
+        b = seed_input();
+        for (unsigned m = 0; m < muts && b->len; m++) {
+            switch (fuzz_rnd() % 4) {
+            case 0:
+                b->data[fuzz_rnd() % b->len] = fuzz_rnd();
+                break;
+            case 1:
+                b->data[fuzz_rnd() % b->len] ^= 1u << (fuzz_rnd() % 8);
+                break;
+            case 2:
+                g_byte_array_set_size(b, fuzz_rnd() % (b->len + 1));
+                break;
+            default: {
+                uint8_t x = fuzz_rnd();
+
+                g_byte_array_append(b, &x, 1);
+            }
+            }
+        }
+    }
+    *data = b->data;
+    return b->len;
 }
-#endif

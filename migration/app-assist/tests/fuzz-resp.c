@@ -5,48 +5,28 @@
  *
  * SPDX-License-Identifier: GPL-2.0-or-later
  *
- * Two ways to run it:
- *   - libFuzzer: build with -DAA_LIBFUZZER -fsanitize=fuzzer,address and run
- *     the binary as usual (LLVMFuzzerTestOneInput below is the target);
- *   - standalone (the CI test): fuzz-resp [--seconds N] [--seed S] runs a
- *     time-bounded loop of random inputs -- pure noise, RESP-shaped noise and
- *     mutations of valid replies -- each fed in random-sized pieces, exactly
- *     as bytes arrive from a virtio-serial port.  Build it with
- *     -fsanitize=address,undefined so memory errors abort.
+ * A driver of tests/fuzz/fuzz-main.h, which says how to run it (standalone,
+ * the CI test: aa-fuzz-resp [--seconds N] [--seed S]; or under libFuzzer).
+ * Its random inputs are pure noise, RESP-shaped noise and mutations of valid
+ * replies; standalone, half of them are fed in random-sized pieces, exactly
+ * as bytes arrive from a virtio-serial port.
  * Invariants checked on every input: the parser never accepts more than
  * AA_RESP_MAX_BYTES, a DONE reply came from a complete input, an ERROR is
  * sticky, and a reset parser parses a valid reply again.
  */
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
+#include "fuzz-main.h"
 #include "../resp.h"
-
-#define CHECK(cond) do { \
-    if (!(cond)) { \
-        fprintf(stderr, "%s:%d: invariant failed: %s\n", __FILE__, __LINE__, #cond); \
-        abort(); \
-    } \
-} while (0)
 
 static const char valid[] =
     "*6\r\n$11\r\nfreed_bytes\r\n:4096\r\n$5\r\nitems\r\n:3\r\n"
     "$7\r\ntime_us\r\n:10\r\n";
 
-static unsigned long long rng_state;
+/* Standalone: whether fuzz_generate() chose to feed its input in pieces. */
+static int split_randomly;
 
-static unsigned rnd(void)
-{
-    /* xorshift64*: reproducible from --seed */
-    rng_state ^= rng_state >> 12;
-    rng_state ^= rng_state << 25;
-    rng_state ^= rng_state >> 27;
-    return (unsigned)((rng_state * 2685821657736338717ULL) >> 32);
-}
-
-/* Feed @data in pieces whose sizes come from @split (or rnd()). */
+/* Feed @data in pieces whose sizes come from @split (or fuzz_rnd()). */
 static AARespState feed_pieces(AARespParser *p, const unsigned char *data,
                                size_t len, AAReply *out, int random_split)
 {
@@ -54,7 +34,7 @@ static AARespState feed_pieces(AARespParser *p, const unsigned char *data,
     size_t off = 0;
 
     while (off < len) {
-        size_t n = random_split ? 1 + rnd() % 64 : len - off;
+        size_t n = random_split ? 1 + fuzz_rnd() % 64 : len - off;
 
         if (n > len - off) {
             n = len - off;
@@ -133,19 +113,17 @@ static void one_input(AARespParser *p, const unsigned char *data, size_t len,
     CHECK(st == AA_RESP_DONE && reply.freed_bytes == 4096 && reply.items == 3);
 }
 
-#ifdef AA_LIBFUZZER
-int LLVMFuzzerTestOneInput(const unsigned char *data, size_t len);
-int LLVMFuzzerTestOneInput(const unsigned char *data, size_t len)
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t len)
 {
     static AARespParser *p;
 
     if (!p) {
         p = aa_resp_parser_new();
+        CHECK(p);
     }
-    one_input(p, data, len, 0);
+    one_input(p, data, len, split_randomly);
     return 0;
 }
-#else
 
 static const char *const tokens[] = {
     "*", "$", ":", "+", "-", "%", "_", ",", "#", "\r\n", "\r", "\n", "0", "1",
@@ -159,30 +137,31 @@ static size_t gen(unsigned char *buf, size_t cap)
 {
     size_t len = 0, i, n;
 
-    switch (rnd() % 5) {
+    switch (fuzz_rnd() % 5) {
     case 4: {                               /* a PAGES reply, random data */
-        size_t dl = rnd() % 2 ? rnd() % 64 : rnd() % (AA_RESP_MAX_PAGE_DATA + 16);
+        size_t dl = fuzz_rnd() % 2 ? fuzz_rnd() % 64
+                                   : fuzz_rnd() % (AA_RESP_MAX_PAGE_DATA + 16);
 
-        len = snprintf((char *)buf, cap, "*2\r\n:%u\r\n$%zu\r\n", rnd() % 3, dl);
+        len = snprintf((char *)buf, cap, "*2\r\n:%u\r\n$%zu\r\n", fuzz_rnd() % 3, dl);
         if (len + dl + 2 > cap) {
             return len;
         }
         for (i = 0; i < dl; i++) {
-            buf[len++] = rnd() % 3 ? rnd() : (rnd() % 2 ? 0x80 : 0xff);
+            buf[len++] = fuzz_rnd() % 3 ? fuzz_rnd() : (fuzz_rnd() % 2 ? 0x80 : 0xff);
         }
         memcpy(buf + len, "\r\n", 2);
         return len + 2;
     }
     case 0:                                 /* noise */
-        n = rnd() % 512;
+        n = fuzz_rnd() % 512;
         for (i = 0; i < n && len < cap; i++) {
-            buf[len++] = rnd();
+            buf[len++] = fuzz_rnd();
         }
         return len;
     case 1:                                 /* RESP-shaped noise */
-        n = 1 + rnd() % 40;
+        n = 1 + fuzz_rnd() % 40;
         for (i = 0; i < n; i++) {
-            const char *t = tokens[rnd() % (sizeof(tokens) / sizeof(tokens[0]))];
+            const char *t = tokens[fuzz_rnd() % (sizeof(tokens) / sizeof(tokens[0]))];
             size_t tl = strlen(t);
 
             if (len + tl > cap) {
@@ -193,7 +172,7 @@ static size_t gen(unsigned char *buf, size_t cap)
         }
         return len;
     case 2:                                 /* big: limit checks */
-        n = AA_RESP_MAX_BYTES + rnd() % 4096;
+        n = AA_RESP_MAX_BYTES + fuzz_rnd() % 4096;
         if (n > cap) {
             n = cap;
         }
@@ -203,21 +182,21 @@ static size_t gen(unsigned char *buf, size_t cap)
     default:                                /* mutated valid reply */
         len = sizeof(valid) - 1;
         memcpy(buf, valid, len);
-        n = 1 + rnd() % 4;
+        n = 1 + fuzz_rnd() % 4;
         for (i = 0; i < n; i++) {
-            switch (rnd() % 3) {
+            switch (fuzz_rnd() % 3) {
             case 0:
-                buf[rnd() % len] = rnd();
+                buf[fuzz_rnd() % len] = fuzz_rnd();
                 break;
             case 1:
-                len = rnd() % len + 1;
+                len = fuzz_rnd() % len + 1;
                 break;
             default:
                 if (len < cap) {
-                    size_t at = rnd() % len;
+                    size_t at = fuzz_rnd() % len;
 
                     memmove(buf + at + 1, buf + at, len - at);
-                    buf[at] = rnd();
+                    buf[at] = fuzz_rnd();
                     len++;
                 }
             }
@@ -226,44 +205,12 @@ static size_t gen(unsigned char *buf, size_t cap)
     }
 }
 
-int main(int argc, char **argv)
+size_t fuzz_generate(const uint8_t **data)
 {
     static unsigned char buf[AA_RESP_MAX_BYTES + 8192];
-    double seconds = 10;
-    unsigned long long seed = (unsigned long long)time(NULL), iters = 0;
-    struct timespec t0, t;
-    AARespParser *p;
-    int i;
+    size_t len = gen(buf, sizeof(buf));
 
-    for (i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--seconds") && i + 1 < argc) {
-            seconds = atof(argv[++i]);
-        } else if (!strcmp(argv[i], "--seed") && i + 1 < argc) {
-            seed = strtoull(argv[++i], NULL, 0);
-        } else {
-            fprintf(stderr, "usage: %s [--seconds N] [--seed S]\n", argv[0]);
-            return 2;
-        }
-    }
-    /* make check-long (HYBRIDVM_LONG=1) fuzzes for at least five minutes. */
-    if (getenv("HYBRIDVM_LONG") && seconds < 300) {
-        seconds = 300;
-    }
-    rng_state = seed | 1;
-    p = aa_resp_parser_new();
-    CHECK(p);
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    do {
-        for (i = 0; i < 256; i++, iters++) {
-            size_t len = gen(buf, sizeof(buf));
-
-            one_input(p, buf, len, rnd() % 2);
-        }
-        clock_gettime(CLOCK_MONOTONIC, &t);
-    } while ((t.tv_sec - t0.tv_sec) + (t.tv_nsec - t0.tv_nsec) / 1e9 < seconds);
-    aa_resp_parser_free(p);
-    printf("fuzz-resp: %llu inputs in %.0f s, seed %llu: no failure\n",
-           iters, seconds, seed);
-    return 0;
+    split_randomly = fuzz_rnd() % 2;
+    *data = buf;
+    return len;
 }
-#endif
