@@ -90,6 +90,7 @@ sys.path.insert(0, os.path.join(TOP, 'tests', 'avocado'))
 import hvlib  # noqa: E402
 from hvlib.vm import free_port  # noqa: E402
 import app_assist_pooled as pooled  # noqa: E402
+import charts  # noqa: E402
 import procstat  # noqa: E402
 
 MiB = 1 << 20
@@ -582,12 +583,14 @@ def write_report(rows, args, out):
             '![transferred](app-assist-transferred.png) ![time](app-assist-time.png)', '']
     with open(os.path.join(out, 'app-assist.md'), 'w') as f:
         f.write('\n'.join(text))
-    try:
-        import matplotlib
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log('matplotlib missing: no charts')
+    write_charts(rows, out)
+
+
+def write_charts(rows, out):
+    """app-assist-transferred.png and app-assist-time.png: the bytes sent
+    and the total time (set-up stacked) of each measured configuration."""
+    plt = charts.pyplot()
+    if not plt:
         return
     rows = [r for r in rows if 'transferred (MiB)' in r]
     names = [r['config'] for r in rows]
@@ -596,8 +599,7 @@ def write_report(rows, args, out):
     ax.set_ylabel('MiB transferred')
     plt.setp(ax.get_xticklabels(), rotation=25, ha='right')
     ax.set_title('Memory transferred')
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, 'app-assist-transferred.png'), dpi=100)
+    charts.save(fig, os.path.join(out, 'app-assist-transferred.png'), dpi=100)
     fig, ax = plt.subplots(figsize=(max(7, 0.6 * len(names)), 3.5))
     setup = [r['setup time (ms)'] / 1000 for r in rows]
     rest = [(r['total time (ms)'] - r['setup time (ms)']) / 1000 for r in rows]
@@ -607,8 +609,7 @@ def write_report(rows, args, out):
     plt.setp(ax.get_xticklabels(), rotation=25, ha='right')
     ax.set_title('Total migration time (set-up stacked)')
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, 'app-assist-time.png'), dpi=100)
+    charts.save(fig, os.path.join(out, 'app-assist-time.png'), dpi=100)
 
 
 def main():

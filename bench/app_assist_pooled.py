@@ -13,6 +13,7 @@ import json
 import math
 import os
 
+import charts
 from pooled_stats import in_run_order, mean_ci, ratio_ci, verdict
 
 # (column, what, goal for ours/baseline: ('<=' or '>=', value) or None)
@@ -193,11 +194,10 @@ def write_report(runs, args, out):
 
 
 def chart(ratios, args, out):
-    try:
-        import matplotlib
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """NAME.png: a panel a metric, a row a configuration, its ratio against
+    the baseline with the interval."""
+    plt = charts.pyplot()
+    if not plt:
         return
     cols = [(c, w) for c, w, _ in METRICS if c != 'setup share (%)']
     names = list(ratios)
@@ -206,20 +206,8 @@ def chart(ratios, args, out):
     fig, axes = plt.subplots(1, len(cols), figsize=(3.2 * len(cols), 0.5 * len(names) + 1.6),
                              sharey=True)
     for ax, (col, what) in zip(axes, cols):
-        ys, xs, lo, hi = [], [], [], []
-        for i, n in enumerate(names):
-            r = ratios[n].get(col)
-            if r:
-                ys.append(i)
-                xs.append(r['ratio'])
-                lo.append(r['ratio'] - r['lo'])
-                hi.append(r['hi'] - r['ratio'])
-        ax.errorbar(xs, ys, xerr=[lo, hi], fmt='o', capsize=3)
-        ax.axvline(1.0, color='grey', lw=0.8)
+        rows = [i for i, n in enumerate(names) if ratios[n].get(col)]
+        charts.ratio_points(ax, rows, [ratios[names[i]][col] for i in rows])
         ax.set_title(what, fontsize=8)
-        ax.set_yticks(range(len(names)))
-        ax.set_yticklabels(names, fontsize=8)
-        ax.set_xlabel(f'x {args.baseline}', fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, f'{args.name}.png'), dpi=100)
-    plt.close('all')
+        charts.ratio_rows(ax, names, f'x {args.baseline}', fontsize=7)
+    charts.save(fig, os.path.join(out, f'{args.name}.png'), dpi=100)

@@ -44,6 +44,7 @@ import arblib as A          # noqa: E402
 import scenario as S        # noqa: E402
 from arblib import H        # noqa: E402
 from arbiter.model import Model   # noqa: E402
+import charts   # noqa: E402
 from pooled_stats import in_run_order, rotated   # noqa: E402
 
 MB = 1000 * 1000
@@ -314,12 +315,8 @@ class Bench:
         print('\n'.join(lines))
 
     def chart(self, path, names, s):
-        try:
-            import matplotlib
-            matplotlib.use('Agg')
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print('matplotlib missing: no chart', file=sys.stderr)
+        plt = charts.pyplot()
+        if not plt:
             return
         fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
         for ax, key, label, scale in ((axes[0], 'iops', 'container IOPS', 1),
@@ -334,8 +331,7 @@ class Bench:
             ax.grid(axis='x', alpha=0.3)
         for ax in axes[1:]:
             ax.set_yticklabels([])
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        charts.save(fig, path, dpi=110)
 
 
 def render(a):

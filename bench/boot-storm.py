@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.join(REPO, 'block', 'tests'))
 import hybridlib as H   # noqa: E402
 from hvlib import Guest   # noqa: E402
 from hvlib.ceph import CephCluster, unavailable   # noqa: E402
+import charts   # noqa: E402
 from pooled_stats import rotated   # noqa: E402
 
 MiB = 1 << 20
@@ -425,12 +426,8 @@ class Storm:
         print('\n'.join(lines))
 
     def chart(self, path, by):
-        try:
-            import matplotlib
-            matplotlib.use('Agg')
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print('matplotlib missing: no chart', file=sys.stderr)
+        plt = charts.pyplot()
+        if not plt:
             return
         rates = self.args.rates
         fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4.2), squeeze=False)
@@ -446,8 +443,7 @@ class Storm:
             ax.set_xticks(self.args.counts)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        charts.save(fig, path, dpi=110)
 
 
 def main():

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.join(REPO, 'block', 'tests'))
 sys.path.insert(0, os.path.join(REPO, 'broker', 'tests'))
 import hybridlib as H   # noqa: E402
 import brokerlib as B   # noqa: E402
+import charts   # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
     'bench_hybrid', os.path.join(REPO, 'bench', 'hybrid.py'))
@@ -214,12 +215,8 @@ class Bench:
         self.chart(os.path.join(out, 'broker-hybrid.png'), summary, rs, rg)
 
     def chart(self, path, summary, rs, rg):
-        try:
-            import matplotlib
-            matplotlib.use('Agg')
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print('matplotlib missing: no chart', file=sys.stderr)
+        plt = charts.pyplot()
+        if not plt:
             return
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
         labels, vals, errs = [], [], []
@@ -241,8 +238,7 @@ class Bench:
         a2.set_ylabel('ms, spawn → tier ready')
         a2.set_yscale('log')
         a2.set_title(f'restart, {self.size // MiB} MiB tier')
-        fig.tight_layout()
-        fig.savefig(path, dpi=80)
+        charts.save(fig, path, dpi=80)
 
 
 def main():

@@ -22,6 +22,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, 'broker', 'tests'))
 import brokerlib as B   # noqa: E402
+import charts   # noqa: E402
 
 OPS = ('create', 'lookup', 'map-ro', 'map-rw', 'destroy')
 
@@ -81,28 +82,20 @@ def run_one(n, size, state_dir):
 
 
 def chart(path, results):
-    try:
-        import matplotlib
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print('matplotlib missing: no chart', file=sys.stderr)
+    """ops/s and p99 of each op, a bar a catalogue location."""
+    plt = charts.pyplot()
+    if not plt:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    w = 0.38
-    for k, (label, res) in enumerate(results.items()):
-        xs = [i + (k - 0.5) * w for i in range(len(OPS))]
-        axes[0].bar(xs, [res[op]['ops_s'] for op in OPS], w, label=label)
-        axes[1].bar(xs, [res[op]['p99_us'] for op in OPS], w, label=label)
-    for ax, title in zip(axes, ('operations per second', 'p99 latency (µs)')):
-        ax.set_xticks(range(len(OPS)))
-        ax.set_xticklabels(OPS)
+    for ax, key, title in ((axes[0], 'ops_s', 'operations per second'),
+                           (axes[1], 'p99_us', 'p99 latency (µs)')):
+        charts.grouped_bars(ax, OPS, [(label, [res[op][key] for op in OPS])
+                                      for label, res in results.items()], 0.38)
         ax.set_title(title)
         ax.legend()
     axes[1].set_yscale('log')
     fig.suptitle('hvmemd control plane, one client, one request at a time')
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    charts.save(fig, path, dpi=90)
 
 
 def main():

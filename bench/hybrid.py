@@ -35,6 +35,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, 'block', 'tests'))
 import hybridlib as H   # noqa: E402
+import charts   # noqa: E402
 from pooled_stats import mean, ratio_ci, rotated, verdict   # noqa: E402
 
 MiB = 1024 * 1024
@@ -288,26 +289,19 @@ class Bench:
         self.chart_pooled(os.path.join(out, 'hybrid-pooled.png'))
 
     def chart_pooled(self, path):
-        plt = pyplot()
+        plt = charts.pyplot()
         if not plt:
             return
         rs = self.results['pooled']['ratios']
         fig, ax = plt.subplots(figsize=(8, 0.6 * len(rs) + 1.2))
         for i, r in enumerate(rs):
-            ax.errorbar([r['ratio']], [i], xerr=[[r['ratio'] - r['lo']],
-                                                 [r['hi'] - r['ratio']]],
-                        fmt='o', capsize=3,
-                        color='tab:gray' if not r['goal'] else 'tab:red')
+            charts.ratio_points(ax, [i], [r],
+                                color='tab:gray' if not r['goal'] else 'tab:red')
             if r['goal']:
                 ax.plot([r['goal'][1]] * 2, [i - 0.3, i + 0.3], 'k--', lw=1)
-        ax.axvline(1.0, color='grey', lw=0.8)
-        ax.set_yticks(range(len(rs)))
-        ax.set_yticklabels([f'{r["shape"]}: {r["node"]} / {r["baseline"]}'
-                            for r in rs], fontsize=8)
-        ax.set_xlabel('ratio of mean MB/s (dashed: goal)')
-        fig.tight_layout()
-        fig.savefig(path, dpi=80)
-        plt.close('all')
+        charts.ratio_rows(ax, [f'{r["shape"]}: {r["node"]} / {r["baseline"]}' for r in rs],
+                          'ratio of mean MB/s (dashed: goal)')
+        charts.save(fig, path, dpi=80)
 
     # ---- restore vs dd, cloned image RAM ----
 
@@ -431,7 +425,7 @@ class Bench:
         self.chart(os.path.join(out, 'hybrid.png'), cols)
 
     def chart(self, path, cols):
-        plt = pyplot()
+        plt = charts.pyplot()
         if not plt:
             return
         n = self.results['nodes']
@@ -445,20 +439,7 @@ class Bench:
             ax.set_xlabel('IOPS')
             ax.tick_params(axis='y', labelsize=8)
         fig.suptitle('hybrid vs baselines (fio nbd, QD32)')
-        fig.tight_layout()
-        fig.savefig(path, dpi=80)
-
-
-def pyplot():
-    """matplotlib's pyplot without a display, or None (said on stderr)."""
-    try:
-        import matplotlib
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print('matplotlib missing: no chart', file=sys.stderr)
-        return None
-    return plt
+        charts.save(fig, path, dpi=80)
 
 
 def to_qapi(opts):

@@ -37,6 +37,7 @@ import redis
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'redis-module', 'tests'))
 from hmlib import pipe  # noqa: E402
+import charts  # noqa: E402
 from pooled_stats import geo_mean_ci, rotated  # noqa: E402
 from procstat import cpu_s  # noqa: E402
 
@@ -662,9 +663,9 @@ def write(tp, raw, setups, stats, n, keyspace, prep, cpu, loadavg, when):
     with open(OUT_MD, 'w') as f:
         f.write('\n'.join(L))
 
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
+    plt = charts.pyplot()
+    if not plt:
+        return
     ncols = (3 if tp else 0) + (1 if prep else 0)
     fig, axes = plt.subplots(1, ncols, figsize=(6.5 * ncols, 4.8))
     if ncols == 1:
@@ -703,19 +704,14 @@ def write(tp, raw, setups, stats, n, keyspace, prep, cpu, loadavg, when):
             ax.set_title(title + ' (*worst case)', fontsize=10)
     if prep:
         ax = axes[ax_i]
-        width = 0.2
         series = (('stock, all items', 'rss_all_stock'), ('stock, hot only', 'rss_hot_stock'),
                   ('module after PREPARE', 'ours_rss_after'), ('design after DEL', 'design_rss_after'))
-        for j, (label, key) in enumerate(series):
-            ax.bar([i + j * width for i in range(len(prep))], [r[key] / 2**20 for r in prep],
-                   width, label=label)
-        ax.set_xticks([i + 1.5 * width for i in range(len(prep))])
-        ax.set_xticklabels(['%dk cold' % (r['cold'] // 1000) for r in prep])
+        charts.grouped_bars(ax, ['%dk cold' % (r['cold'] // 1000) for r in prep],
+                            [(label, [r[key] / 2**20 for r in prep]) for label, key in series], 0.2)
         ax.set_ylabel('RSS MiB')
         ax.set_title('RSS after giving up the cold set (interleaved load)', fontsize=10)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(OUT_PNG, dpi=100)
+    charts.save(fig, OUT_PNG, dpi=100)
 
 
 def main():
