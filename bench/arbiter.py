@@ -45,20 +45,19 @@ import scenario as S        # noqa: E402
 from arblib import H        # noqa: E402
 from arbiter.model import Model   # noqa: E402
 import charts   # noqa: E402
-from pooled_stats import in_run_order, rotated   # noqa: E402
+from pooled_stats import geo_mean_ci, in_run_order, mean_ci, rotated   # noqa: E402
 
 MB = 1000 * 1000
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
 
 def ci(xs):
+    """mean_ci of the figures present: (None, None) if there are none, the
+    half-width None for one."""
     xs = [x for x in xs if x is not None]
     if not xs:
         return None, None
-    m = statistics.mean(xs)
-    if len(xs) < 2:
-        return m, None
-    return m, T95.get(len(xs) - 1, 2.0) * statistics.stdev(xs) / math.sqrt(len(xs))
+    m, h = mean_ci(xs)
+    return m, None if math.isnan(h) else h
 
 
 def bfq(dev, on):
@@ -287,11 +286,11 @@ class Bench:
                 if st:
                     ratios.append(S.work(r, gap) / max(S.work(x, gap) for x in st))
             if ratios:
-                m, h = ci([math.log(x) for x in ratios])
-                band = f' [{math.exp(m - h):.2f}, {math.exp(m + h):.2f}]' if h is not None else ''
+                gm, lo, hi = geo_mean_ci(ratios)
+                band = '' if math.isnan(lo) else f' [{lo:.2f}, {hi:.2f}]'
                 rows.append(('per round: work arbitrated / best static meeting that round\'s '
                              'target (geometric mean, 95 % CI; each round)',
-                             f'{math.exp(m):.2f}x{band}; ' + ', '.join(f'{x:.2f}' for x in ratios),
+                             f'{gm:.2f}x{band}; ' + ', '.join(f'{x:.2f}' for x in ratios),
                              '>= 1'))
         if 'contended (A/A)' in s:
             rows.append(('A/A: contended / contended again, container IOPS',

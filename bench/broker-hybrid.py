@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.join(REPO, 'broker', 'tests'))
 import hybridlib as H   # noqa: E402
 import brokerlib as B   # noqa: E402
 import charts   # noqa: E402
+from pooled_stats import mean_ci   # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
     'bench_hybrid', os.path.join(REPO, 'bench', 'hybrid.py'))
@@ -47,18 +48,6 @@ HB = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(HB)
 
 MiB = 1024 * 1024
-# t quantiles (two-sided 95 %) for n - 1 degrees of freedom
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36,
-       8: 2.31, 9: 2.26, 10: 2.23, 15: 2.13, 20: 2.09}
-
-
-def ci95(xs):
-    """(mean, half-width) of a 95 % confidence interval."""
-    m = statistics.mean(xs)
-    if len(xs) < 2:
-        return m, float('nan')
-    t = T95.get(len(xs) - 1, T95[min(T95, key=lambda k: abs(k - len(xs) + 1))])
-    return m, t * statistics.stdev(xs) / len(xs) ** 0.5
 
 
 class Bench:
@@ -184,8 +173,8 @@ class Bench:
                 runs = fio[cfg][shape]
                 iops_r = [a['iops'] / b['iops'] for a, b in zip(runs, base)]
                 p99_r = [a['p99_us'] / b['p99_us'] for a, b in zip(runs, base)]
-                mi, hi = ci95(iops_r)
-                mp, hp = ci95(p99_r)
+                mi, hi = mean_ci(iops_r)
+                mp, hp = mean_ci(p99_r)
                 summary[(shape, cfg)] = (mi, hi, mp, hp)
                 lines.append(
                     f'| {shape} | {cfg} | '
