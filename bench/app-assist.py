@@ -442,6 +442,9 @@ def run_config(config, args, logdir):
         row['load during: p50 (ms)'] = during['p50 (ms)']
         row['load during: p99 (ms)'] = during['p99 (ms)']
         row['load during: max (ms)'] = during['max (ms)']
+        # attempts that failed (a server gone under a request, a reply cut
+        # short): each is a gap the client waited through, then retried
+        row['load during: failed'] = during['failed']
         # The set-up (PREPARE, the page list) is in the first half second,
         # and so is its longest wait for Redis's event loop; what else lands
         # there shows too (docs/app-assist.md, "The page list a slice at a
