@@ -344,11 +344,14 @@ static void hdrDecode(const char *p, uint32_t *klen, uint32_t *vlen,
     memcpy(expire, p + 8, 8);
 }
 
+#define HDR_CLOCK_OFF 16u       /* the header's clock (see arena.h) */
+
 int arenaRead(ColdArena *a, ColdRef ref, ColdItem *it) {
     char *hbuf;
     const char *h = chunkBytes(a, ref.chunk, ref.off, ARENA_ITEM_HDR, &hbuf);
     if (!h) return -1;
     hdrDecode(h, &it->klen, &it->vlen, &it->expire);
+    memcpy(&it->clock, h + HDR_CLOCK_OFF, 4);
     free(hbuf);
     const char *p = chunkBytes(a, ref.chunk, ref.off + ARENA_ITEM_HDR,
                                (size_t)it->klen + it->vlen, &it->buf);
@@ -532,6 +535,11 @@ static char *appendItem(ColdArena *a, size_t need, uint32_t *id, uint32_t *off) 
 
 int arenaInsert(ColdArena *a, const char *key, size_t klen,
                 const char *val, size_t vlen, int64_t expire) {
+    return arenaInsertClock(a, key, klen, val, vlen, expire, 0);
+}
+
+int arenaInsertClock(ColdArena *a, const char *key, size_t klen,
+                     const char *val, size_t vlen, int64_t expire, uint32_t clock) {
     if (klen > ARENA_MAX_KEY || vlen > ARENA_MAX_VAL) { errno = E2BIG; return -1; }
     if (a->nspilled) { errno = EROFS; return -1; }
     if (a->rehashing) arenaRehashStep(a, REHASH_STEP);
@@ -544,6 +552,7 @@ int arenaInsert(ColdArena *a, const char *key, size_t klen,
     memcpy(p, &kl, 4);
     memcpy(p + 4, &vl, 4);
     memcpy(p + 8, &expire, 8);
+    memcpy(p + HDR_CLOCK_OFF, &clock, 4);
     memcpy(p + ARENA_ITEM_HDR, key, klen);
     if (vlen) memcpy(p + ARENA_ITEM_HDR + klen, val, vlen);
     uint64_t h = hashKey(a, key, klen);
@@ -605,6 +614,13 @@ static int setLent(ColdArena *a, const char *key, size_t klen, int lent) {
     if (lent) a->lent++;
     else a->lent--;
     return 1;
+}
+
+int arenaSetClock(ColdArena *a, ColdRef ref, uint32_t clock) {
+    Chunk *c = &a->chunks[ref.chunk];
+    if (!c->mem) { errno = EROFS; return -1; }
+    memcpy(c->mem + ref.off + HDR_CLOCK_OFF, &clock, 4);
+    return 0;
 }
 
 int arenaBorrow(ColdArena *a, const char *key, size_t klen) {
@@ -1001,6 +1017,7 @@ uint64_t arenaIterate(ColdArena *a, uint64_t cursor, unsigned max,
         while (off < c->used && max) {
             ColdItem it = {0};
             hdrDecode(base + off, &it.klen, &it.vlen, &it.expire);
+            memcpy(&it.clock, base + off + HDR_CLOCK_OFF, 4);
             it.key = base + off + ARENA_ITEM_HDR;
             it.val = it.key + it.klen;
             uint32_t here = off;

@@ -7,11 +7,13 @@
  * Layout. A chunk is one anonymous mapping (ARENA_CHUNK_SIZE, or bigger for a
  * single large item). Items are appended to the newest chunk:
  *
- *     u32 klen | u32 vlen | i64 expire_ms (-1: none) | key bytes | value bytes
+ *     u32 klen | u32 vlen | i64 expire_ms (-1: none) | u32 clock | key bytes | value bytes
  *
- * native byte order, no padding (headers are read with memcpy). Items never
- * change after they are written: any access promotes the item out of the
- * arena. An item is live iff the index points at it; deleting only updates
+ * native byte order, no padding (headers are read with memcpy). 'clock' is
+ * the module's record of the item's last access (an LRU time or an LFU
+ * counter, see hmClockOf; 0: none), the one field that changes in place
+ * (arenaSetClock). Items never change otherwise after they are written:
+ * any access brings the item out of the arena. An item is live iff the index points at it; deleting only updates
  * the index and the chunk's live counters, and a chunk whose last live item
  * goes is unmapped at once. arenaReclaimStep moves the live items out of a
  * chunk with holes so that it can go.
@@ -36,7 +38,7 @@
 #include <sys/types.h>
 
 #define ARENA_CHUNK_SIZE        (1u << 20)      /* 1 MiB */
-#define ARENA_ITEM_HDR          16u
+#define ARENA_ITEM_HDR          20u
 #define ARENA_MAX_KEY           (1u << 20)      /* refuse bigger keys */
 #define ARENA_MAX_VAL           (64u << 20)     /* refuse bigger values */
 #define ARENA_NO_EXPIRE         ((int64_t)-1)
@@ -58,6 +60,7 @@ typedef struct ColdItem {
     const char *val;
     uint32_t klen, vlen;
     int64_t expire;
+    uint32_t clock;             /* see the layout above */
     char *buf;
 } ColdItem;
 
@@ -89,6 +92,12 @@ void arenaFree(ColdArena *a);
  * EROFS (the arena has spilled chunks and takes no new items). */
 int arenaInsert(ColdArena *a, const char *key, size_t klen,
                 const char *val, size_t vlen, int64_t expire);
+/* The same with the item's clock (arenaInsert: 0). */
+int arenaInsertClock(ColdArena *a, const char *key, size_t klen,
+                     const char *val, size_t vlen, int64_t expire, uint32_t clock);
+/* Set the clock of the item at 'ref' (a chunk in memory; -1 with EROFS
+ * for a spilled one). Returns 0. */
+int arenaSetClock(ColdArena *a, ColdRef ref, uint32_t clock);
 
 /* Find a key. Returns 1 and fills *ref if present, 2 if present and lent
  * (arenaBorrow), 0 if absent, -1 on an I/O error reading a spilled chunk

@@ -45,7 +45,6 @@
  * one window long: "seen" = set in either. */
 
 #define HM_VISIT_IDLE_MS        (1LL << 32)     /* ~50 days */
-#define HM_LFU_INIT             5               /* Redis's LFU_INIT_VAL */
 
 /* FNV-1a of a key, folded: the seen set's bit and keyShare(). */
 uint32_t hmKeyFnv(const char *key, size_t l) {
@@ -173,20 +172,47 @@ static int visitUnchanged(RedisModuleKey *kh, ColdRef ref, mstime_t expire) {
     return same;
 }
 
+/* The clock of the lent item at 'ref' (hmClockOf; 0 if unreadable). */
+static uint32_t lentClock(ColdRef ref) {
+    ColdItem it;
+    if (arenaRead(hm.arena, ref, &it) < 0) return 0;
+    arenaItemRelease(&it);
+    return it.clock;
+}
+
+/* The copy open as 'kh' of a lent item whose clock was 'clock' was read by
+ * the round's commands (visitDone): give it the clock the key would have
+ * had if it had stayed hot. LRU: the read's, as it is; LFU: the item's
+ * counter with the reads counted in (from LFU_INIT_VAL, as a fresh key's,
+ * for an item without one). */
+static void visitClock(RedisModuleKey *kh, uint32_t clock) {
+    long long freq;
+    if (RedisModule_GetLFU(kh, &freq) == REDISMODULE_OK && freq >= 0) {
+        uint32_t base = clock & HM_CLOCK_LFU ? clock : HM_CLOCK_LFU | HM_LFU_INIT;
+        RedisModule_SetLFU(kh, hmClockAfterVisit(base, freq) & 0xff);
+    }
+}
+
 /* Take the visited item back: unchanged, by deleting the keyspace copy and
  * taking the lent item at 'ref' back; changed, with the value and expire
- * the commands left. Closes 'kh'. */
-static void visitBack(RedisModuleString *key, RedisModuleKey *kh, ColdRef ref, mstime_t expire) {
+ * the commands left. 'touched': the commands read the key (visitClock ran),
+ * and the item takes the copy's clock; otherwise it keeps its own. Closes
+ * 'kh'. */
+static void visitBack(RedisModuleString *key, RedisModuleKey *kh, ColdRef ref, mstime_t expire,
+                      int touched) {
     size_t klen;
     const char *k = RedisModule_StringPtrLen(key, &klen);
     if (visitUnchanged(kh, ref, expire)) {
+        uint32_t clock = touched ? hmClockOf(kh) : 0;
         RedisModule_DeleteKey(kh);
         RedisModule_CloseKey(kh);
         arenaReturn(hm.arena, k, klen);
+        if (touched) arenaSetClock(hm.arena, ref, clock);
     } else {
         /* The new version goes to the arena's end, ahead of every SCAN
          * cursor; if it cannot, it stays hot. */
         uint64_t pos = arenaCursorOf(hm.arena, ref);
+        if (!touched) hmClockRestore(kh, lentClock(ref));
         arenaDelete(hm.arena, k, klen);
         if (!hmMoveToArena(key, kh, expire)) hmScanLogNote(k, klen, pos);
     }
@@ -230,19 +256,15 @@ void hmReadBackSettle(void) {
         } else if (lent && allowed && visitDone(kh)) {
             int seen = visits && seenBefore(k, klen);
             if (seen && hotFull()) hm.stats.promotions_refused++;
+            visitClock(kh, lentClock(ref));
             if (!visits || (seen && !hotFull())) {
-                /* The clock the key would have had, promoted before its
-                 * command: an LFU counter counts from LFU_INIT_VAL. */
-                long long freq;
-                if (RedisModule_GetLFU(kh, &freq) == REDISMODULE_OK && freq >= 0)
-                    RedisModule_SetLFU(kh, freq + HM_LFU_INIT > 255 ? 255 : freq + HM_LFU_INIT);
                 visitKeep(k, klen, kh, lent, ref);
             } else {
-                visitBack(key, kh, ref, expire);
+                visitBack(key, kh, ref, expire, 1);
                 hm.stats.visits++;
             }
         } else if (lent && allowed && !multiOpen()) {
-            visitBack(key, kh, ref, expire);    /* untouched: see above */
+            visitBack(key, kh, ref, expire, 0);     /* untouched: see above */
         } else {
             /* PREPARE dropped the arena, or the command is still to run. */
             visitReset(kh);
@@ -335,6 +357,38 @@ static void refuseUnreadable(RedisModuleCommandFilterCtx *f) {
     RedisModule_CommandFilterArgReplace(f, 0, hm_name_unreadable);
 }
 
+/* Bring in the keys of OBJECT and DEBUG, promoted rather than visiting:
+ * they show the key's access clock (OBJECT IDLETIME/FREQ, DEBUG OBJECT),
+ * which a visit marks (hmVisitMark), and the item's own clock comes with
+ * a promotion (hmClockRestore). DEBUG declares no keys: its subcommands
+ * that read one name it at argv[2] (DIGEST-VALUE: all the arguments from
+ * there); DIGEST, a digest of the whole dataset, and POPULATE, which
+ * creates the keys key:0..key:N-1 that do not exist, need every cold item
+ * in the keyspace (O(cold items), as those commands are O(keys)).
+ * Before, DEBUG DIGEST left the cold items out, and POPULATE overwrote
+ * cold keys of those names (Redis's other.tcl, "Same dataset digest if
+ * saving/reloading as AOF?", failed). */
+static void promoteIntrospected(RedisModuleCommandFilterCtx *f, int argc, int debug) {
+    if (argc < 3 && !(debug && argc >= 2)) return;
+    size_t sl;
+    const char *sub = RedisModule_StringPtrLen(RedisModule_CommandFilterArgGet(f, 1), &sl);
+    int from = 2, to = argc < 3 ? argc : 3;
+    if (debug) {
+        if (hmCmdIs(sub, sl, "digest") || hmCmdIs(sub, sl, "populate")) {
+            if (hmPromoteAll() < 0) refuseUnreadable(f);
+            return;
+        }
+        if (hmCmdIs(sub, sl, "digest-value")) to = argc;
+        else if (!hmCmdIs(sub, sl, "object") && !hmCmdIs(sub, sl, "sdslen") &&
+                 !hmCmdIs(sub, sl, "listpack") && !hmCmdIs(sub, sl, "quicklist") &&
+                 !hmCmdIs(sub, sl, "htstats-key"))
+            return;
+    }
+    int bad = 0;
+    for (int i = from; i < to; i++) bad |= hmPromoteKey(RedisModule_CommandFilterArgGet(f, i), 0) < 0;
+    if (bad) refuseUnreadable(f);
+}
+
 /* Runs before every command (client, script, MULTI queueing, RM_Call of
  * other modules). Whole-keyspace commands are rewritten to module commands
  * that also see the arena; every key argument that is cold is brought into
@@ -374,6 +428,10 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
         }
         break;
     case 5:
+        if (hmCmdIs(c, cl, "debug")) {
+            if (arenaCount(hm.arena)) promoteIntrospected(f, argc, 1);
+            return;
+        }
         if (hmCmdIs(c, cl, "multi")) {
             hm.filter.multi_open++;
             hm.filter.multi_seen_us = hmNowUs();
@@ -394,6 +452,10 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
             return;
         }
         if (hmCmdIs(c, cl, "client")) { notePause(f, argc); return; }
+        if (hmCmdIs(c, cl, "object")) {
+            if (arenaCount(hm.arena)) promoteIntrospected(f, argc, 0);
+            return;
+        }
         break;
     case 8:
         if (hmCmdIs(c, cl, "failover")) { notePause(f, argc); return; }

@@ -82,6 +82,9 @@
 #define HM_BITE_SHARE_DIV       2       /* bites: half the timer's share (see hmBgBite) */
 #define HM_SWEEP_PAUSE_MS       1000    /* between two full expiry sweeps */
 #define HM_EXPIRE_SPARE_MS      100     /* walks leave keys this close to expiring (hmScanApply) */
+#define HM_CLOCK_LFU            (1u << 31) /* an item clock that holds an LFU counter (hmClockOf) */
+#define HM_CLOCK_EPOCH_S        1700000000LL /* LRU item clocks count seconds from here */
+#define HM_LFU_INIT             5       /* Redis's LFU_INIT_VAL */
 #define HM_READ_BACK_MAX        4096    /* visited keys awaiting their way back (hmReadBackSettle) */
 #define HM_SEEN_BITS            (1u << 20) /* per generation of the read filter (128 KiB) */
 #define HM_RECLAIM_ITEMS        256     /* arena items looked at per reclaim step */
@@ -339,6 +342,9 @@ void hmReadBackSettle(void);
 int hmPromoteKey(RedisModuleString *key, int visit);
 void hmCollectCb(void *priv, const ColdItem *it);
 int hmPromoteAll(void);
+uint32_t hmClockOf(RedisModuleKey *kh);
+void hmClockRestore(RedisModuleKey *kh, uint32_t clock);
+uint32_t hmClockAfterVisit(uint32_t clock, long long hits);
 RedisModuleKey *hmOpenLiveString(RedisModuleString *key, mstime_t *expire);
 uint64_t hmMoveToArena(RedisModuleString *key, RedisModuleKey *kh, mstime_t expire);
 int hmDemoteKey(RedisModuleString *key);

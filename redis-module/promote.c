@@ -3,6 +3,56 @@
 
 #include "hybridmem.h"
 
+/* ------------------------------------------------------------ access clocks */
+
+/* A cold item keeps the access clock its key had (ColdItem.clock), so that
+ * a key brought back into the keyspace has the idle time or LFU counter it
+ * would have had if it had stayed: OBJECT IDLETIME/FREQ, DEBUG OBJECT and
+ * the eviction policies see what stock Redis shows. Before, a promoted key
+ * got a fresh clock, and one only visiting showed the visit's mark (an
+ * idle time of 50 days; Redis's introspection-2.tcl "TOUCH alters the last
+ * access time of a key" failed). An LRU clock is the second of the last
+ * access, counted from HM_CLOCK_EPOCH_S, plus 1 (good until 2091); an LFU
+ * clock is HM_CLOCK_LFU | the counter, whose decay stops while the item
+ * is cold (as after a relocation, see compact.c). 0: none, the key gets a
+ * fresh clock. */
+uint32_t hmClockOf(RedisModuleKey *kh) {
+    long long freq;
+    mstime_t idle;
+    if (RedisModule_GetLFU(kh, &freq) == REDISMODULE_OK && freq >= 0)
+        return HM_CLOCK_LFU | (uint32_t)(freq > 255 ? 255 : freq);
+    if (RedisModule_GetLRU(kh, &idle) != REDISMODULE_OK || idle < 0) return 0;
+    long long at = hmNowMs() / 1000 - idle / 1000 - HM_CLOCK_EPOCH_S;
+    return at >= 0 && at < (long long)HM_CLOCK_LFU - 1 ? (uint32_t)at + 1 : 0;
+}
+
+/* Give the key open as 'kh' the access clock 'clock' (hmClockOf). A clock
+ * of the other policy (maxmemory-policy changed meanwhile) leaves it as it
+ * is. */
+void hmClockRestore(RedisModuleKey *kh, uint32_t clock) {
+    if (clock == 0) return;
+    if (clock & HM_CLOCK_LFU) {
+        RedisModule_SetLFU(kh, clock & 0xff);
+        return;
+    }
+    long long idle_s = hmNowMs() / 1000 - ((long long)clock - 1 + HM_CLOCK_EPOCH_S);
+    RedisModule_SetLRU(kh, idle_s > 0 ? idle_s * 1000 : 0);
+}
+
+/* The LFU clock of an item whose key was read 'hits' times during a visit
+ * (counted from the visit's mark, see hmVisitMark): Redis's LFULogIncr
+ * applied as many times, with the default lfu-log-factor (10). Other
+ * clocks: 0, a fresh one. */
+uint32_t hmClockAfterVisit(uint32_t clock, long long hits) {
+    if (!(clock & HM_CLOCK_LFU)) return 0;
+    uint32_t c = clock & 0xff;
+    for (; hits > 0 && c < 255; hits--) {
+        double base = c > HM_LFU_INIT ? c - HM_LFU_INIT : 0;
+        if ((double)rand() / RAND_MAX < 1.0 / (base * 10 + 1)) c++;
+    }
+    return HM_CLOCK_LFU | c;
+}
+
 /* ------------------------------------------------------------ promotion */
 
 /* Move 'key' from the arena back into db 0 of the keyspace. The expire goes
@@ -66,6 +116,7 @@ int hmPromoteKey(RedisModuleString *key, int visit) {
     }
     RedisModuleString *val = RedisModule_CreateString(ctx, it.val, it.vlen);
     int64_t expire = it.expire;
+    uint32_t clock = it.clock;
     long long bytes = (long long)(klen + it.vlen + HM_ITEM_OVERHEAD);
     arenaItemRelease(&it);
     RedisModule_StringSet(kh, val);
@@ -83,6 +134,7 @@ int hmPromoteKey(RedisModuleString *key, int visit) {
         hmKeyListPush(&hm.visit.back, RedisModule_CreateStringFromString(NULL, key));
         hmBitesArm();             /* the bite settles it before the loop sleeps */
     } else {
+        hmClockRestore(kh, clock);
         if (!expired) hmScanLogNote(k, klen, arenaCursorOf(hm.arena, ref));
         arenaDelete(hm.arena, k, klen);
         if (expired) hm.stats.expired_promotions++;
@@ -156,8 +208,9 @@ uint64_t hmMoveToArena(RedisModuleString *key, RedisModuleKey *kh, mstime_t expi
     const char *v = RedisModule_StringDMA(kh, &vlen, REDISMODULE_READ);
     ColdRef ref;
     if (v == NULL || arenaLookup(hm.arena, k, klen, &ref) != 0 ||
-        arenaInsert(hm.arena, k, klen, v, vlen,
-                    expire == REDISMODULE_NO_EXPIRE ? ARENA_NO_EXPIRE : expire) < 0) {
+        arenaInsertClock(hm.arena, k, klen, v, vlen,
+                         expire == REDISMODULE_NO_EXPIRE ? ARENA_NO_EXPIRE : expire,
+                         hmClockOf(kh)) < 0) {
         hm.stats.demote_errors++;
         RedisModule_CloseKey(kh);
         return 0;

@@ -458,6 +458,46 @@ class BackgroundExpiryTest(ServerTestCase):
         self.assertHealthy(mod)
 
 
+class DebugDifferentialTest(ServerTestCase):
+    """DEBUG's subcommands that read keys find cold items as stock Redis
+    finds its keys. Before, DEBUG DIGEST left the cold items out (Redis's
+    other.tcl, "Same dataset digest if saving/reloading as AOF?", failed),
+    DEBUG POPULATE overwrote cold keys of the names it fills in, and DEBUG
+    OBJECT, DIGEST-VALUE and SDSLEN said a cold key did not exist."""
+
+    def test_debug_sees_cold_items(self):
+        """DIGEST, DIGEST-VALUE, OBJECT, SDSLEN and POPULATE: the same
+        replies as stock with most keys cold."""
+        seen = {}
+        for name, module in (('stock', False), ('mod', True)):
+            srv = self.server(name, module=module,
+                              configs={'hot-percent': 0, 'min-idle-ms': 0, 'demote': 'no'})
+            c = srv.client()
+            for i in range(50):
+                c.set('k%d' % i, 'v%d' % i * (i + 1), ex=1000 if i % 3 == 0 else None)
+            c.set('key:1', 'mine')
+            c.rpush('list', 'a', 'b')
+            if module:
+                self.demote_all(c, 51)
+                self.assertTrue(c.execute_command('APPASSIST.ISCOLD', 'k7'))
+            r = [c.execute_command('DEBUG', 'DIGEST-VALUE', 'k7', 'k8', 'nosuch'),
+                 c.execute_command('DEBUG', 'DIGEST')]
+            for cmd in ('OBJECT', 'SDSLEN'):
+                try:
+                    c.execute_command('DEBUG', cmd, 'k9')
+                    r.append('ok')
+                except redis.ResponseError as e:
+                    r.append(str(e))
+            r.append(c.execute_command('DEBUG', 'POPULATE', 3))
+            r += [c.get('key:0'), c.get('key:1'), c.get('key:2'), c.dbsize(),
+                  c.execute_command('DEBUG', 'DIGEST')]
+            seen[name] = r
+        self.assertEqual(seen['stock'], seen['mod'])
+        self.assertEqual(seen['mod'][2:4], ['ok', 'ok'])
+        self.assertEqual(seen['mod'][6], b'mine')
+        self.assertHealthy(self.servers[1])
+
+
 class DifferentialTest(ServerTestCase):
 
     def stream(self, seed, steps):
