@@ -483,8 +483,54 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
     if (bad) refuseUnreadable(f);
 }
 
+/* ------------------------------------------------------------ keys with a TTL */
+
+/* 1 if db 0 may hold a key with a TTL: the filter then asks the arena
+ * before the keyspace (see promote.c's indexFirst). Set by every generic
+ * keyspace event on db 0 (EXPIRE, SET EX, GETEX, RESTORE, COPY, MOVE,
+ * RENAME... give keys TTLs; the others cost a flag write), by loading a
+ * dataset, and by the promotion of a cold item with one. Cleared when
+ * INFO keyspace, asked at most every HM_VOLATILE_CHECK_MS while it is set,
+ * shows none in db 0. Another module's RedisModule_SetExpire fires no
+ * event: until the next check, a key it gave a TTL that has passed may be
+ * expired by the filter's lookup, before its command. */
+int hmVolatileKeys(void) {
+    if (!hm.filter.volatile_keys) return 0;
+    uint64_t now = hmNowUs();
+    if (now - hm.filter.volatile_checked_us < HM_VOLATILE_CHECK_MS * 1000ULL) return 1;
+    hm.filter.volatile_checked_us = now;
+    RedisModuleServerInfoData *info = RedisModule_GetServerInfo(hm.dctx, "keyspace");
+    const char *db0 = info ? RedisModule_ServerInfoGetFieldC(info, "db0") : NULL;
+    const char *e = db0 ? strstr(db0, "expires=") : NULL;
+    /* No db0 line: db 0 is empty. */
+    if (info && (!db0 || (e && strtoll(e + 8, NULL, 10) == 0))) hm.filter.volatile_keys = 0;
+    if (info) RedisModule_FreeServerInfo(hm.dctx, info);
+    return hm.filter.volatile_keys;
+}
+
+static int onGenericEvent(RedisModuleCtx *ctx, int type, const char *event, RedisModuleString *key) {
+    (void)type;
+    (void)event;
+    (void)key;
+    if (RedisModule_GetSelectedDb(ctx) == 0) hm.filter.volatile_keys = 1;
+    return REDISMODULE_OK;
+}
+
+static void onLoading(RedisModuleCtx *ctx, RedisModuleEvent e, uint64_t sub, void *data) {
+    (void)ctx;
+    (void)e;
+    (void)sub;
+    (void)data;
+    hm.filter.volatile_keys = 1;
+}
+
 /* Register the filter (it sees every command but those of this module). */
 int hmFilterInit(RedisModuleCtx *ctx) {
+    hm.filter.volatile_keys = 1;        /* until INFO says otherwise */
+    if (RedisModule_SubscribeToKeyspaceEvents(ctx, REDISMODULE_NOTIFY_GENERIC, onGenericEvent) !=
+            REDISMODULE_OK ||
+        RedisModule_SubscribeToServerEvent(ctx, RedisModuleEvent_Loading, onLoading) != REDISMODULE_OK)
+        return REDISMODULE_ERR;
     hm_name_keys = RedisModule_CreateString(NULL, "appassist.keys", 14);
     hm_name_scan = RedisModule_CreateString(NULL, "appassist.scan", 14);
     hm_name_dbsize = RedisModule_CreateString(NULL, "appassist.dbsize", 16);

@@ -85,6 +85,7 @@
 #define HM_CLOCK_LFU            (1u << 31) /* an item clock that holds an LFU counter (hmClockOf) */
 #define HM_CLOCK_EPOCH_S        1700000000LL /* LRU item clocks count seconds from here */
 #define HM_LFU_INIT             5       /* Redis's LFU_INIT_VAL */
+#define HM_VOLATILE_CHECK_MS    1000    /* INFO keyspace asked while volatile_keys (hmVolatileKeys) */
 #define HM_READ_BACK_MAX        4096    /* visited keys awaiting their way back (hmReadBackSettle) */
 #define HM_SEEN_BITS            (1u << 20) /* per generation of the read filter (128 KiB) */
 #define HM_RECLAIM_ITEMS        256     /* arena items looked at per reclaim step */
@@ -182,6 +183,8 @@ typedef struct HmReclaim {              /* compact.c: arena holes */
 
 typedef struct HmFilter {               /* filter.c */
     uint64_t served;            /* commands seen by the filter */
+    int volatile_keys;          /* db 0 may hold a key with a TTL (hmVolatileKeys) */
+    uint64_t volatile_checked_us;
     long multi_open;            /* MULTIs without EXEC/DISCARD yet (see hmFilter) */
     uint64_t multi_seen_us;
     int multi_since_check;      /* a MULTI passed since multiOpen() found none */
@@ -334,6 +337,7 @@ int hmFilterInit(RedisModuleCtx *ctx);
 int hmCmdIs(const char *c, size_t l, const char *name);
 uint32_t hmKeyFnv(const char *key, size_t l);
 int hmReadBackWanted(void);
+int hmVolatileKeys(void);
 void hmVisitMark(RedisModuleKey *kh);
 void hmReadBackSettle(void);
 

@@ -66,10 +66,19 @@ uint32_t hmClockAfterVisit(uint32_t clock, long long hits) {
  * hot: the keyspace is asked first. Its lookup is the one the command
  * makes next, so it costs a cache miss the command then does not pay,
  * while a miss on the arena's index came on top (docs/redis-module.md, "Design history"). A write-mode lookup counts no keyspace_hits/misses
- * and fires no "keymiss" event; like the command's own lookup it expires a
- * key whose TTL has passed. A replica only expires keys when its master
- * says so, so there the arena is asked first, as the keyspace wins
- * anyway. */
+ * and fires no "keymiss" event, but like any lookup it expires a key whose
+ * TTL has passed, and here that is before the command: a tracking
+ * client's invalidation then came before the command's reply instead of
+ * after it, and a command Redis refuses or queues expired the key all the
+ * same (Redis's tracking.tcl, "Tracking invalidation message is not
+ * interleaved with multiple keys response", failed). So the arena is
+ * asked first while db 0 may hold a key with a TTL (hmVolatileKeys), as on
+ * a replica, which only expires keys when its master says so; the keyspace
+ * is then asked only for cold keys, which it does not hold. */
+static int indexFirst(void) {
+    return hm.replica || hmVolatileKeys();
+}
+
 static RedisModuleKey *openIfAbsent(RedisModuleString *key) {
     RedisModuleKey *kh = RedisModule_OpenKey(hm.dctx, key, REDISMODULE_WRITE |
                                                            REDISMODULE_OPEN_KEY_NOTOUCH);
@@ -90,7 +99,8 @@ int hmPromoteKey(RedisModuleString *key, int visit) {
     RedisModuleCtx *ctx = hm.dctx;
     RedisModuleKey *kh = NULL;
     ColdRef ref;
-    if (!hm.replica && !(kh = openIfAbsent(key))) return 0;
+    int index_first = indexFirst();
+    if (!index_first && !(kh = openIfAbsent(key))) return 0;
     int r = arenaLookup(hm.arena, k, klen, &ref);
     if (r <= 0) {
         if (r < 0)
@@ -123,6 +133,7 @@ int hmPromoteKey(RedisModuleString *key, int visit) {
     int expired = 0;
     if (expire != ARENA_NO_EXPIRE) {
         RedisModule_SetAbsExpire(kh, expire);
+        hm.filter.volatile_keys = 1;          /* a key with a TTL in the keyspace */
         expired = expire <= hmNowMs();
     }
     RedisModule_FreeString(ctx, val);

@@ -5,6 +5,7 @@ compared one by one. HYBRIDVM_LONG=1 runs more seeds and more commands."""
 
 import os
 import random
+import socket
 import sys
 import time
 import unittest
@@ -495,6 +496,75 @@ class DebugDifferentialTest(ServerTestCase):
         self.assertEqual(seen['stock'], seen['mod'])
         self.assertEqual(seen['mod'][2:4], ['ok', 'ok'])
         self.assertEqual(seen['mod'][6], b'mine')
+        self.assertHealthy(self.servers[1])
+
+
+def raw_exchange(srv, commands, wait=0.05):
+    """Send each command (a list of str) on one raw RESP connection and
+    return everything the server sent back for it within 'wait' seconds,
+    as bytes: replies and RESP3 pushes in the order they came. A number
+    instead of a command: sleep that long (nothing is returned for it)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(srv.sock)
+    out = []
+    try:
+        for cmd in commands:
+            if isinstance(cmd, float):
+                time.sleep(cmd)
+                continue
+            s.sendall(b'*%d\r\n' % len(cmd) + b''.join(
+                b'$%d\r\n%s\r\n' % (len(a.encode()), a.encode()) for a in cmd))
+            got, deadline = b'', time.monotonic() + wait
+            while time.monotonic() < deadline:
+                s.settimeout(max(0.01, deadline - time.monotonic()))
+                try:
+                    data = s.recv(65536)
+                except socket.timeout:
+                    break
+                if not data:
+                    break
+                got += data
+            out.append(got)
+    finally:
+        s.close()
+    return out
+
+
+class FilterExpiryTest(ServerTestCase):
+    """The filter brings cold keys in without expiring hot ones before the
+    command: a key whose TTL has passed is expired by the command's own
+    lookup, as on stock Redis, or not at all if Redis refuses the command.
+    Before, while anything was cold, the filter's lookup of each key named
+    expired it first: a tracking client got the invalidation before the
+    command's reply (Redis's tracking.tcl, "Tracking invalidation message
+    is not interleaved with multiple keys response", failed), and a
+    command refused by ACLs deleted the key all the same."""
+
+    def test_expired_key_is_the_commands_to_expire(self):
+        """Tracking's invalidation after the MGET reply, and a refused GET
+        leaves the expired key in place: byte for byte as stock."""
+        seen = {}
+        for name, module in (('stock', False), ('mod', True)):
+            srv = self.server(name, module=module,
+                              configs={'hot-percent': 0, 'min-idle-ms': 0, 'demote': 'no'})
+            c = srv.client()
+            c.execute_command('DEBUG', 'SET-ACTIVE-EXPIRE', '0')
+            c.execute_command('ACL', 'SETUSER', 'noget', 'on', '>pw', '~*', '+@all', '-get')
+            c.set('x', '1')
+            if module:                                  # x cold; y and z stay hot
+                self.demote_all(c, 1)
+                self.assertTrue(c.execute_command('APPASSIST.ISCOLD', 'x'))
+            c.set('z', '3', px=150)
+            got = raw_exchange(srv, [['AUTH', 'noget', 'pw'], 0.2, ['GET', 'z']])
+            got.append(c.dbsize())
+            got += raw_exchange(srv, [['HELLO', '3'], ['CLIENT', 'TRACKING', 'on'],
+                                      ['SET', 'y', '2', 'PX', '150'], ['GET', 'y'], 0.2,
+                                      ['MGET', 'x', 'y']])[2:]
+            got.append(c.dbsize())
+            seen[name] = got
+        self.assertEqual(seen['stock'], seen['mod'])
+        self.assertEqual(seen['mod'][2], 2)             # z still there after the refusal
+        self.assertTrue(seen['mod'][-2].startswith(b'*2\r\n$1\r\n1\r\n_\r\n>2'), seen['mod'])
         self.assertHealthy(self.servers[1])
 
 
