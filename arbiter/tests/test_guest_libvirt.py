@@ -9,7 +9,6 @@ that stops or is not there is an error in `status`, not a crash, and is
 taken up again when it runs."""
 
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -21,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import arblib as A   # noqa: E402
 from arblib import H   # noqa: E402
 import hvlib   # noqa: E402
-from hvlib.libvirt import LibvirtHost, domain_xml, libvirt_available   # noqa: E402
+from hvlib.libvirt import (LibvirtHost, domain_xml, libvirt_available,   # noqa: E402
+                           serial_console)
 
 # The arbiter as installed runs under the system's python3, where Debian's
 # python3-libvirt is (the tests' venv does not see it).
@@ -59,19 +59,15 @@ class LibvirtArbiterTest(unittest.TestCase):
         cls.tmp = H.TempDir()
         cls.loop = A.Loop(cls.tmp.path, 128)
         cls.root = tempfile.mkdtemp(prefix='hv-lv-')     # short: unix socket paths
-        base = random.randrange(20000, 60000, 100)
-        cls.host = LibvirtHost('arb', os.path.join(cls.root, 'a'), (base, base + 49))
+        cls.host = LibvirtHost('arb', os.path.join(cls.root, 'a'))
         try:
             cls.host.start()
-            sock = os.path.join(cls.root, 'serial.sock')
-            log = cls.tmp('console.log')
-            with open(os.path.join(cls.root, 'dom.xml'), 'w') as f:
-                f.write(domain_xml(DOM, hvlib.BuildPaths(), mem_mib=256, append='',
-                                   redis_port=hvlib.free_port(), console_log=log,
-                                   console_sock=sock, block_disks=[cls.loop.dev]))
-            cls.host.virsh('define', os.path.join(cls.root, 'dom.xml'))
+            con, console_args = serial_console(DOM, cls.root, cls.tmp.path)
+            cls.host.define(domain_xml(DOM, hvlib.BuildPaths(), mem_mib=256, append='',
+                                       redis_port=hvlib.free_port(), **console_args,
+                                       block_disks=[cls.loop.dev]))
             cls.host.virsh('start', DOM)
-            cls.con = hvlib.Console(DOM, sock, log)
+            cls.con = con
             cls.con.wait(r'HV-BOOTED', timeout=240)
         except BaseException:
             cls.tearDownClass()

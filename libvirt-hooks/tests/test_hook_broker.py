@@ -12,18 +12,12 @@ import unittest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, '..', '..', 'broker', 'tests'))
+sys.path.insert(0, os.path.join(HERE, '..', '..', 'tests'))
 import brokerlib as B   # noqa: E402
+from hvlib.libvirt import with_broker_regions   # noqa: E402
 from test_hook import HookCase, domain   # noqa: E402
 
 MiB = 1 << 20
-
-
-def with_regions(xml, regions):
-    meta = ''.join(f'<hv:region {" ".join(f"{k}={v!r}" for k, v in r.items())}/>'
-                   for r in regions)
-    return xml.replace('<devices>', '<metadata><hv:broker xmlns:hv='
-                       f'"https://hybridvm.org/xmlns/broker/1">{meta}</hv:broker>'
-                       '</metadata><devices>', 1)
 
 
 @unittest.skipUnless(os.path.exists(B.HVMEMD), f'{B.HVMEMD} not built')
@@ -56,7 +50,7 @@ class HookBrokerTest(HookCase):
         return sorted(r['name'] for r in self.c.list())
 
     def test_prepare_creates_and_release_destroys(self):
-        xml = with_regions(domain(), [
+        xml = with_broker_regions(domain(), [
             dict(name='g1-ram', size='64M', mode='0640', lifetime='domain'),
             dict(name='g1-tier', size='34M')])
         r = self.hook('prepare', 'begin', xml)
@@ -75,7 +69,7 @@ class HookBrokerTest(HookCase):
 
     def test_refused_when_the_pool_is_full(self):
         self.c.create('someone-else', 200 * MiB)
-        xml = with_regions(domain(), [dict(name='g1-ram', size='64M')])
+        xml = with_broker_regions(domain(), [dict(name='g1-ram', size='64M')])
         r = self.hook('prepare', 'begin', xml)
         self.assertEqual(r.returncode, 1)
         self.assertIn('cannot hold the domain', r.stderr)
@@ -85,7 +79,7 @@ class HookBrokerTest(HookCase):
     def test_refused_when_an_existing_region_is_too_small(self):
         self.c.create('g1-ram', 8 * MiB)
         r = self.hook('prepare', 'begin',
-                      with_regions(domain(), [dict(name='g1-ram', size='64M')]))
+                      with_broker_regions(domain(), [dict(name='g1-ram', size='64M')]))
         self.assertEqual(r.returncode, 1)
         self.assertIn('exists with 8 MiB', r.stderr)
 
@@ -96,13 +90,13 @@ class HookBrokerTest(HookCase):
                           (dict(name='x', size='2048T'), '1 PiB'),
                           (dict(name='x', size='1M', mode='0777'), 'within 0666'),
                           (dict(name='x', size='1M', lifetime='forever'), 'lifetime')):
-            r = self.hook('prepare', 'begin', with_regions(domain(), [reg]))
+            r = self.hook('prepare', 'begin', with_broker_regions(domain(), [reg]))
             self.assertEqual(r.returncode, 1, reg)
             self.assertIn(text, r.stderr, reg)
         self.assertEqual(self.names(), [])
 
     def test_no_broker_configured_or_reachable(self):
-        xml = with_regions(domain(), [dict(name='g1-ram', size='1M')])
+        xml = with_broker_regions(domain(), [dict(name='g1-ram', size='1M')])
         self.write_config(broker=False)
         r = self.hook('prepare', 'begin', xml)
         self.assertEqual(r.returncode, 1)

@@ -1,11 +1,15 @@
-"""Base class for our functional tests: real QEMU guests, always reaped."""
+"""Base classes for our functional tests: real QEMU guests, always reaped;
+private libvirtd instances, always stopped."""
 import os
+import shutil
 import sys
+import tempfile
 
 from avocado import Test
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 import hvlib  # noqa: E402  pylint: disable=wrong-import-position
+from hvlib.libvirt import LibvirtHost, libvirt_available  # noqa: E402  pylint: disable=wrong-import-position
 
 
 class HybridVMTest(Test):
@@ -33,3 +37,35 @@ class HybridVMTest(Test):
     def tearDown(self):
         for g in reversed(getattr(self, '_guests', [])):
             g.shutdown()
+
+
+class LibvirtTest(HybridVMTest):
+    """A test with private libvirtd instances (hvlib.libvirt), cancelled where
+    they cannot run.  `root` is a short temporary directory (unix socket
+    paths must stay under 108 bytes), removed in tearDown; start_host()
+    starts one instance, `host`, there, which stop_host() stops (tearDown at
+    the latest: a subclass calls it first when the guests or the hook use
+    daemons of its own)."""
+
+    def setUp(self):
+        self.host = None
+        self.root = None
+        super().setUp()
+        reason = libvirt_available()
+        if reason:
+            self.cancel(reason)
+        self.root = tempfile.mkdtemp(prefix='hv-lv-')
+
+    def start_host(self, name, hooks_dir=None):
+        self.host = LibvirtHost(name, os.path.join(self.root, 'lv'), hooks_dir=hooks_dir)
+        return self.host.start()
+
+    def stop_host(self):
+        if self.host:
+            self.host.stop()
+
+    def tearDown(self):
+        self.stop_host()
+        if self.root:
+            shutil.rmtree(self.root, ignore_errors=True)
+        super().tearDown()

@@ -1,57 +1,27 @@
 """Our QEMU driven by libvirt: two private libvirtd instances, virsh migrate."""
 import json
 import os
-import shutil
 import subprocess
-import tempfile
 import time
 
-from hvtest import HybridVMTest
+from hvtest import LibvirtTest
 
 
-HOOK = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..', 'libvirt-hooks', 'qemu')
-
-
-class VirshPostcopy(HybridVMTest):
-
-    def setUp(self):
-        super().setUp()
-        from hvlib.libvirt import libvirt_available
-        reason = libvirt_available()
-        if reason:
-            self.cancel(reason)
-
-    def hooks_dir(self, reserve, layout='plain', paths=None):
-        """A hooks directory for a libvirtd instance: our hook and its config,
-        as /etc/libvirt/hooks/qemu ('plain') or as `make install` puts it
-        ('qemu.d': hooks/qemu.d/50-hybridvm)."""
-        d = tempfile.mkdtemp(prefix='hooks-', dir=self.workdir)
-        if layout == 'qemu.d':
-            subprocess.run(['make', '-s', '-C', os.path.dirname(os.path.dirname(HOOK)),
-                            'install', f'HOOKS_DIR={d}'], check=True, capture_output=True)
-        else:
-            shutil.copy(HOOK, os.path.join(d, 'qemu'))
-        with open(os.path.join(d, 'hybridvm.conf'), 'w') as f:
-            f.write(f'[memory]\nreserve = {reserve}\n')
-            if paths:
-                f.write('[paths]\n' + ''.join(f'{a} = {b}\n' for a, b in paths.items()))
-        return d
+class VirshPostcopy(LibvirtTest):
 
     def define_sides(self, pair, **xml_args):
         """Write src.xml and dst.xml for the same guest (each side with its own
         Redis port and a typed-into serial console), define it on pair.src.
         Returns ({side: redis port}, {side: hvlib.Console})."""
         import hvlib
-        from hvlib.libvirt import domain_xml
+        from hvlib.libvirt import domain_xml, serial_console
         ports, consoles = {}, {}
         for side in ('src', 'dst'):
             ports[side] = hvlib.free_port()
-            sock = os.path.join(pair.root, f'{side}-serial.sock')
-            log = os.path.join(self.logdir, f'{side}-console.log')
+            consoles[side], console_args = serial_console(side, pair.root, self.logdir)
             with open(os.path.join(pair.root, f'{side}.xml'), 'w') as f:
-                f.write(domain_xml('hvguest', self.paths, redis_port=ports[side], console_log=log,
-                                   console_sock=sock, **xml_args))
-            consoles[side] = hvlib.Console(side, sock, log)
+                f.write(domain_xml('hvguest', self.paths, redis_port=ports[side],
+                                   **console_args, **xml_args))
         pair.src.virsh('define', os.path.join(pair.root, 'src.xml'))
         return ports, consoles
 
@@ -67,10 +37,11 @@ class VirshPostcopy(HybridVMTest):
         plus the configured reserve exceeds the host's memory: `virsh migrate`
         fails with the hook's reason and the guest keeps running on the source."""
         import hvlib
-        from hvlib.libvirt import LibvirtPair
+        from hvlib.libvirt import LibvirtPair, make_hooks_dir
 
         # The destination has the hook as `make install` lays it out.
-        with LibvirtPair(log_dir=self.logdir, dst_hooks_dir=self.hooks_dir('100T', 'qemu.d')) as pair:
+        hooks = make_hooks_dir(self.root, '100T', layout='qemu.d')
+        with LibvirtPair(log_dir=self.logdir, dst_hooks_dir=hooks) as pair:
             ports, _ = self.define_sides(pair)
             pair.src.virsh('start', 'hvguest')
             r = hvlib.redis_client(ports['src'], timeout=120, name='src')
@@ -93,7 +64,7 @@ class VirshPostcopy(HybridVMTest):
         reaches the shared storage under another directory: its hook (installed
         in the qemu.d layout) rewrites the image path, and QEMU there opens it."""
         import hvlib
-        from hvlib.libvirt import LibvirtPair
+        from hvlib.libvirt import LibvirtPair, make_hooks_dir
 
         qemu_img = self.paths.binary('qemu-img')
         storage_src = os.path.join(self.workdir, 'storage-on-src')
@@ -104,9 +75,10 @@ class VirshPostcopy(HybridVMTest):
         subprocess.run([qemu_img, 'convert', '-O', 'hybrid', '-o', 'mode=async,ram-size=128M',
                         self.paths.guest_file('rootfs.ext4'), image], check=True)
 
-        with LibvirtPair(log_dir=self.logdir, hooks_dir=self.hooks_dir('64M'),
-                         dst_hooks_dir=self.hooks_dir('64M', 'qemu.d',
-                                                      paths={storage_src: storage_dst})) as pair:
+        with LibvirtPair(log_dir=self.logdir, hooks_dir=make_hooks_dir(self.root, '64M'),
+                         dst_hooks_dir=make_hooks_dir(self.root, '64M',
+                                                      f'[paths]\n{storage_src} = {storage_dst}\n',
+                                                      layout='qemu.d')) as pair:
             ports, consoles = self.define_sides(pair, hybrid_root=image)
             pair.src.virsh('start', 'hvguest')
 
@@ -157,7 +129,7 @@ class VirshPostcopy(HybridVMTest):
         to resume, query-migrate there reports the phase, the balloon is back to
         the guest's size and the disk's data is intact."""
         import hvlib
-        from hvlib.libvirt import LibvirtPair
+        from hvlib.libvirt import LibvirtPair, make_hooks_dir
 
         qemu_img = self.paths.binary('qemu-img')
         image = os.path.join(self.workdir, 'root.hybrid')
@@ -168,7 +140,7 @@ class VirshPostcopy(HybridVMTest):
                    '-device', 'virtserialport,bus=aaserial.0,chardev=aa0,name=org.qemu.app-assist.0',
                    '-global', 'migration.x-app-assist=on']
 
-        with LibvirtPair(log_dir=self.logdir, hooks_dir=self.hooks_dir('64M')) as pair:
+        with LibvirtPair(log_dir=self.logdir, hooks_dir=make_hooks_dir(self.root, '64M')) as pair:
             ports, consoles = self.define_sides(pair, hybrid_root=image, append='hv.redis=1 hv.module=1',
                                                 qemu_args=aa_args)
             pair.src.virsh('start', 'hvguest')

@@ -9,16 +9,13 @@ Both guests' writes stay in their overlays; the base is unchanged."""
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
-from hvtest import HybridVMTest
+from hvtest import LibvirtTest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HOOK = os.path.join(REPO, 'libvirt-hooks', 'qemu')
 sys.path.insert(0, os.path.join(REPO, 'block', 'tests'))
 import hybridlib as H   # noqa: E402
 
@@ -33,27 +30,18 @@ def with_backing(xml, sock):
         "</backingStore>\n      <target dev='vda' bus='virtio'/>", 1)
 
 
-class VirshCloneCache(HybridVMTest):
+class VirshCloneCache(LibvirtTest):
 
     def setUp(self):
         super().setUp()
-        from hvlib.libvirt import libvirt_available
-        reason = libvirt_available()
-        if reason:
-            self.cancel(reason)
-        self.host = None
-        # unix socket paths must stay short: not under avocado's workdir
-        self.root = tempfile.mkdtemp(prefix='hv-lvcc-')
         self.tmp = lambda name: os.path.join(self.root, name)
         self.nbd = self.tmp('cc.sock')
         self.hook_qmp = self.tmp('hook.qmp')
         self.qsd = H.clone_cache_daemon(self.tmp, '512M')
 
     def tearDown(self):
-        if self.host:
-            self.host.stop()
+        self.stop_host()        # first: its guests read from the daemon
         self.qsd.kill()
-        shutil.rmtree(self.root, ignore_errors=True)
         super().tearDown()
 
     def base_stats(self):
@@ -62,25 +50,19 @@ class VirshCloneCache(HybridVMTest):
 
     def boot(self, name, rootfs):
         import hvlib
-        from hvlib.libvirt import domain_xml
+        from hvlib.libvirt import domain_xml, serial_console
         overlay = self.tmp(f'{name}.qcow2')
         subprocess.run([self.paths.binary('qemu-img'), 'create', '-q', '-f', 'qcow2',
                         '-F', 'raw', '-u', '-b', f'nbd+unix:///gold?socket={self.nbd}',
                         overlay, str(os.path.getsize(rootfs))], check=True)
-        sock = self.tmp(f'{name}-serial.sock')
-        log = os.path.join(self.logdir, f'{name}-console.log')
-        xml = with_backing(domain_xml(name, self.paths, mem_mib=256,
-                                      redis_port=hvlib.free_port(),
-                                      append='hv.root=/dev/vda', console_log=log,
-                                      console_sock=sock, disks=[(overlay, 'qcow2')]),
-                           self.nbd)
-        path = self.tmp(f'{name}.xml')
-        with open(path, 'w') as f:
-            f.write(xml)
-        self.host.virsh('define', path)
+        con, console_args = serial_console(name, self.root, self.logdir)
+        self.host.define(with_backing(domain_xml(name, self.paths, mem_mib=256,
+                                                 redis_port=hvlib.free_port(),
+                                                 append='hv.root=/dev/vda', **console_args,
+                                                 disks=[(overlay, 'qcow2')]),
+                                      self.nbd))
         t0 = time.monotonic()
         self.host.virsh('start', name)
-        con = hvlib.Console(name, sock, log)
         con.wait(r'HV-ONDISK /dev/vda', timeout=180)
         con.wait(r'HV-BOOTED', timeout=180)
         took = time.monotonic() - t0
@@ -89,23 +71,16 @@ class VirshCloneCache(HybridVMTest):
         return took
 
     def test_virsh_start_adds_the_export_and_clones_boot_from_the_cache(self):
-        from hvlib.libvirt import LibvirtHost
+        from hvlib.libvirt import make_hooks_dir
         rootfs = self.paths.guest_file('rootfs.ext4')
         with open(rootfs, 'rb') as f:
             digest = hashlib.sha256(f.read()).hexdigest()
-        hooks = self.tmp('hooks')
-        os.makedirs(hooks)
-        with open(HOOK) as src, open(os.path.join(hooks, 'qemu'), 'w') as dst:
-            dst.write(src.read())
-        os.chmod(os.path.join(hooks, 'qemu'), 0o755)
-        with open(os.path.join(hooks, 'hybridvm.conf'), 'w') as f:
-            f.write('[memory]\nreserve = 64M\n'
-                    f'[clone-cache]\nqmp = {self.hook_qmp}\nsocket = {self.nbd}\n'
-                    '[clone-cache base gold]\nblockdev = ' +
-                    json.dumps({'driver': 'file', 'filename': rootfs}) +
-                    '\nbase-id = gold\ngeneration = 1\n')
-        self.host = LibvirtHost('clone-cache', self.tmp('lv'), (49310, 49319),
-                                hooks_dir=hooks).start()
+        self.start_host('clone-cache', make_hooks_dir(
+            self.root, '64M',
+            f'[clone-cache]\nqmp = {self.hook_qmp}\nsocket = {self.nbd}\n'
+            '[clone-cache base gold]\nblockdev = ' +
+            json.dumps({'driver': 'file', 'filename': rootfs}) +
+            '\nbase-id = gold\ngeneration = 1\n'))
 
         first = self.boot('desk1', rootfs)
         one = self.base_stats()

@@ -17,6 +17,11 @@ import time
 import uuid
 from xml.sax.saxutils import escape, quoteattr
 
+from .vm import Console
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HOOK = os.path.join(REPO, 'libvirt-hooks', 'qemu')   # our hook (docs/libvirt.rst)
+
 BIND_DIRS = {  # system path -> name of the private copy
     '/etc/libvirt': 'etc',
     '/run/libvirt': 'run',
@@ -40,12 +45,38 @@ def libvirt_available():
     return None
 
 
-class LibvirtHost:
-    """One libvirtd instance: `uri` is what virsh -c takes."""
+def random_ports():
+    """A base for migration port ranges (base to base + 99) that tests and CI
+    jobs running side by side are unlikely to share."""
+    return random.randrange(20000, 60000, 100)
 
-    def __init__(self, name, root, migration_ports, hooks_dir=None):
+
+def make_hooks_dir(parent, reserve, conf='', layout='plain'):
+    """A new hooks directory under `parent`, for LibvirtHost's hooks_dir: our
+    hook, as /etc/libvirt/hooks/qemu ('plain') or as `make install` lays it
+    out ('qemu.d': hooks/qemu.d/50-hybridvm), and its hybridvm.conf:
+    [memory] reserve = `reserve`, then `conf` (more sections, as text)."""
+    d = tempfile.mkdtemp(prefix='hooks-', dir=parent)
+    if layout == 'qemu.d':
+        subprocess.run(['make', '-s', '-C', REPO, 'install', f'HOOKS_DIR={d}'],
+                       check=True, capture_output=True)
+    else:
+        shutil.copy(HOOK, os.path.join(d, 'qemu'))
+    with open(os.path.join(d, 'hybridvm.conf'), 'w') as f:
+        f.write(f'[memory]\nreserve = {reserve}\n{conf}')
+    return d
+
+
+class LibvirtHost:
+    """One libvirtd instance: `uri` is what virsh -c takes.  Without
+    migration_ports (lo, hi) it takes 50 ports from random_ports()."""
+
+    def __init__(self, name, root, migration_ports=None, hooks_dir=None):
         self.name = name
         self.root = root
+        if migration_ports is None:
+            base = random_ports()
+            migration_ports = (base, base + 49)
         self.migration_ports = migration_ports
         self.hooks_dir = hooks_dir
         self.host_uuid = str(uuid.uuid4())
@@ -116,6 +147,14 @@ class LibvirtHost:
             raise LibvirtError(f'{self.name}: virsh {" ".join(args)}: {cp.stderr.strip()}')
         return cp
 
+    def define(self, xml):
+        """virsh define the domain `xml` (a string; written to domain.xml in
+        the instance's root first)."""
+        path = os.path.join(self.root, 'domain.xml')
+        with open(path, 'w') as f:
+            f.write(xml)
+        return self.virsh('define', path)
+
     def qemu_pids(self):
         piddir = os.path.join(self._dir('run'), 'qemu')
         pids = []
@@ -173,7 +212,7 @@ class LibvirtPair:
         self.log_dir = log_dir
         # Distinct migration port ranges per instance, and per pair: tests and
         # CI jobs may run pairs side by side.
-        base = random.randrange(20000, 60000, 100)
+        base = random_ports()
         self.src = LibvirtHost('src', os.path.join(self.root, 'a'), (base, base + 49), hooks_dir)
         self.dst = LibvirtHost('dst', os.path.join(self.root, 'b'), (base + 50, base + 99),
                                dst_hooks_dir or hooks_dir)
@@ -200,6 +239,27 @@ class LibvirtPair:
                 if os.path.exists(os.path.join(host.root, 'daemon.log')):
                     shutil.copy(os.path.join(host.root, 'daemon.log'), dest)
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def serial_console(name, sock_dir, log_dir):
+    """A serial console to type into, for domain `name`: (hvlib.Console, the
+    domain_xml() arguments that give the domain that console).  Its socket
+    is in `sock_dir` (keep it short: unix socket paths), its log in
+    `log_dir`."""
+    sock = os.path.join(sock_dir, f'{name}-serial.sock')
+    log = os.path.join(log_dir, f'{name}-console.log')
+    return Console(name, sock, log), {'console_sock': sock, 'console_log': log}
+
+
+def with_broker_regions(xml, regions):
+    """Domain `xml` with the <metadata> that names the memory broker regions
+    the hook provisions (docs/broker.md): `regions` are dicts of <hv:region>
+    attributes (name, size, and mode and lifetime when given)."""
+    meta = ''.join('<hv:region ' + ' '.join(f'{k}={quoteattr(str(v))}' for k, v in r.items())
+                   + '/>' for r in regions)
+    return xml.replace('<devices>', '<metadata><hv:broker xmlns:hv='
+                       f'"https://hybridvm.org/xmlns/broker/1">{meta}</hv:broker>'
+                       '</metadata><devices>', 1)
 
 
 def domain_xml(name, paths, mem_mib=512, redis_port=6379, console_log=None,
