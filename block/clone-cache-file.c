@@ -10,7 +10,7 @@
  * size=...") shared by every clone-cache node of the process.  The cache
  * file holds a self-checking record for every base, slot and map entry,
  * so that a restart (clean or not) finds the cache warm and never trusts a
- * record it cannot check.  See docs/clone-cache.rst for the layout.
+ * record it cannot check.  See docs/clone-cache-format.rst for the layout.
  */
 
 #include "qemu/osdep.h"

@@ -10,7 +10,7 @@
  * point at slots, slots hold content once (found by fingerprint, confirmed
  * byte by byte), and 2Q queues order the slots for eviction.  One filler
  * coroutine writes what the nodes read from their bases, in batches whose
- * write order keeps every record on disk true (docs/clone-cache.rst).
+ * write order keeps every record on disk true (docs/clone-cache-format.rst).
  */
 
 #include "qemu/osdep.h"
@@ -745,7 +745,7 @@ static void cc_fill_publish(CloneCacheStore *s, CloneCacheFill *f,
 }
 
 /*
- * Write one batch.  Order (docs/clone-cache.rst): records of reused slots
+ * Write one batch.  Order (docs/clone-cache-format.rst): records of reused slots
  * invalidated and flushed; data written and flushed; then slot and entry
  * records.  A slot record on disk therefore always describes data that is
  * on disk, and an entry only counts when its slot record's seq matches.

@@ -12,7 +12,7 @@
  * block driver (clone-cache.c), a read-only filter over one base that
  * serves reads from the store and queues what it read from the base for
  * filling.  The on-disk layout and its crash story are in
- * docs/clone-cache.rst.
+ * docs/clone-cache-format.rst.
  */
 
 #ifndef BLOCK_CLONE_CACHE_H

@@ -431,7 +431,7 @@ class CloneCacheTest(unittest.TestCase):
             f.write(bytes(b ^ 0x5a for b in old))
 
     def layout(self):
-        """Offsets from the superblock (docs/clone-cache.rst)."""
+        """Offsets from the superblock (docs/clone-cache-format.rst)."""
         import struct
         with open(self.cache, 'rb') as f:
             sb = f.read(80)
@@ -646,7 +646,7 @@ class CloneCacheTest(unittest.TestCase):
         lookup, while every slot of a full 16-slot cache is dropped and
         refilled with other blocks."""
         path = self.patterned_base('base.img', 32, 1)
-        # 1216 KiB holds exactly 16 slots of 64 KiB (docs/clone-cache.rst)
+        # 1216 KiB holds exactly 16 slots of 64 KiB (docs/clone-cache-format.rst)
         self.start([('b0', path, ',base-id=K')], size=1216 * KiB,
                    extra=['--trace', 'clone_cache_read_delay'])
         self.assertEqual(self.info()['slots'], 16)
