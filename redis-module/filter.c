@@ -389,6 +389,91 @@ static void promoteIntrospected(RedisModuleCommandFilterCtx *f, int argc, int de
     if (bad) refuseUnreadable(f);
 }
 
+/* SORT and SORT_RO read the keys their BY and GET patterns name, one per
+ * element of the sorted key ('*' replaced by the element; no '*', "#" or a
+ * hash field "->f": no string key), and Redis declares none of them: bring
+ * in the cold ones (visits, so what the command does not read goes back as
+ * it was). Before, a cold weight or GET key read as missing (Redis's
+ * sort.tcl, "SORT BY key" and twelve more, failed with demotion at its most
+ * aggressive). O(elements x patterns) index lookups, as SORT itself makes
+ * as many keyspace lookups. The sorted key is opened for writing (no hit
+ * or miss counted); like the lookups of promote.c's keyspace-first order,
+ * that expires it if its TTL has passed, just before SORT would. Returns 1
+ * if it refused the command (an item could not be read). */
+typedef struct SortPatterns {
+    const char *pre[16], *post[16];
+    size_t prelen[16], postlen[16];
+    int n;
+    int bad;
+} SortPatterns;
+
+static void sortPromote(SortPatterns *sp, const char *e, size_t el) {
+    for (int i = 0; i < sp->n; i++) {
+        size_t len = sp->prelen[i] + el + sp->postlen[i];
+        char stack[256], *buf = len <= sizeof(stack) ? stack : RedisModule_Alloc(len);
+        memcpy(buf, sp->pre[i], sp->prelen[i]);
+        memcpy(buf + sp->prelen[i], e, el);
+        memcpy(buf + sp->prelen[i] + el, sp->post[i], sp->postlen[i]);
+        RedisModuleString *k = RedisModule_CreateString(NULL, buf, len);
+        sp->bad |= hmPromoteKey(k, 1) < 0;
+        RedisModule_FreeString(NULL, k);
+        if (buf != stack) RedisModule_Free(buf);
+    }
+}
+
+static void sortScanCb(RedisModuleKey *key, RedisModuleString *field, RedisModuleString *value,
+                       void *priv) {
+    (void)key;
+    (void)value;
+    size_t el;
+    const char *e = RedisModule_StringPtrLen(field, &el);
+    sortPromote(priv, e, el);
+}
+
+static int promoteSortPatterns(RedisModuleCommandFilterCtx *f, int argc) {
+    SortPatterns sp = {0};
+    for (int i = 2; i + 1 < argc; i++) {
+        size_t ol, pl;
+        const char *opt = RedisModule_StringPtrLen(RedisModule_CommandFilterArgGet(f, i), &ol);
+        if (hmCmdIs(opt, ol, "limit")) { i += 2; continue; }
+        if (hmCmdIs(opt, ol, "store")) { i++; continue; }
+        if (!hmCmdIs(opt, ol, "by") && !hmCmdIs(opt, ol, "get")) continue;
+        const char *pat = RedisModule_StringPtrLen(RedisModule_CommandFilterArgGet(f, ++i), &pl);
+        const char *star = memchr(pat, '*', pl);
+        if (!star || sp.n == 16) continue;
+        const char *arrow = memmem(star + 1, pl - (size_t)(star + 1 - pat), "->", 2);
+        if (arrow && arrow + 2 < pat + pl) continue;         /* a hash field */
+        sp.pre[sp.n] = pat;
+        sp.prelen[sp.n] = (size_t)(star - pat);
+        sp.post[sp.n] = star + 1;
+        sp.postlen[sp.n] = pl - sp.prelen[sp.n] - 1;
+        sp.n++;
+    }
+    if (sp.n == 0) return 0;
+    RedisModuleKey *kh = RedisModule_OpenKey(hm.dctx, RedisModule_CommandFilterArgGet(f, 1),
+                                             REDISMODULE_READ | REDISMODULE_WRITE |
+                                             REDISMODULE_OPEN_KEY_NOTOUCH);
+    int type = RedisModule_KeyType(kh);
+    if (type == REDISMODULE_KEYTYPE_LIST) {
+        long n = (long)RedisModule_ValueLength(kh);
+        for (long i = 0; i < n; i++) {
+            RedisModuleString *e = RedisModule_ListGet(kh, i);
+            if (!e) break;
+            size_t el;
+            const char *ep = RedisModule_StringPtrLen(e, &el);
+            sortPromote(&sp, ep, el);
+            RedisModule_FreeString(NULL, e);
+        }
+    } else if (type == REDISMODULE_KEYTYPE_SET || type == REDISMODULE_KEYTYPE_ZSET) {
+        RedisModuleScanCursor *c = RedisModule_ScanCursorCreate();
+        while (RedisModule_ScanKey(kh, c, sortScanCb, &sp)) {}
+        RedisModule_ScanCursorDestroy(c);
+    }
+    RedisModule_CloseKey(kh);
+    if (sp.bad) refuseUnreadable(f);
+    return sp.bad;
+}
+
 /* Runs before every command (client, script, MULTI queueing, RM_Call of
  * other modules). Whole-keyspace commands are rewritten to module commands
  * that also see the arena; every key argument that is cold is brought into
@@ -465,6 +550,9 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
         break;
     }
     if (arenaCount(hm.arena) == 0) return;
+    if (((cl == 4 && hmCmdIs(c, cl, "sort")) || (cl == 7 && hmCmdIs(c, cl, "sort_ro"))) &&
+        promoteSortPatterns(f, argc))
+        return;
     const CmdName *one = firstArgIsOnlyKey(c, cl, argc);
     if (one) {
         if (hmPromoteKey(RedisModule_CommandFilterArgGet(f, 1), 1) < 0) refuseUnreadable(f);

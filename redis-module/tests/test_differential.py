@@ -568,6 +568,50 @@ class FilterExpiryTest(ServerTestCase):
         self.assertHealthy(self.servers[1])
 
 
+class SortPatternTest(ServerTestCase):
+    """SORT's BY and GET patterns name keys that Redis does not declare: the
+    filter brings in the cold ones it names, for lists, sets and sorted
+    sets, so SORT sees what stock Redis's sees. Before, a cold weight or
+    GET key read as missing (Redis's sort.tcl, "SORT BY key" and twelve
+    more, failed with demotion at its most aggressive)."""
+
+    def test_sort_reads_cold_pattern_keys(self):
+        """SORT/SORT_RO BY and GET over cold keys, STORE, hash fields and
+        BY nosort: stock's replies; a key SORT did not name stays cold."""
+        seen = {}
+        for name, module in (('stock', False), ('mod', True)):
+            srv = self.server(name, module=module,
+                              configs={'hot-percent': 0, 'min-idle-ms': 0, 'demote': 'no',
+                                       'promote-window-ms': 60000})
+            c = srv.client()
+            ids = [3, 11, 7, 42, 5, 19, 8]
+            c.rpush('l', *ids)
+            c.sadd('s', *ids)
+            c.zadd('z', {str(i): n for n, i in enumerate(ids)})
+            for n, i in enumerate(ids):
+                c.set('w_%d' % i, (n * 37) % 11)
+                c.set('d_%d:x' % i, 'data%d' % i)
+                c.hset('h_%d' % i, 'f', -i)
+            c.set('unread', 'u')
+            if module:
+                self.demote_all(c, 2 * len(ids) + 1)
+            r = []
+            for key in ('l', 's', 'z'):
+                r.append(c.execute_command('SORT', key, 'BY', 'w_*', 'GET', '#', 'GET', 'd_*:x'))
+                r.append(c.execute_command('SORT_RO', key, 'BY', 'w_*', 'LIMIT', 1, 3,
+                                           'GET', 'd_*:x', 'DESC'))
+                r.append(c.execute_command('SORT', key, 'BY', 'h_*->f', 'GET', 'w_*'))
+                r.append(c.execute_command('SORT', key, 'BY', 'nosort', 'GET', 'd_*:x', 'ALPHA'))
+                r.append(c.execute_command('SORT', key, 'BY', 'w_*', 'STORE', 'dst'))
+                r.append(c.lrange('dst', 0, -1))
+            seen[name] = r
+            if module:
+                self.assertTrue(c.execute_command('APPASSIST.ISCOLD', 'unread'))
+        self.assertEqual(seen['stock'], seen['mod'])
+        self.assertEqual(seen['mod'][0][1], b'data3')
+        self.assertHealthy(self.servers[1])
+
+
 class DifferentialTest(ServerTestCase):
 
     def stream(self, seed, steps):
