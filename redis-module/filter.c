@@ -364,7 +364,8 @@ static void refuseUnreadable(RedisModuleCommandFilterCtx *f) {
  * that read one name it at argv[2] (DIGEST-VALUE: all the arguments from
  * there); DIGEST, a digest of the whole dataset, and POPULATE, which
  * creates the keys key:0..key:N-1 that do not exist, need every cold item
- * in the keyspace (O(cold items), as those commands are O(keys)).
+ * in the keyspace (O(cold items), as those commands are O(keys)). RELOAD
+ * with MERGE marks the load to come as a merge (see persist.c's auxLoad).
  * Before, DEBUG DIGEST left the cold items out, and POPULATE overwrote
  * cold keys of those names (Redis's other.tcl, "Same dataset digest if
  * saving/reloading as AOF?", failed). */
@@ -374,6 +375,15 @@ static void promoteIntrospected(RedisModuleCommandFilterCtx *f, int argc, int de
     const char *sub = RedisModule_StringPtrLen(RedisModule_CommandFilterArgGet(f, 1), &sl);
     int from = 2, to = argc < 3 ? argc : 3;
     if (debug) {
+        if (hmCmdIs(sub, sl, "reload")) {
+            /* MERGE: loaded keys replace the ones there (persist.c) */
+            for (int i = 2; i < argc; i++) {
+                const char *o = RedisModule_StringPtrLen(RedisModule_CommandFilterArgGet(f, i), &sl);
+                if (hmCmdIs(o, sl, "merge")) hm.load_merges = 1;
+            }
+            return;
+        }
+        if (!arenaCount(hm.arena)) return;
         if (hmCmdIs(sub, sl, "digest") || hmCmdIs(sub, sl, "populate")) {
             if (hmPromoteAll() < 0) refuseUnreadable(f);
             return;
@@ -514,7 +524,7 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
         break;
     case 5:
         if (hmCmdIs(c, cl, "debug")) {
-            if (arenaCount(hm.arena)) promoteIntrospected(f, argc, 1);
+            promoteIntrospected(f, argc, 1);
             return;
         }
         if (hmCmdIs(c, cl, "multi")) {
@@ -607,9 +617,10 @@ static int onGenericEvent(RedisModuleCtx *ctx, int type, const char *event, Redi
 static void onLoading(RedisModuleCtx *ctx, RedisModuleEvent e, uint64_t sub, void *data) {
     (void)ctx;
     (void)e;
-    (void)sub;
     (void)data;
     hm.filter.volatile_keys = 1;
+    if (sub == REDISMODULE_SUBEVENT_LOADING_ENDED || sub == REDISMODULE_SUBEVENT_LOADING_FAILED)
+        hm.load_merges = 0;
 }
 
 /* Register the filter (it sees every command but those of this module). */

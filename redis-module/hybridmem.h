@@ -278,6 +278,7 @@ typedef struct HmState {
     State state;
     int loaded;                 /* OnLoad finished */
     int replica;                /* this server replicates a master */
+    int load_merges;            /* the next load is DEBUG RELOAD ... MERGE's (auxLoad) */
     KeyList pending;            /* keys a keyspace walk picked (see hmScanApply) */
     long long *pending_expire;  /* ...their absolute expires, by index */
     size_t pending_expire_cap;

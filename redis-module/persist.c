@@ -36,7 +36,12 @@ static void auxSave(RedisModuleIO *rdb, int when) {
 }
 
 /* Loaded data is hostile: no allocation sized by the count, I/O checked
- * after every load, values validated before they enter the arena. */
+ * after every load, values validated before they enter the arena. A key
+ * already there, hot or cold, is an error, unless the load is DEBUG
+ * RELOAD's with MERGE (hm.load_merges): as Redis does for the keys of the
+ * keyspace then, the loaded item replaces it. Before, a cold key refused
+ * the merge (Redis's functions.tcl, "FUNCTION - test debug reload with
+ * nosave and noflush", failed whenever its key was cold). */
 static int auxLoad(RedisModuleIO *rdb, int encver, int when) {
     (void)when;
     if (encver != HM_AUX_ENCVER) {
@@ -60,6 +65,12 @@ static int auxLoad(RedisModuleIO *rdb, int encver, int when) {
         } else {
             RedisModuleString *key = RedisModule_CreateString(ctx, k, kl);
             ColdRef ref;
+            if (hm.load_merges) {
+                RedisModuleKey *kh = RedisModule_OpenKey(hm.dctx, key, REDISMODULE_WRITE);
+                RedisModule_DeleteKey(kh);
+                RedisModule_CloseKey(kh);
+                arenaDelete(hm.arena, k, kl);
+            }
             if (RedisModule_KeyExists(hm.dctx, key) || arenaLookup(hm.arena, k, kl, &ref) != 0) {
                 RedisModule_LogIOError(rdb, "warning", "appassist: duplicate cold key in RDB");
                 rc = REDISMODULE_ERR;

@@ -499,6 +499,40 @@ class DebugDifferentialTest(ServerTestCase):
         self.assertHealthy(self.servers[1])
 
 
+    def test_reload_merge_replaces_cold_keys(self):
+        """DEBUG RELOAD NOSAVE NOFLUSH MERGE loads the saved dataset over the
+        current one: its items replace cold and hot keys of the same names,
+        as stock's keys do. Before, a cold one refused the load (Redis's
+        functions.tcl, "FUNCTION - test debug reload with nosave and
+        noflush", failed whenever its key was cold)."""
+        seen = {}
+        for name, module in (('stock', False), ('mod', True)):
+            srv = self.server(name, module=module,
+                              configs={'hot-percent': 0, 'min-idle-ms': 0, 'demote': 'no'})
+            c = srv.client()
+            c.set('x', '1')
+            c.set('y', '2')
+            c.set('z', '3')
+            if module:
+                self.demote_all(c, 3)
+            r = [c.execute_command('DEBUG', 'RELOAD')]
+            c.set('x', '5')
+            if module:
+                self.demote_all(c, 3)           # x cold with its new value
+            r.append(c.get('y'))                # hot on the module (demote no: promoted)
+            c.delete('z')
+            c.set('w', '4')
+            if module:
+                self.assertTrue(c.execute_command('APPASSIST.ISCOLD', 'x'))
+                self.assertFalse(c.execute_command('APPASSIST.ISCOLD', 'y'))
+            r.append(c.execute_command('DEBUG', 'RELOAD', 'NOSAVE', 'NOFLUSH', 'MERGE'))
+            r += [c.mget('x', 'y', 'z', 'w'), c.dbsize()]
+            seen[name] = r
+        self.assertEqual(seen['stock'], seen['mod'])
+        self.assertEqual(seen['mod'][-2], [b'1', b'2', b'3', b'4'])
+        self.assertHealthy(self.servers[1])
+
+
 def raw_exchange(srv, commands, wait=0.05):
     """Send each command (a list of str) on one raw RESP connection and
     return everything the server sent back for it within 'wait' seconds,
