@@ -399,6 +399,55 @@ static void promoteIntrospected(RedisModuleCommandFilterCtx *f, int argc, int de
     if (bad) refuseUnreadable(f);
 }
 
+/* BLMOVE and BRPOPLPUSH that block push to their destination when an
+ * element arrives, later, without the filter running again: a destination
+ * that is cold then (a string: the push must fail with WRONGTYPE) was taken
+ * for a missing key, a list was created beside the cold string and the
+ * string was lost (Redis's list.tcl, "BRPOPLPUSH with wrong destination
+ * type", failed now and then with demotion at its most aggressive). So
+ * their keys are promoted rather than visited, and the destination is
+ * pinned: demotion leaves it hot for the command's timeout (timeout 0: as
+ * long as the pin stays; the oldest of HM_PINS_MAX goes first). */
+static void pinKey(RedisModuleString *key, uint64_t until_us) {
+    for (int i = 0; i < hm.filter.npins; i++) {
+        if (RedisModule_StringCompare(hm.filter.pins[i].key, key) == 0) {
+            if (until_us > hm.filter.pins[i].until_us) hm.filter.pins[i].until_us = until_us;
+            return;
+        }
+    }
+    if (hm.filter.npins == HM_PINS_MAX) {
+        RedisModule_FreeString(NULL, hm.filter.pins[0].key);
+        memmove(hm.filter.pins, hm.filter.pins + 1, sizeof(hm.filter.pins[0]) * (HM_PINS_MAX - 1));
+        hm.filter.npins--;
+    }
+    hm.filter.pins[hm.filter.npins++] = (HmPin){RedisModule_CreateStringFromString(NULL, key), until_us};
+}
+
+/* 1 if 'key' is pinned (above): the demotion pass leaves it hot. */
+int hmPinned(RedisModuleString *key) {
+    uint64_t now = hmNowUs();
+    for (int i = 0; i < hm.filter.npins; i++) {
+        if (hm.filter.pins[i].until_us <= now) {
+            RedisModule_FreeString(NULL, hm.filter.pins[i].key);
+            hm.filter.pins[i--] = hm.filter.pins[--hm.filter.npins];
+            continue;
+        }
+        if (RedisModule_StringCompare(hm.filter.pins[i].key, key) == 0) return 1;
+    }
+    return 0;
+}
+
+static void blockingMove(RedisModuleCommandFilterCtx *f, int argc) {
+    if (argc < 4) return;
+    double secs = 0;
+    RedisModule_StringToDouble(RedisModule_CommandFilterArgGet(f, argc - 1), &secs);
+    uint64_t until = secs > 0 && secs < 1e9 ? hmNowUs() + (uint64_t)((secs + 1) * 1e6) : UINT64_MAX;
+    pinKey(RedisModule_CommandFilterArgGet(f, 2), until);
+    if (arenaCount(hm.arena) && (hmPromoteKey(RedisModule_CommandFilterArgGet(f, 1), 0) < 0 ||
+                                 hmPromoteKey(RedisModule_CommandFilterArgGet(f, 2), 0) < 0))
+        refuseUnreadable(f);
+}
+
 /* SORT and SORT_RO read the keys their BY and GET patterns name, one per
  * element of the sorted key ('*' replaced by the element; no '*', "#" or a
  * hash field "->f": no string key), and Redis declares none of them: bring
@@ -547,6 +596,7 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
             return;
         }
         if (hmCmdIs(c, cl, "client")) { notePause(f, argc); return; }
+        if (hmCmdIs(c, cl, "blmove")) { blockingMove(f, argc); return; }
         if (hmCmdIs(c, cl, "object")) {
             if (arenaCount(hm.arena)) promoteIntrospected(f, argc, 0);
             return;
@@ -554,6 +604,9 @@ static void hmFilter(RedisModuleCommandFilterCtx *f) {
         break;
     case 8:
         if (hmCmdIs(c, cl, "failover")) { notePause(f, argc); return; }
+        break;
+    case 10:
+        if (hmCmdIs(c, cl, "brpoplpush")) { blockingMove(f, argc); return; }
         break;
     case 7:
         if (hmCmdIs(c, cl, "discard")) { if (hm.filter.multi_open > 0) hm.filter.multi_open--; return; }

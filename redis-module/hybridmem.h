@@ -85,6 +85,7 @@
 #define HM_CLOCK_LFU            (1u << 31) /* an item clock that holds an LFU counter (hmClockOf) */
 #define HM_CLOCK_EPOCH_S        1700000000LL /* LRU item clocks count seconds from here */
 #define HM_LFU_INIT             5       /* Redis's LFU_INIT_VAL */
+#define HM_PINS_MAX             256     /* keys kept hot for blocked moves (hmPinned) */
 #define HM_VOLATILE_CHECK_MS    1000    /* INFO keyspace asked while volatile_keys (hmVolatileKeys) */
 #define HM_READ_BACK_MAX        4096    /* visited keys awaiting their way back (hmReadBackSettle) */
 #define HM_SEEN_BITS            (1u << 20) /* per generation of the read filter (128 KiB) */
@@ -181,9 +182,16 @@ typedef struct HmReclaim {              /* compact.c: arena holes */
     uint64_t after_us;          /* after a failed step (ENOMEM): not before */
 } HmReclaim;
 
+typedef struct HmPin {                  /* filter.c: see hmPinned */
+    RedisModuleString *key;
+    uint64_t until_us;          /* UINT64_MAX: no timeout */
+} HmPin;
+
 typedef struct HmFilter {               /* filter.c */
     uint64_t served;            /* commands seen by the filter */
     int volatile_keys;          /* db 0 may hold a key with a TTL (hmVolatileKeys) */
+    HmPin pins[HM_PINS_MAX];    /* keys blocked moves will write (hmPinned) */
+    int npins;
     uint64_t volatile_checked_us;
     long multi_open;            /* MULTIs without EXEC/DISCARD yet (see hmFilter) */
     uint64_t multi_seen_us;
@@ -339,6 +347,7 @@ int hmCmdIs(const char *c, size_t l, const char *name);
 uint32_t hmKeyFnv(const char *key, size_t l);
 int hmReadBackWanted(void);
 int hmVolatileKeys(void);
+int hmPinned(RedisModuleString *key);
 void hmVisitMark(RedisModuleKey *kh);
 void hmReadBackSettle(void);
 

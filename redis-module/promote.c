@@ -234,6 +234,7 @@ uint64_t hmMoveToArena(RedisModuleString *key, RedisModuleKey *kh, mstime_t expi
 /* Demote 'key' (a pass picked it). Returns 1 if demoted. */
 int hmDemoteKey(RedisModuleString *key) {
     mstime_t expire;
+    if (hmPinned(key)) return 0;
     RedisModuleKey *kh = hmOpenLiveString(key, &expire);
     uint64_t bytes = kh ? hmMoveToArena(key, kh, expire) : 0;
     if (!bytes) return 0;

@@ -14,6 +14,7 @@ import redis
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hmlib import ReplicaStream, ServerTestCase, aggressive, drain  # noqa: E402
+from test_visits import in_thread  # noqa: E402
 
 LONG = os.environ.get('HYBRIDVM_LONG') == '1'
 NKEYS = 40
@@ -644,6 +645,49 @@ class SortPatternTest(ServerTestCase):
         self.assertEqual(seen['stock'], seen['mod'])
         self.assertEqual(seen['mod'][0][1], b'data3')
         self.assertHealthy(self.servers[1])
+
+
+class BlockingMoveTest(ServerTestCase):
+    """A BLMOVE or BRPOPLPUSH that blocks pushes to its destination when an
+    element arrives, without the filter running again: the destination
+    stays hot meanwhile. Before, a cold destination was taken for a missing
+    key: a string destination got a list created beside it (no WRONGTYPE)
+    and its value was lost (Redis's list.tcl, "BRPOPLPUSH with wrong
+    destination type", failed now and then)."""
+
+    def test_blocked_move_to_a_cold_string(self):
+        """The blocked client gets WRONGTYPE, the element stays in the
+        source, the string destination keeps its value: as stock."""
+        seen = {}
+        for name, module in (('stock', False), ('mod', True)):
+            srv = self.server(name, module=module, configs=aggressive())
+            c = srv.client()
+            r = []
+            for dst, cmd in (('d1', ['BRPOPLPUSH', 'src', 'd1', '0']),
+                             ('d2', ['BLMOVE', 'src', 'd2', 'LEFT', 'RIGHT', '5'])):
+                c.set(dst, 'nolist')
+                if module:
+                    self.wait_for(lambda: c.execute_command('APPASSIST.ISCOLD', dst),
+                                  what='the destination demoted')
+                th, got = in_thread(lambda: self.blocked_call(srv, cmd))
+                self.wait_for(lambda: c.info('clients')['blocked_clients'] == 1,
+                              what='the client blocked')
+                time.sleep(0.3)             # passes meanwhile (aggressive: every ms)
+                c.rpush('src', 'foo')
+                th.join(10)
+                r += [got, c.lrange('src', 0, -1), c.type(dst), c.get(dst)]
+                c.delete('src')
+            seen[name] = r
+        self.assertEqual(seen['stock'], seen['mod'])
+        self.assertEqual(seen['mod'][2:4], [b'string', b'nolist'])
+        self.assertHealthy(self.servers[1])
+
+    @staticmethod
+    def blocked_call(srv, cmd):
+        try:
+            return srv.client().execute_command(*cmd)
+        except redis.ResponseError as e:
+            return str(e)
 
 
 class DifferentialTest(ServerTestCase):
