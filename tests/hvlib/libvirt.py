@@ -7,12 +7,17 @@ mounts exist only inside the namespace, so they vanish with its last process;
 stop() destroys the instance's domains, then its daemons, and kills any QEMU
 left behind, so nothing outlives a test.
 """
+import glob
+import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 import uuid
 from xml.sax.saxutils import escape, quoteattr
@@ -21,6 +26,43 @@ from .vm import Console
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOOK = os.path.join(REPO, 'libvirt-hooks', 'qemu')   # our hook (docs/libvirt.rst)
+
+# What systemd gives libvirtd.service (and so its hooks) as PATH.
+SERVICE_PATH = '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin'
+
+# The parent of each libvirtd: a child subreaper (prctl PR_SET_CHILD_SUBREAPER)
+# that reaps at once every process orphaned below it.  libvirtd daemonizes
+# QEMU, so QEMU's parent is the nearest subreaper, else PID 1; the init of
+# this machine reaps orphans a second or two late, and until then libvirt
+# waits for the zombie (virProcessKillPainfully): 1-2 s of every `virsh
+# destroy`, of every emulator probe (3.6-4.4 s without the reaper, 0.6-1.3 s
+# with it) and of the source's Confirm phase of every migration (after the
+# guest runs on the destination, before `virsh migrate` returns).  argv[1:] is
+# the command (libvirtd); the reaper forwards SIGTERM/SIGINT to it and exits
+# with its status.
+REAPER = r"""
+import ctypes, os, signal, subprocess, sys
+if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:
+    sys.exit('reaper: prctl(PR_SET_CHILD_SUBREAPER): ' + os.strerror(ctypes.get_errno()))
+child = subprocess.Popen(sys.argv[1:])
+def forward(sig, _frame):
+    try:
+        child.send_signal(sig)
+    except ProcessLookupError:
+        pass
+signal.signal(signal.SIGTERM, forward)
+signal.signal(signal.SIGINT, forward)
+code = 1
+while True:
+    try:
+        pid, status = os.wait()
+    except ChildProcessError:
+        break
+    if pid == child.pid:
+        child.returncode = code = os.waitstatus_to_exitcode(status)
+        break
+sys.exit(code)
+"""
 
 BIND_DIRS = {  # system path -> name of the private copy
     '/etc/libvirt': 'etc',
@@ -122,9 +164,14 @@ class LibvirtHost:
         script = (f'set -e; {binds}; virtlogd -d -p /run/libvirt/virtlogd.pid; '
                   'exec libvirtd -p /run/libvirt/libvirtd.pid')
         self._log = open(os.path.join(self.root, 'daemon.log'), 'ab')
-        env = dict(os.environ, PATH=os.environ.get('PATH', '') + ':/usr/sbin:/sbin')
+        # The PATH systemd gives libvirtd.service, not ours: hooks run `#!/usr/bin/env python3`,
+        # which on a PATH with a pyenv shim first costs 0.1 s more per call (4 calls on a
+        # migration's destination, before the migration starts).
+        env = dict(os.environ, PATH=SERVICE_PATH)
+        # Under the reaper (REAPER), QEMU processes that libvirtd stops are reaped at once.
         self._proc = subprocess.Popen(
-            ['setpriv', '--pdeathsig', 'KILL', 'unshare', '-m', '--propagation', 'private',
+            ['setpriv', '--pdeathsig', 'KILL', sys.executable, '-c', REAPER,
+             'setpriv', '--pdeathsig', 'KILL', 'unshare', '-m', '--propagation', 'private',
              'sh', '-c', script],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + timeout
@@ -147,6 +194,24 @@ class LibvirtHost:
             raise LibvirtError(f'{self.name}: virsh {" ".join(args)}: {cp.stderr.strip()}')
         return cp
 
+    def virsh_background(self, *args):
+        """Start virsh against this instance and return at once: a Popen with
+        text stdout and stderr pipes (communicate() collects them)."""
+        return subprocess.Popen(['virsh', '-q', '-c', self.uri, *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def capabilities_cache(self):
+        """The instance's cache of probed emulators (one XML file each)."""
+        return os.path.join(self._dir('cache'), 'qemu', 'capabilities')
+
+    def probe_emulator(self, emulator, timeout=300):
+        """Have libvirtd know `emulator`'s capabilities now (`virsh domcapabilities`
+        probes it unless its cache holds a valid entry).  Returns the seconds it took."""
+        t = time.monotonic()
+        self.virsh('domcapabilities', '--emulatorbin', emulator, '--virttype', 'qemu',
+                   timeout=timeout)
+        return time.monotonic() - t
+
     def define(self, xml):
         """virsh define the domain `xml` (a string; written to domain.xml in
         the instance's root first)."""
@@ -160,7 +225,8 @@ class LibvirtHost:
         pids = []
         if os.path.isdir(piddir):
             for fn in os.listdir(piddir):
-                if fn.endswith('.pid'):
+                # driver.pid is libvirtd's own (the QEMU driver's lock)
+                if fn.endswith('.pid') and fn != 'driver.pid':
                     try:
                         pids.append(int(open(os.path.join(piddir, fn)).read().strip()))
                     except (OSError, ValueError):
@@ -229,6 +295,24 @@ class LibvirtPair:
     def __exit__(self, *exc):
         self.stop()
 
+    def prime_emulator(self, emulator):
+        """Have both instances know `emulator`'s capabilities before anything is
+        timed.  A libvirtd that meets an emulator binary for the first time
+        probes it (starts it and queries it: 3-4 s under TCG here); on the
+        destination of a migration that first time falls inside the migration
+        (its Prepare phase, counted in domjobinfo's Time elapsed).  A host that
+        ran the binary before has it cached in /var/cache/libvirt/qemu/capabilities,
+        checked against the binary's and libvirtd's ctime on every use.  The
+        source probes; its cache entry is copied to the destination, which
+        checks it and probes again only if it finds it stale (another libvirtd
+        or binary).  Returns {side: seconds its `virsh domcapabilities` took}."""
+        took = {'src': self.src.probe_emulator(emulator)}
+        os.makedirs(self.dst.capabilities_cache(), exist_ok=True)
+        for path in glob.glob(os.path.join(self.src.capabilities_cache(), '*.xml')):
+            shutil.copy2(path, self.dst.capabilities_cache())
+        took['dst'] = self.dst.probe_emulator(emulator)
+        return took
+
     def stop(self):
         self.dst.stop()
         self.src.stop()
@@ -239,6 +323,74 @@ class LibvirtPair:
                 if os.path.exists(os.path.join(host.root, 'daemon.log')):
                     shutil.copy(os.path.join(host.root, 'daemon.log'), dest)
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+class MonitorEvents:
+    """The QMP events of `domain` (None: of every domain, including those that
+    arrive by migration) on `host`, with QEMU's own timestamps, while the
+    context is open: `virsh qemu-monitor-event --loop` in the background.
+    events: [(seconds since the epoch, event name, data)], in arrival order."""
+
+    LINE = re.compile(r"^event (\S+) at (\d+)\.(\d+) for domain '.*?': (.*)$")
+
+    def __init__(self, host, domain=None):
+        self.host = host
+        self.domain = domain
+        self.events = []
+        self._proc = None
+        self._thread = None
+
+    def __enter__(self):
+        # virsh writes through stdio: line-buffer it so that events arrive as they happen.
+        self._proc = subprocess.Popen(
+            ['stdbuf', '-oL', 'virsh', '-q', '-c', self.host.uri, 'qemu-monitor-event', '--loop',
+             *([self.domain] if self.domain else [])], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        return self
+
+    def _read(self):
+        for line in self._proc.stdout:
+            m = self.LINE.match(line.strip())
+            if m:
+                try:
+                    data = json.loads(m.group(4))
+                except ValueError:
+                    data = m.group(4)
+                self.events.append((int(m.group(2)) + int(m.group(3)) / 1e6, m.group(1), data))
+
+    def wait(self, name, data=None, timeout=60):
+        """Wait until an event `name` (with `data` among its fields, if given) has
+        arrived; return its timestamp, or None on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            t = self.first(name, data)
+            if t is not None:
+                return t
+            time.sleep(0.02)
+        return None
+
+    def first(self, name, data=None):
+        """The timestamp of the first event `name` (with `data`), or None."""
+        for t, n, d in list(self.events):
+            if n == name and (data is None or
+                              (isinstance(d, dict) and all(d.get(k) == v for k, v in data.items()))):
+                return t
+        return None
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        if self._proc and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._thread:
+            self._thread.join(5)
 
 
 def serial_console(name, sock_dir, log_dir):
