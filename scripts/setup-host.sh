@@ -37,7 +37,7 @@ $SUDO apt-get install -y -q --no-install-recommends \
     libglib2.0-dev libpixman-1-dev libslirp-dev liburing-dev libaio-dev libfdt-dev \
     seabios qemu-system-data ipxe-qemu \
     busybox-static cpio e2fsprogs kmod xz-utils zstd \
-    redis-server redis-tools libhiredis-dev \
+    redis-server redis-tools libhiredis-dev tcl \
     fio \
     ceph-mon ceph-osd ceph-common librbd-dev uuid-runtime \
     libvirt-daemon-system libvirt-clients libvirt-daemon-driver-qemu python3-libvirt
