@@ -891,6 +891,7 @@ static void coroutine_fn cc_sweep(void *opaque)
         if (e == s->nb_entries) {
             e = 0;              /* invalidated again meanwhile: once more */
         }
+        trace_clone_cache_sweep_step(s, e, s->nb_stale_entries);
         qemu_mutex_unlock(&s->lock);
         aio_co_schedule(qemu_get_aio_context(), qemu_coroutine_self());
         qemu_coroutine_yield();

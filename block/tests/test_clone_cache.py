@@ -624,6 +624,31 @@ class CloneCacheTest(unittest.TestCase):
                         'read-only': True, 'base-id': 'T', 'generation': 1})
         self.assertEqual(self.base('T')['entries'], 1 * MiB // BS)
 
+    def test_invalidate_is_immediate_and_freed_in_bounded_steps(self):
+        """Invalidating a base voids its entries at once (O(1) under the
+        store lock) and a background sweep frees them a step of at most
+        4096 entries at a time, yielding between steps, instead of one scan
+        of the whole table under the lock that requests also take."""
+        nblocks = 24 * MiB // 4096                  # 6144 entries: two steps
+        path = self.make_base('base.img', size=24 * MiB)
+        self.start([('b0', path, ',base-id=S')], size=64 * MiB,
+                   cache_opts=',block-size=4096',
+                   extra=['--trace', 'clone_cache_sweep_*'])
+        self.read_all('b0')
+        self.assertEqual(self.settle()['used'], nblocks)
+        self.qsd.cmd('clone-cache-invalidate', id='cc0', **{'base-id': 'S'})
+        self.assertEqual(self.base('S')['entries'], 0)   # void at once
+        self.trace_seen('clone_cache_sweep_done')
+        log = self.log_text()
+        steps = [int(m) for m in re.findall(r'clone_cache_sweep_step .*'
+                                            r'next entry (\d+)', log)]
+        self.assertGreaterEqual(len(steps), 2, log[-2000:])
+        self.assertTrue(all(0 < b - a <= 4096 for a, b in
+                            zip([0] + steps, steps)), steps)
+        self.assertIn(f'{nblocks} stale entries freed', log)
+        self.assertEqual(self.info()['used'], 0)
+        self.assertEqual(self.read_all('b0'), open(path, 'rb').read())
+
     # -- readers against the filler --
 
     def patterned_base(self, name, nblocks, first):
