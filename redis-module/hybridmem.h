@@ -51,7 +51,7 @@
 
 #include "arena.h"
 #include "pagelist.h"
-#include "resp.h"
+#include "portproto.h"
 
 #define HM_VERSION              1
 #define HM_AUX_ENCVER           1
@@ -70,7 +70,7 @@
 #define HM_PORT_INBUF           (2 * RESP_MAX_REQ)
 #define HM_PORT_OUTBUF          (128 * 1024)   /* a PAGES chunk and more */
 /* The data of one APPASSIST.PAGES reply: QEMU takes at most 60 KiB
- * (AA_RESP_MAX_PAGE_DATA in migration/app-assist/resp.h). */
+ * (AA_RESP_MAX_PAGE_DATA in migration/app-assist/reply.h). */
 #define HM_PAGES_CHUNK          (60 * 1024)
 #define HM_BUCKETS              256     /* see idleBucket */
 #define HM_SHARE_BINS           16      /* per bucket, by keyShare (see passEnd) */

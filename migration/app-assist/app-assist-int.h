@@ -9,7 +9,7 @@
 #define MIGRATION_APP_ASSIST_INT_H
 
 #include "qapi/qapi-types-migration.h"
-#include "resp.h"
+#include "reply.h"
 
 #define TYPE_CHARDEV_APP_ASSIST "chardev-app-assist"
 

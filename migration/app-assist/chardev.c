@@ -20,7 +20,7 @@
  * ports may exist; each is one application.
  *
  * Hostile input: bytes arriving while no request is outstanding are dropped
- * at once; a reply is bounded by the parser (resp.c) and a failed parse drops
+ * at once; a reply is bounded by the parser (reply.c) and a failed parse drops
  * everything until the next request.  Nothing the guest sends is buffered
  * beyond one bounded reply.  Output is a fixed buffer of a few commands.
  */

@@ -1,5 +1,5 @@
 /*
- * Unit tests for the app-assist reply parser (../resp.c).
+ * Unit tests for the app-assist reply parser (../reply.c).
  *
  * Copyright (c) 2026 hybridvm contributors
  *
@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../resp.h"
+#include "../reply.h"
 
 static int failures;
 
@@ -319,9 +319,9 @@ int main(void)
     test_pages();
     aa_resp_parser_free(p);
     if (failures) {
-        fprintf(stderr, "test-resp: %d failures\n", failures);
+        fprintf(stderr, "test-reply: %d failures\n", failures);
         return 1;
     }
-    printf("test-resp: all passed\n");
+    printf("test-reply: all passed\n");
     return 0;
 }

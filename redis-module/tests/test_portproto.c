@@ -1,6 +1,6 @@
-/* test_resp.c -- the port's request parser on good, split, malformed and
+/* test_portproto.c -- the port's request parser on good, split, malformed and
  * oversized input, plus a seeded random-bytes run (no crash, bounded). */
-#include "../resp.h"
+#include "../portproto.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -121,9 +121,9 @@ int main(void) {
     respBufFree(&b);
 
     if (failures) {
-        fprintf(stderr, "test_resp: %d failures\n", failures);
+        fprintf(stderr, "test_portproto: %d failures\n", failures);
         return 1;
     }
-    printf("test_resp: ok\n");
+    printf("test_portproto: ok\n");
     return 0;
 }

@@ -29,7 +29,7 @@
 
 #include <hiredis/hiredis.h>
 
-#include "resp.h"
+#include "reply.h"
 
 typedef struct AANode {
     int type;                   /* REDIS_REPLY_* */

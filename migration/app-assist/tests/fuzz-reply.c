@@ -1,12 +1,12 @@
 /*
- * Fuzz target for the app-assist reply parser (../resp.c).
+ * Fuzz target for the app-assist reply parser (../reply.c).
  *
  * Copyright (c) 2026 hybridvm contributors
  *
  * SPDX-License-Identifier: GPL-2.0-or-later
  *
  * A driver of tests/fuzz/fuzz-main.h, which says how to run it (standalone,
- * the CI test: aa-fuzz-resp [--seconds N] [--seed S]; or under libFuzzer).
+ * the CI test: aa-fuzz-reply [--seconds N] [--seed S]; or under libFuzzer).
  * Its random inputs are pure noise, RESP-shaped noise and mutations of valid
  * replies; standalone, half of them are fed in random-sized pieces, exactly
  * as bytes arrive from a virtio-serial port.
@@ -17,7 +17,7 @@
 #include <string.h>
 
 #include "fuzz-main.h"
-#include "../resp.h"
+#include "../reply.h"
 
 static const char valid[] =
     "*6\r\n$11\r\nfreed_bytes\r\n:4096\r\n$5\r\nitems\r\n:3\r\n"

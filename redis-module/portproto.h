@@ -1,9 +1,9 @@
-/* resp.h -- a bounded RESP request parser and a small reply writer for the
+/* portproto.h -- a bounded RESP request parser and a small reply writer for the
  * host port (virtio-serial). Everything read from the port is hostile: sizes
  * are bounded before anything is copied, and a malformed request is reported
  * without consuming more than the buffer holds. No Redis dependency. */
-#ifndef HYBRIDMEM_RESP_H
-#define HYBRIDMEM_RESP_H
+#ifndef HYBRIDMEM_PORTPROTO_H
+#define HYBRIDMEM_PORTPROTO_H
 
 #include <stddef.h>
 #include <stdint.h>

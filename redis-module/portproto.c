@@ -1,5 +1,5 @@
-/* resp.c -- bounded RESP request parser and reply writer; see resp.h. */
-#include "resp.h"
+/* portproto.c -- bounded RESP request parser and reply writer; see portproto.h. */
+#include "portproto.h"
 
 #include <errno.h>
 #include <stdio.h>

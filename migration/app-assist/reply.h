@@ -9,8 +9,8 @@
  * libc and hiredis (no QEMU headers) so that the fuzz target in tests/ links
  * the very same code.
  */
-#ifndef APP_ASSIST_RESP_H
-#define APP_ASSIST_RESP_H
+#ifndef APP_ASSIST_REPLY_H
+#define APP_ASSIST_REPLY_H
 
 #include <stdbool.h>
 #include <stddef.h>
