@@ -24,16 +24,14 @@
 #include "qemu/cutils.h"
 #include "qemu/error-report.h"
 #include "qapi/error.h"
-#include "qapi/qapi-visit-block-core.h"
-#include "qapi/qobject-input-visitor.h"
 #include "qemu/memalign.h"
 #include "qobject/qdict.h"
 #include "block/block_int.h"
 #include "block/block-io.h"
-#include "block/qdict.h"
 #include "system/block-backend.h"
 #include "content-fp.h"
 #include "clone-cache.h"
+#include "visit-options.h"
 #include "trace.h"
 
 #define CC_OPT_STORE        "store"
@@ -41,26 +39,12 @@
 #define CC_OPT_GENERATION   "generation"
 #define CC_MAX_RUN          (4 * MiB)   /* largest single base read */
 
-/*
- * Parse our options with the QAPI visitor (as copy-before-write does).
- * The 'file' child is opened by bdrv_open_file_child() and may be given
- * in any syntax, so the visitor sees a placeholder for it.
- */
+/* Our options, parsed with the QAPI visitor and taken out of @options */
 static BlockdevOptions *cc_parse_options(QDict *options, Error **errp)
 {
-    g_autoptr(QDict) copy = qdict_clone_shallow(options);
-    BlockdevOptions *opts = NULL;
-    Visitor *v;
+    BlockdevOptions *opts = visit_blockdev_options(options, "clone-cache",
+                                                   errp);
 
-    qdict_extract_subqdict(copy, NULL, "file.");
-    qdict_put_str(copy, "file", "");
-    qdict_put_str(copy, "driver", "clone-cache");
-    v = qobject_input_visitor_new_flat_confused(copy, errp);
-    if (!v) {
-        return NULL;
-    }
-    visit_type_BlockdevOptions(v, NULL, &opts, errp);
-    visit_free(v);
     if (opts) {
         qdict_del(options, CC_OPT_STORE);
         qdict_del(options, CC_OPT_BASE_ID);

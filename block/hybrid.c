@@ -27,8 +27,6 @@
 
 #include "qemu/osdep.h"
 #include "qapi/error.h"
-#include "qapi/qapi-visit-block-core.h"
-#include "qapi/qobject-input-visitor.h"
 #include "qapi/qapi-events-block-core.h"
 #include "qobject/qdict.h"
 #include "qemu/cutils.h"
@@ -42,9 +40,9 @@
 #include "qemu/units.h"
 #include "block/block-io.h"
 #include "block/block_int.h"
-#include "block/qdict.h"
 #include "system/block-backend.h"
 #include "hybrid.h"
+#include "visit-options.h"
 #include "trace.h"
 
 /* ---- slot ownership ---- */
@@ -554,35 +552,13 @@ static void hybrid_drain_end(BlockDriverState *bs)
 
 /* ---- open / close ---- */
 
-/*
- * Parse our options with the QAPI visitor; @options is left as it is.
- * The 'file' child is opened by bdrv_open_file_child() and may be given
- * in any syntax, so the visitor sees a placeholder for it.
- */
+/* Our options, parsed with the QAPI visitor; @options is left as it is */
 static BlockdevOptionsHybrid *hybrid_visit_options(QDict *options,
                                                    Error **errp)
 {
-    g_autoptr(QDict) copy = qdict_clone_shallow(options);
-    g_autoptr(QDict) file = NULL;
-    g_autoptr(QDict) backing = NULL;
-    BlockdevOptions *opts = NULL;
-    BlockdevOptionsHybrid *ret = NULL;
-    Visitor *v;
+    BlockdevOptions *opts = visit_blockdev_options(options, "hybrid", errp);
+    BlockdevOptionsHybrid *ret;
 
-    qdict_extract_subqdict(copy, &file, "file.");
-    qdict_del(copy, "file");
-    qdict_put_str(copy, "file", "");
-    /* The generic code opens the backing child (any syntax, like file) */
-    qdict_extract_subqdict(copy, &backing, "backing.");
-    qdict_del(copy, "backing");
-    qdict_put_str(copy, "driver", "hybrid");
-
-    v = qobject_input_visitor_new_flat_confused(copy, errp);
-    if (!v) {
-        return NULL;
-    }
-    visit_type_BlockdevOptions(v, NULL, &opts, errp);
-    visit_free(v);
     if (!opts) {
         return NULL;
     }
