@@ -77,12 +77,17 @@ void cc_compute_sums(const uint8_t *data, uint32_t len, uint32_t *sums)
 }
 
 /*
- * The slot's row of the sum table, copied under the lock (the filler
- * writes rows under it) so that a reader checks outside it.
+ * The sums of a slot's bytes [start, end) into row[start / CC_SUB ...],
+ * copied under the lock (the filler writes rows under it) so that a reader
+ * checks outside it.
  */
-void cc_copy_sums(CloneCacheStore *s, uint32_t slot, uint32_t *row)
+void cc_copy_sums(CloneCacheStore *s, uint32_t slot, uint32_t start,
+                  uint32_t end, uint32_t *row)
 {
-    memcpy(row, &s->sums[(uint64_t)slot * s->spb], s->spb * sizeof(*row));
+    uint32_t first = start / CC_SUB, n = DIV_ROUND_UP(end, CC_SUB) - first;
+
+    memcpy(row + first, &s->sums[(uint64_t)slot * s->spb + first],
+           n * sizeof(*row));
 }
 
 /*

@@ -346,7 +346,7 @@ int coroutine_fn clone_cache_read_slot(CloneCacheStore *s, int base,
     assert(sl->readers && sl->state == CC_SLOT_VALID);
     seq = sl->seq;
     end = MIN(ROUND_UP(offset + bytes, CC_SUB), sl->len);
-    cc_copy_sums(s, slot, sums);
+    cc_copy_sums(s, slot, start, end, sums);
     qemu_mutex_unlock(&s->lock);
 
     if (delay) {
@@ -628,7 +628,7 @@ static bool coroutine_fn cc_fill_prepare(CloneCacheStore *s,
             continue;
         }
         sl->readers++;
-        cc_copy_sums(s, i, sums);
+        cc_copy_sums(s, i, 0, f->len, sums);
         qemu_mutex_unlock(&s->lock);
         buf = buf ? buf : qemu_blockalign(blk_bs(s->blk), f->len);
         same = blk_co_pread(s->blk,

@@ -239,7 +239,8 @@ int coroutine_fn cc_write_slot_rec(CloneCacheStore *s, uint32_t i,
 int coroutine_fn cc_write_sums(CloneCacheStore *s, uint32_t i);
 void cc_compute_sums(const uint8_t *data, uint32_t len, uint32_t *sums);
 uint32_t cc_sums_crc(CloneCacheStore *s, uint32_t i);
-void cc_copy_sums(CloneCacheStore *s, uint32_t slot, uint32_t *row);
+void cc_copy_sums(CloneCacheStore *s, uint32_t slot, uint32_t start,
+                  uint32_t end, uint32_t *row);
 bool cc_check_sums(const uint32_t *row, const uint8_t *buf, uint32_t start,
                    uint32_t end);
 int coroutine_fn cc_write_entry_rec(CloneCacheStore *s, uint32_t e,
