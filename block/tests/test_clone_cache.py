@@ -584,25 +584,61 @@ class CloneCacheTest(unittest.TestCase):
         then come from the base again, through every node of that base."""
         path = self.make_base('base.img', size=1 * MiB)
         old = open(path, 'rb').read()
-        self.start([('b0', path, ',base-id=V')])
+        self.start([('b0', path, ',base-id=rbd/vdi@gold')])
         self.assertEqual(self.read_all('b0'), old)
         self.settle()
         new = rand_bytes(self.rnd, 1 * MiB)
         with open(path, 'r+b') as f:
             f.write(new)
         self.assertEqual(self.read_all('b0'), old)       # the known limit
-        self.qsd.cmd('clone-cache-invalidate', id='cc0', **{'base-id': 'V'})
-        self.assertEqual(self.base('V')['entries'], 0)
+        # the command as docs/clone-cache.md shows it, and its answer
+        with open(os.path.join(HERE, '..', '..', 'docs', 'clone-cache.md')) as f:
+            doc = f.read()
+        block = re.search(r'```\n(\{"execute": "clone-cache-invalidate".*?)```',
+                          doc, re.S).group(1).splitlines()
+        req, want = json.loads(block[0]), json.loads(block[1])
+        self.assertEqual(self.qsd.qmp(req['execute'], **req['arguments']), want)
+        self.assertEqual(self.base('rbd/vdi@gold')['entries'], 0)
         self.assertEqual(self.read_all('b0'), new)
         self.settle()
         self.assertEqual(self.read_all('b0'), new)       # and cached anew
-        self.assertEqual(self.base('V')['entries'], 1 * MiB // BS)
-        for args, msg in [(dict(id='nope', **{'base-id': 'V'}),
+        self.assertEqual(self.base('rbd/vdi@gold')['entries'], 1 * MiB // BS)
+
+    def test_hostile_invalidate_and_delay_are_refused(self):
+        """What a QMP client gives the new command and property is checked:
+        unknown objects and bases (a 64 KiB name, an object that is not a
+        clone cache, a path) change nothing; the test-only delay takes only
+        a number and is capped at 10 s; the daemon keeps serving."""
+        path = self.make_base('base.img', size=1 * MiB)
+        want = open(path, 'rb').read()
+        self.start([('b0', path, ',base-id=H')])
+        self.read_all('b0')
+        self.settle()
+        for args, msg in [(dict(id='nope', **{'base-id': 'H'}),
                            "No clone-cache object with id 'nope'"),
+                          (dict(id='/objects/cc0', **{'base-id': 'H'}),
+                           "No clone-cache object"),
                           (dict(id='cc0', **{'base-id': 'W'}),
-                           "has no base 'W'")]:
+                           "has no base 'W'"),
+                          (dict(id='cc0', **{'base-id': 'x' * 65536}),
+                           'has no base'),
+                          (dict(id='cc0'), "'base-id' is missing")]:
             r = self.qsd.qmp('clone-cache-invalidate', **args)
             self.assertIn(msg, r['error']['desc'])
+        self.assertEqual(self.base('H')['entries'], 1 * MiB // BS)
+        for value in ('slow', 1.5, [1]):
+            r = self.qsd.qmp('qom-set', path='/objects/cc0',
+                             property='x-read-delay-ns', value=value)
+            self.assertIn('error', r, value)
+        # QEMU's input visitor takes -1 for a uint64 as 2^64 - 1: capped too
+        for value in (3600 * 10**9, -1):
+            self.qsd.cmd('qom-set', path='/objects/cc0',
+                         property='x-read-delay-ns', value=value)
+            self.assertEqual(self.qsd.cmd('qom-get', path='/objects/cc0',
+                                          property='x-read-delay-ns'), 10**10)
+        self.qsd.cmd('qom-set', path='/objects/cc0',
+                     property='x-read-delay-ns', value=0)
+        self.assertEqual(self.read_all('b0'), want)
 
     def test_a_second_generation_of_an_open_base_is_refused(self):
         """Two nodes may share a base-id only with one generation: a node
