@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ARBITER = os.path.dirname(HERE)
@@ -57,6 +58,21 @@ class Loop:
 
     def close(self):
         subprocess.run(['losetup', '-d', self.dev], check=False)
+
+
+class LoopTestCase(unittest.TestCase):
+    """Tests sharing one 16 MiB Loop (cls.loop) in a private directory
+    (cls.tmp) for the whole class."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = H.TempDir()
+        cls.loop = Loop(cls.tmp.path, size_mib=16)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.loop.close()
+        cls.tmp.cleanup()
 
 
 class GuestVM:

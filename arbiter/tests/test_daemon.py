@@ -14,7 +14,6 @@ import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import arblib as A   # noqa: E402
-from arblib import H   # noqa: E402
 from fakeqmp import FakeQMP   # noqa: E402
 
 
@@ -31,16 +30,7 @@ DEFAULT = {'iops-total': 0, 'bps-total': 0}
 
 
 @unittest.skipIf(WHY, WHY)
-class DaemonTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.tmp = H.TempDir()
-        cls.loop = A.Loop(cls.tmp.path, size_mib=16)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.loop.close()
-        cls.tmp.cleanup()
+class DaemonTest(A.LoopTestCase):
 
     def setUp(self):
         self.state = self.id().rsplit('.', 1)[-1]

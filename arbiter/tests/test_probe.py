@@ -12,7 +12,6 @@ import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import arblib as A   # noqa: E402
-from arblib import H   # noqa: E402
 from arbiter.sources import Probe, SourceError   # noqa: E402
 
 WHY = None if os.geteuid() == 0 else 'needs root (a loop device)'
@@ -31,16 +30,7 @@ def wait_for(pred, timeout=10.0, what='condition'):
 
 
 @unittest.skipIf(WHY, WHY)
-class ProbeTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.tmp = H.TempDir()
-        cls.loop = A.Loop(cls.tmp.path, size_mib=16)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.loop.close()
-        cls.tmp.cleanup()
+class ProbeTest(A.LoopTestCase):
 
     def probe(self):
         p = Probe(self.loop.dev, 200, 1.0)
