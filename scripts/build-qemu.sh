@@ -110,9 +110,22 @@ overlay block block/hybrid
 overlay migration/app-assist migration/app-assist
 
 # 5. Configure (only when the configure line changed).
+# What a server needs of Debian's qemu-system-x86 (issue 38): displays libvirt
+# domains use (VNC, SPICE), seccomp (-sandbox), TLS for migration and NBD,
+# libcap-ng, vhost, NUMA, the common image formats; and FUSE exports, the
+# hybrid volume's way to a block device where the kernel has no nbd/ublk/VDUSE.
+# The version string is stable (a changed configure line rebuilds everything).
+project_version=$(sed -n "s/^ *version: '\(.*\)',/\1/p" "$top/meson.build" | head -1)
 config=(--target-list=x86_64-softmmu --without-default-features --enable-tcg --enable-kvm
         --enable-tools --enable-linux-aio --enable-linux-io-uring --enable-rbd --enable-slirp --enable-pixman
         --enable-fdt=system --disable-docs --disable-install-blobs --disable-download
+        --enable-vnc --enable-vnc-jpeg --enable-png --enable-spice --enable-spice-protocol
+        --enable-gnutls --enable-seccomp --enable-cap-ng --enable-attr --enable-numa --enable-zstd
+        --enable-vhost-kernel --enable-vhost-net --enable-vhost-user --enable-vhost-user-blk-server
+        --enable-fuse --enable-fuse-lseek --enable-malloc-trim
+        --enable-qcow1 --enable-vdi --enable-vhdx --enable-vmdk --enable-vpc --enable-qed
+        --enable-bochs --enable-cloop --enable-dmg --enable-parallels
+        --with-pkgversion="hybridvm $project_version, Debian $QEMU_DEB_VERSION"
         --firmwarepath=/usr/share/qemu:/usr/share/seabios:/usr/lib/ipxe/qemu
         --python="$venv/bin/python3" --cc="ccache gcc" --host-cc="ccache gcc")
 config_hash=$(printf '%s\n' "${config[@]}" | sha256sum | cut -c1-16)

@@ -35,10 +35,12 @@ $SUDO apt-get install -y -q --no-install-recommends \
     build-essential dpkg-dev pkg-config ccache ninja-build flex bison \
     python3 python3-venv python3-dev \
     libglib2.0-dev libpixman-1-dev libslirp-dev liburing-dev libaio-dev libfdt-dev \
+    libfuse3-dev fuse3 libgnutls28-dev libseccomp-dev libcap-ng-dev libnuma-dev libspice-server-dev \
+    libpng-dev libjpeg-dev libzstd-dev libattr1-dev \
     seabios qemu-system-data ipxe-qemu \
     busybox-static cpio e2fsprogs kmod xz-utils zstd \
     redis-server redis-tools libhiredis-dev tcl \
-    fio \
+    fio podman runc uidmap fuse-overlayfs mmdebstrap \
     ceph-mon ceph-osd ceph-common librbd-dev uuid-runtime \
     libvirt-daemon-system libvirt-clients libvirt-daemon-driver-qemu python3-libvirt
 
