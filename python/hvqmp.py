@@ -112,9 +112,10 @@ class QMP:
         return self.sock is not None
 
     # -- commands ----------------------------------------------------------
-    def cmd(self, name, **args):
+    def cmd(self, name, /, **args):
         """Run a command; return its 'return' value.  Any transport failure
-        closes the connection (the caller reconnects when it wants)."""
+        closes the connection (the caller reconnects when it wants).  name
+        is positional only: a command may take an argument 'name'."""
         if self.sock is None:
             raise self.Error(f'{self.path}: not connected')
         self.next_id += 1
