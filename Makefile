@@ -30,10 +30,23 @@ bench: guest
 	@./scripts/bench.sh
 
 # The libvirt hook, in libvirt's qemu.d/ layout (libvirt >= 6.5 runs every
-# executable there), and its configuration unless one exists.
+# executable there), and its configuration unless one exists.  Our host
+# library (python/hvqmp.py) goes to $(LIB_DIR), and the hook's marked line
+# is rewritten to look there.
 HOOKS_DIR ?= $(DESTDIR)/etc/libvirt/hooks
+PREFIX ?= /usr/local
+LIB_DIR = $(PREFIX)/lib/hybridvm/python
+HOOK_LIB_LINE = LIB_DIR = '$(LIB_DIR)'  \# make install
 install:
-	install -D -m 0755 libvirt-hooks/qemu $(HOOKS_DIR)/qemu.d/50-hybridvm
+	install -D -m 0644 python/hvqmp.py $(DESTDIR)$(LIB_DIR)/hvqmp.py
+	install -d $(HOOKS_DIR)/qemu.d
+	sed "s|^LIB_DIR = .*  # make install\$$|$(HOOK_LIB_LINE)|" libvirt-hooks/qemu \
+		>$(HOOKS_DIR)/.50-hybridvm.tmp
+	grep -qxF "$(HOOK_LIB_LINE)" $(HOOKS_DIR)/.50-hybridvm.tmp || \
+		{ rm -f $(HOOKS_DIR)/.50-hybridvm.tmp; \
+		  echo "install: the hook's LIB_DIR line was not rewritten" >&2; exit 1; }
+	chmod 0755 $(HOOKS_DIR)/.50-hybridvm.tmp
+	mv -f $(HOOKS_DIR)/.50-hybridvm.tmp $(HOOKS_DIR)/qemu.d/50-hybridvm
 	test -e $(HOOKS_DIR)/hybridvm.conf || \
 		install -m 0644 libvirt-hooks/hybridvm.conf.example $(HOOKS_DIR)/hybridvm.conf
 	@echo "installed; restart libvirtd so that it notices new hooks"

@@ -6,7 +6,10 @@ existing one alone, and refuses, saying why, an export neither served nor
 configured, a daemon that does not answer, and hostile names and config."""
 import json
 import os
+import socket
 import sys
+import threading
+import time
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -138,6 +141,65 @@ class HookCloneCacheTest(HookCase):
         self.assertIn('timed out', r.stderr)
         self.assertLess(time.monotonic() - t0, 30)
         mute.close()
+
+
+class Peer(threading.Thread):
+    """A QMP peer that greets, takes the hook's first command and answers
+    it with `chunks`, each (bytes, seconds to wait after sending it)."""
+
+    def __init__(self, path, chunks):
+        super().__init__(daemon=True)
+        self.chunks = chunks
+        self.srv = socket.socket(socket.AF_UNIX)
+        self.srv.bind(path)
+        self.srv.listen(1)
+        self.start()
+
+    def run(self):
+        conn, _ = self.srv.accept()
+        with conn:
+            try:
+                conn.sendall(b'{"QMP": {"version": {}, "capabilities": []}}\n')
+                conn.recv(65536)
+                for data, wait in self.chunks:
+                    conn.sendall(data)
+                    time.sleep(wait)
+            except OSError:
+                pass                    # the hook hung up
+
+    def close(self):
+        self.srv.close()
+
+
+class HookHostileDaemonTest(HookCase):
+    """The hook's QMP client (python/hvqmp.py) keeps its bounds against a
+    peer that is not a well-behaved QEMU: no more than 1000 events before a
+    reply, a line of at most 4 MiB, one 10 s deadline for each command
+    however slowly the peer trickles bytes.  Each refuses the domain."""
+
+    def refused(self, chunks, why, within):
+        path = os.path.join(self.dir, 'peer.sock')
+        peer = Peer(path, chunks)
+        with open(self.config, 'a') as f:
+            f.write(f'[clone-cache]\nqmp = {path}\nsocket = {self.dir}/cc.sock\n')
+        t0 = time.monotonic()
+        r = self.hook('prepare', 'begin', domain([('gold', f'{self.dir}/cc.sock')]))
+        took = time.monotonic() - t0
+        peer.close()
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn(f'refusing g1 on this host: clone-cache daemon at {path}: ', r.stderr)
+        self.assertIn(why, r.stderr)
+        self.assertLess(took, within)
+
+    def test_event_flood(self):
+        event = b'{"event": "X", "data": {}, "timestamp": {"seconds": 0, "microseconds": 0}}\n'
+        self.refused([(event * 1001, 5)], 'more than 1000 events before the reply', 5)
+
+    def test_huge_line(self):
+        self.refused([(b'x' * (5 << 20), 5)], 'longer than 4194304 bytes', 5)
+
+    def test_trickle(self):
+        self.refused([(b' ', 0.5)] * 40, 'timed out', 15)
 
 
 if __name__ == '__main__':

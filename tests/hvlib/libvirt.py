@@ -25,7 +25,6 @@ from xml.sax.saxutils import escape, quoteattr
 from .vm import Console
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HOOK = os.path.join(REPO, 'libvirt-hooks', 'qemu')   # our hook (docs/libvirt.rst)
 
 # What systemd gives libvirtd.service (and so its hooks) as PATH.
 SERVICE_PATH = '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin'
@@ -95,15 +94,17 @@ def random_ports():
 
 def make_hooks_dir(parent, reserve, conf='', layout='plain'):
     """A new hooks directory under `parent`, for LibvirtHost's hooks_dir: our
-    hook, as /etc/libvirt/hooks/qemu ('plain') or as `make install` lays it
-    out ('qemu.d': hooks/qemu.d/50-hybridvm), and its hybridvm.conf:
+    hook as `make install` installs it (its library in a new prefix under
+    `parent`), as /etc/libvirt/hooks/qemu ('plain') or as `make install` lays
+    it out ('qemu.d': hooks/qemu.d/50-hybridvm), and its hybridvm.conf:
     [memory] reserve = `reserve`, then `conf` (more sections, as text)."""
     d = tempfile.mkdtemp(prefix='hooks-', dir=parent)
-    if layout == 'qemu.d':
-        subprocess.run(['make', '-s', '-C', REPO, 'install', f'HOOKS_DIR={d}'],
-                       check=True, capture_output=True)
-    else:
-        shutil.copy(HOOK, os.path.join(d, 'qemu'))
+    prefix = tempfile.mkdtemp(prefix='prefix-', dir=parent)
+    subprocess.run(['make', '-s', '-C', REPO, 'install', f'HOOKS_DIR={d}', f'PREFIX={prefix}'],
+                   check=True, capture_output=True)
+    if layout == 'plain':
+        os.rename(os.path.join(d, 'qemu.d', '50-hybridvm'), os.path.join(d, 'qemu'))
+        os.rmdir(os.path.join(d, 'qemu.d'))
     with open(os.path.join(d, 'hybridvm.conf'), 'w') as f:
         f.write(f'[memory]\nreserve = {reserve}\n{conf}')
     return d
