@@ -11,6 +11,7 @@ import textwrap
 import unittest
 
 HOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'qemu')
+REPO = os.path.dirname(os.path.dirname(HOOK))
 GiB = 1 << 30
 
 
@@ -65,9 +66,9 @@ class HookCase(unittest.TestCase):
                     f'[state]\ndir = {self.dir}/ledger\nlog = {self.dir}/hook.log\n'
                     f'[paths]\n{paths}\n')
 
-    def hook(self, op, subop, xml=''):
+    def hook(self, op, subop, xml='', hook=HOOK):
         env = dict(os.environ, HYBRIDVM_HOOK_CONFIG=self.config)
-        return subprocess.run([sys.executable, HOOK, 'g1', op, subop, '-'], input=xml,
+        return subprocess.run([sys.executable, hook, 'g1', op, subop, '-'], input=xml,
                               capture_output=True, text=True, env=env, timeout=30)
 
     def log(self):
@@ -257,6 +258,52 @@ class HookTest(HookCase):
         for op, sub in (('start', 'begin'), ('started', 'begin'), ('stopped', 'end'), ('migrate', 'end')):
             cp = self.hook(op, sub, 'not even xml')
             self.assertEqual((cp.returncode, cp.stdout), (0, ''), (op, sub))
+
+
+def make_install(*args, umask=0o022):
+    """`make install` with these variables."""
+    r = subprocess.run(['make', '-s', '-C', REPO, 'install', *args], capture_output=True,
+                       text=True, timeout=60, preexec_fn=lambda: os.umask(umask))
+    if r.returncode != 0:
+        raise AssertionError(f'make install failed: {r.stdout}{r.stderr}')
+
+
+class InstallTest(unittest.TestCase):
+    """`make install` stages the hook and its QMP client (python/hvqmp.py)
+    under DESTDIR; the installed hook names the library's directory as it
+    will be once installed."""
+
+    def setUp(self):
+        self.root = tempfile.mkdtemp(prefix='hook-install-')
+
+    def tearDown(self):
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def test_destdir_stages_the_hook_and_its_library(self):
+        """Everything lands under DESTDIR, nothing the root-run hook reads
+        is writable by others whatever the umask, and the installed hook
+        differs from the tree's in its LIB_DIR line only."""
+        make_install(f'DESTDIR={self.root}', umask=0)
+        installed = os.path.join(self.root, 'etc/libvirt/hooks/qemu.d/50-hybridvm')
+        lib = os.path.join(self.root, 'usr/local/lib/hybridvm/python/hvqmp.py')
+        files = sorted(os.path.relpath(os.path.join(d, f), self.root)
+                       for d, _, fs in os.walk(self.root) for f in fs)
+        self.assertEqual(files, ['etc/libvirt/hooks/hybridvm.conf',
+                                 'etc/libvirt/hooks/qemu.d/50-hybridvm',
+                                 'usr/local/lib/hybridvm/python/hvqmp.py'])
+        for d, _, fs in os.walk(self.root):
+            for name in ([d] if d != self.root else []) + [os.path.join(d, f) for f in fs]:
+                self.assertFalse(os.stat(name).st_mode & 0o022, f'{name} is writable by others')
+        self.assertTrue(os.access(installed, os.X_OK))
+        with open(lib) as f, open(os.path.join(REPO, 'python', 'hvqmp.py')) as g:
+            self.assertEqual(f.read(), g.read())
+        with open(installed) as f, open(HOOK) as g:
+            ours, tree = f.read().splitlines(), g.read().splitlines()
+        self.assertEqual(len(ours), len(tree))
+        self.assertEqual([(a, b) for a, b in zip(ours, tree) if a != b], [(
+            "LIB_DIR = '/usr/local/lib/hybridvm/python'  # make install",
+            "LIB_DIR = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + '/python'"
+            "  # make install")])
 
 
 if __name__ == '__main__':

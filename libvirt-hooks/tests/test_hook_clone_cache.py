@@ -7,6 +7,7 @@ configured, a daemon that does not answer, and hostile names and config."""
 import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -16,7 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, '..', '..', 'block', 'tests'))
 import hybridlib as H   # noqa: E402
-from test_hook import HookCase   # noqa: E402
+from test_hook import HookCase, make_install   # noqa: E402
 
 MiB = 1 << 20
 
@@ -117,6 +118,29 @@ class HookCloneCacheTest(HookCase):
         self.write_config(bases={'gold': {'blockdev': '"file"'}})
         r = self.hook('prepare', 'begin', domain([('gold', self.nbd)]))
         self.assertIn('must be a JSON object with a driver', r.stderr)
+
+    def test_installed_hook_asks_through_the_installed_library(self):
+        """The hook as `make install` installs it (PREFIX in a temp dir)
+        adds the export through its own copy of hvqmp, not the tree's."""
+        prefix, hooks = self.tmp('prefix'), self.tmp('hooks')
+        make_install(f'PREFIX={prefix}', f'HOOKS_DIR={hooks}')
+        installed = os.path.join(hooks, 'qemu.d', '50-hybridvm')
+        r = self.hook('prepare', 'begin', domain([('gold', self.nbd)]), hook=installed)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(self.exports(), ['gold'])
+        # the same call again, then which hvqmp it imported
+        which = ('import runpy, sys\n'
+                 'sys.argv = sys.argv[1:]\n'
+                 'try:\n'
+                 '    runpy.run_path(sys.argv[0], run_name="__main__")\n'
+                 'except SystemExit as e:\n'
+                 '    print(e.code, sys.modules["hvqmp"].__file__)\n')
+        r = subprocess.run([sys.executable, '-c', which, installed, 'g1', 'prepare', 'begin',
+                            '-'], input=domain([('gold', self.nbd)]), capture_output=True,
+                           text=True, env=dict(os.environ, HYBRIDVM_HOOK_CONFIG=self.config),
+                           timeout=30)
+        self.assertEqual(r.stdout.split(),
+                         ['0', os.path.join(prefix, 'lib/hybridvm/python/hvqmp.py')], r.stderr)
 
     def test_daemon_down_refuses(self):
         self.qsd.kill()
