@@ -1,13 +1,14 @@
 """Helpers for the hybrid block format tests: binaries, qemu-img, an
-interactive qemu-io driver and a qemu-storage-daemon with a QMP client."""
+interactive qemu-io driver and a qemu-storage-daemon with a QMP client
+(QEMU's qemu.qmp, from the QEMU source tree the build unpacked)."""
 
 import json
 import os
 import select
 import shutil
 import signal
-import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -15,6 +16,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BUILD = os.environ.get('HYBRIDVM_BUILD', os.path.join(REPO, 'build'))
 BIN = os.path.join(BUILD, 'bin')
 LONG = os.environ.get('HYBRIDVM_LONG') == '1'
+QEMU_PYTHON = os.path.join(BUILD, 'qemu-src', 'python')
+if os.path.isdir(QEMU_PYTHON) and QEMU_PYTHON not in sys.path:
+    sys.path.insert(0, QEMU_PYTHON)
 
 
 def binary(name):
@@ -127,11 +131,14 @@ class QemuIo:
 
 
 class StorageDaemon:
-    """qemu-storage-daemon with a QMP socket; events are collected."""
+    """qemu-storage-daemon with a QMP monitor (qemu.qmp); events are
+    collected."""
 
     def __init__(self, tmp, *args, system=False, pass_fds=(), env=None):
         """system=True: qemu-system-x86_64 -M none instead (has HMP);
         env: the daemon's environment (default: ours)."""
+        from qemu.qmp import ConnectError
+        from qemu.qmp.legacy import QEMUMonitorProtocol
         self.sock_path = tmp('qmp.sock')
         self.log = open(tmp('qsd.log'), 'w+')
         prog = [binary('qemu-storage-daemon')]
@@ -144,49 +151,26 @@ class StorageDaemon:
              '--mon', 'chardev=qmp,mode=control'] + list(args),
             stdout=self.log, stderr=subprocess.STDOUT, pass_fds=pass_fds,
             env=env)
+        self.mon = QEMUMonitorProtocol(self.sock_path)
         deadline = time.monotonic() + 30
         while True:
             try:
-                self.sock = socket.socket(socket.AF_UNIX)
-                self.sock.connect(self.sock_path)
+                self.mon.connect()      # greeting and qmp_capabilities
                 break
-            except OSError:
-                self.sock.close()
+            except ConnectError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.log.seek(0)
                     raise RuntimeError('qemu-storage-daemon did not start: ' +
-                                       self.log.read())
+                                       self.log.read()) from None
                 time.sleep(0.05)
-        self.rbuf = b''
+        self.mon.settimeout(60)
         self.events = []
-        self._read()                      # greeting
-        self.qmp('qmp_capabilities')
-
-    def _read(self, timeout=60):
-        """One QMP message; socket.timeout when none arrives in time (the
-        connection stays usable)."""
-        deadline = time.monotonic() + timeout
-        while b'\n' not in self.rbuf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.sock], [], [], left)[0]:
-                raise socket.timeout('no QMP message')
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise EOFError('QMP connection closed')
-            self.rbuf += chunk
-        line, self.rbuf = self.rbuf.split(b'\n', 1)
-        return json.loads(line)
 
     def qmp(self, cmd, **args):
         """Run a command; return the whole response (error or return)."""
-        self.sock.sendall((json.dumps({'execute': cmd, 'arguments': args}) +
-                           '\n').encode())
-        while True:
-            msg = self._read()
-            if 'event' in msg:
-                self.events.append(msg)
-            else:
-                return msg
+        r = self.mon.cmd_raw(cmd, args)
+        self.events += self.mon.get_events()
+        return r
 
     def cmd(self, cmd, **args):
         r = self.qmp(cmd, **args)
@@ -218,31 +202,38 @@ class StorageDaemon:
             if left <= 0:
                 raise TimeoutError(f'no {name} event')
             try:
-                msg = self._read(left)
-            except socket.timeout:
-                continue
-            if 'event' in msg:
-                self.events.append(msg)
+                self.events.append(self.mon.pull_event(wait=left))
+            except TimeoutError:        # asyncio's, the same class since 3.11
+                pass
+
+    def _close_monitor(self):
+        """Close QMP: the daemon having gone (quit, killed) is no error."""
+        from qemu.qmp import QMPError
+        try:
+            self.mon.close()
+        except (QMPError, EOFError, OSError):
+            pass
 
     def stop(self):
         if self.proc.poll() is None:
+            from qemu.qmp import QMPError
             try:
                 self.qmp('quit')
-            except (OSError, EOFError, ValueError):
+            except (QMPError, EOFError, OSError):
                 pass
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.sock.close()
+        self._close_monitor()
         self.log.close()
 
     def kill(self):
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-        self.sock.close()
+        self._close_monitor()
         self.log.close()
 
 
