@@ -27,34 +27,6 @@ import brokerlib as B   # noqa: E402
 MiB = 1024 * 1024
 
 
-class RawQmp:
-    """A minimal QMP client on a unix socket, usable from any thread."""
-
-    def __init__(self, path):
-        import socket
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.settimeout(60)
-        self.sock.connect(path)
-        self.f = self.sock.makefile('rwb')
-        json.loads(self.f.readline())           # greeting
-        self.cmd('qmp_capabilities')
-
-    def cmd(self, name, **args):
-        self.f.write(json.dumps({'execute': name, 'arguments': args})
-                     .encode() + b'\n')
-        self.f.flush()
-        while True:
-            msg = json.loads(self.f.readline())
-            if 'event' not in msg:
-                if 'error' in msg:
-                    raise RuntimeError(f'{name}: {msg["error"]}')
-                return msg['return']
-
-    def close(self):
-        self.f.close()
-        self.sock.close()
-
-
 class GuestRamInRegion(HybridVMTest):
 
     def setUp(self):
@@ -148,7 +120,8 @@ class GuestRamInRegion(HybridVMTest):
                '-machine', 'memory-backend=ram0,aux-ram-share=on']
         try:
             # a second QMP monitor, on a plain socket the migrate thread
-            # can use (QEMUMachine's QMP client belongs to this thread)
+            # can use (QEMUMachine's QMP client belongs to this thread's
+            # event loop; qemu.qmp's legacy client makes one of its own)
             qmp2 = os.path.join(self.sockdir, 'old-qmp.sock')
             old = self.guest('cpr-old', mem='256M', redis=False, args=ram + [
                 '-chardev', f'socket,id=qmp2,path={qmp2},server=on,wait=off',
@@ -157,6 +130,7 @@ class GuestRamInRegion(HybridVMTest):
             old.wait_console(r'HV-BOOTED', timeout=120)
             marker = f'HVCPR-{uuid.uuid4().hex}'
             old.run(f'echo {marker} > /tmp/marker && cat /tmp/marker')
+            from qemu.qmp.legacy import QEMUMonitorProtocol  # where hvlib found QEMU's
             main_sock = os.path.join(self.sockdir, 'main.sock')
             cpr_sock = os.path.join(self.sockdir, 'cpr.sock')
             cpr = json.dumps({'channel-type': 'cpr', 'addr': {
@@ -177,7 +151,9 @@ class GuestRamInRegion(HybridVMTest):
                     if time.monotonic() > deadline:
                         return
                     time.sleep(0.02)
-                mon = RawQmp(qmp2)
+                mon = QEMUMonitorProtocol(qmp2)
+                mon.connect()
+                mon.settimeout(60)
                 mon.cmd('migrate-set-parameters', mode='cpr-transfer')
                 started.append(time.monotonic())
                 mon.cmd('migrate', channels=[
