@@ -5,13 +5,14 @@ use this one module; the tests' own QEMU drivers (tests/hvlib, block/tests)
 use QEMU's qemu.qmp instead.  Why not qemu.qmp here too:
 - These programs run on the host's system Python (/usr/bin/python3), which
   has no qemu.qmp (Debian 12 does not package it) and no venv: `make
-  install` puts this one file beside the hook, and the arbiter runs from the
-  tree.  The tests run in the build's venv, which has QEMU's python/ tree.
+  install` puts this one file in PREFIX/lib/hybridvm/python, where the
+  installed hook looks, and the arbiter runs from the tree.  The tests run
+  in the build's venv, with QEMU's python/ tree on their path.
 - Their peers may be hostile (a QEMU that hangs mid-reply, a socket that is
   not QEMU at all, a 1 GiB line), and each call must be bounded whatever the
   other end does.  qemu.qmp bounds a message at 10 MiB and a call only where
-  its caller wraps it in a timeout, and it does not check replies against
-  QMP's shapes.
+  its caller wraps it in a timeout, queues events without a cap, and only
+  peeks at what it routes (its words: "not fully parsed/validated").
 - libvirt waits for the hook on every event it handles (a whole call takes
   about 40 ms): importing qemu.qmp.legacy (asyncio and all) adds 47 ms to a
   python3 start here, this module 3 ms (medians of 20 and 40 runs,
