@@ -13,6 +13,8 @@ import re
 import stat
 import urllib.parse
 
+from .podmanlink import REF_RE as PODMAN_REF_RE, parse_command
+
 MiB = 1 << 20
 # QEMU's documentation of throttling: below about 2 MB/s a guest may fail
 # to boot or time out its own I/O.  A floor under it is refused.
@@ -173,10 +175,26 @@ class VMConf:
 
 
 class ContainerConf:
+    """One container: its cgroup directory (v1 blkio or v2) and, for PSI,
+    its v2 cgroup; or its podman name or id, whose cgroups the arbiter
+    finds itself (podmanlink.py).  Its weight in the containers' IOPS."""
+
     def __init__(self, s, name):
         self.name = name
-        self.cgroup = s.path('cgroup', required=True)
-        self.pressure = s.path('pressure')
+        has = [k for k in ('cgroup', 'podman') if s.cp.has_option(s.name, k)]
+        if len(has) != 1:
+            raise ConfigError(f'[container {name}] give one of cgroup (a cgroup directory) '
+                              'and podman (a podman container\'s name or id)')
+        if has == ['podman']:
+            self.podman = s.text('podman', required=True, pattern=PODMAN_REF_RE)
+            if s.cp.has_option(s.name, 'pressure'):
+                raise ConfigError(f'[container {name}] pressure: not with podman (the '
+                                  'container\'s v2 cgroup is found with it)')
+            self.cgroup = self.pressure = None
+        else:
+            self.podman = None
+            self.cgroup = s.path('cgroup', required=True)
+            self.pressure = s.path('pressure')
         self.weight = s.num('weight', 1.0, 0.01, 100.0)
 
 
@@ -226,6 +244,15 @@ class Config:
         self.log_max = a.size('log-max-bytes', 16 * MiB, 64 * 1024, 1 << 34)
         self.metrics_file = a.path('metrics-file')
         self.qmp_timeout = a.num('qmp-timeout-ms', 1000, 10, 60000, int, ' ms') / 1000
+        # podman and its global options (--root, --runroot ...) for the
+        # containers given by podman name or id; split as a shell would
+        # (shlex), never run through one
+        raw = a._raw('podman-command', 'podman')
+        try:
+            self.podman_command = parse_command(raw)
+        except ValueError as e:
+            raise a._bad('podman-command', str(e)) from None
+        self.podman_timeout = a.num('podman-timeout-ms', 10000, 100, 120000, int, ' ms') / 1000
 
         if not cp.has_section('device'):
             raise ConfigError(f'{path}: no [device] section')
@@ -260,6 +287,11 @@ class Config:
                 (VMConf if kind == 'vm' else ContainerConf)(s, rest))
         if len(self.vms) > MAX_VMS or len(self.containers) > MAX_CONTAINERS:
             raise ConfigError(f'{path}: at most {MAX_VMS} VMs and {MAX_CONTAINERS} containers')
+        refs = {}
+        for c in self.containers:
+            if c.podman and refs.setdefault(c.podman, c.name) != c.name:
+                raise ConfigError(f'[container {c.name}] podman: {c.podman} is '
+                                  f'[container {refs[c.podman]}] already')
         for s in sections:
             bad = s.unknown()
             if bad:

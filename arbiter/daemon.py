@@ -21,6 +21,7 @@ import time
 from . import policy
 from .files import open_append, replace_file
 from .model import Model
+from .podmanlink import Watch as PodmanWatch
 from .sources import (Probe, SourceError, cgroup_io, device_number, hist_percentile,
                       io_pressure_us, v1_disable_accounting, v1_enable_accounting)
 from .vmlink import VMLink, restore_defaults
@@ -212,6 +213,11 @@ class Arbiter:
         self.cont_prev = {}         # container -> (t, ops, bytes, pressure_us)
         self.cont_err = {}
         self.accounting = {}        # container -> rule files we wrote
+        self.cont_gen = {}          # podman container -> generation its figures are of
+        self.cont_up = {}           # container -> its group read in the last period
+        # the podman containers' groups, found and followed by a thread
+        self.podman = PodmanWatch(conf, self.log) if any(c.podman for c in conf.containers) \
+            else None
         self.idle_count = 0
         self.periods = 0
         self.actions = {}
@@ -226,6 +232,8 @@ class Arbiter:
                            self.conf.probe_window_ms / 1000)
         self.watchdog.start()
         self.probe.start()
+        if self.podman:
+            self.podman.start()
         for link in self.links.values():
             link.start()
         self.server = threading.Thread(target=self.serve, name='status', daemon=True)
@@ -251,6 +259,8 @@ class Arbiter:
         for link in self.links.values():
             link.stop()
         self.probe.stop()
+        if self.podman:
+            self.podman.stop()
         for wrote in self.accounting.values():
             v1_disable_accounting(wrote, self.devno)
         res = restore_defaults(self.conf, self.conf.qmp_timeout, self.log)
@@ -267,22 +277,41 @@ class Arbiter:
     def containers(self, now):
         ops = nbytes = 0
         stall = []
+        up = {}
         for c in self.conf.containers:
+            cgroup, pressure = c.cgroup, c.pressure
+            up[c.name] = False
+            if c.podman:
+                found, gen, why = self.podman.get(c.name)
+                if found is None:
+                    # not there yet, stopped or removed: no I/O, reported
+                    # (the podman thread logs each change of its state)
+                    self.cont_err[c.name] = why
+                    self.cont_prev.pop(c.name, None)
+                    continue
+                if self.cont_gen.get(c.name) != gen:
+                    # found anew (a restart): a new group, counters from zero
+                    self.cont_gen[c.name] = gen
+                    self.cont_prev.pop(c.name, None)
+                cgroup, pressure = found.cgroup, found.pressure
             try:
                 if c.name not in self.cont_prev:
-                    wrote = v1_enable_accounting(c.cgroup, self.devno)
+                    wrote = v1_enable_accounting(cgroup, self.devno)
                     if wrote:
                         self.accounting[c.name] = wrote
                         self.log(dict(event='accounting', container=c.name, rules=wrote))
-                o, b = cgroup_io(c.cgroup, self.devno)
-                p = io_pressure_us(c.pressure) if c.pressure else None
+                o, b = cgroup_io(cgroup, self.devno)
+                p = io_pressure_us(pressure) if pressure else None
             except SourceError as e:
                 if self.cont_err.get(c.name) != str(e):
                     self.log(dict(event='container-error', container=c.name, error=str(e)))
                 self.cont_err[c.name] = str(e)
                 self.cont_prev.pop(c.name, None)
+                if c.podman:
+                    self.podman.recheck(c.name)
                 continue
             self.cont_err.pop(c.name, None)
+            up[c.name] = True
             prev = self.cont_prev.get(c.name)
             self.cont_prev[c.name] = (now, o, b, p)
             if not prev:
@@ -294,6 +323,7 @@ class Arbiter:
             nbytes += max(0, b - prev[2]) / dt
             if p is not None and prev[3] is not None:
                 stall.append(max(0, p - prev[3]) / 1e6 / dt)
+        self.cont_up = up
         pr = self.probe.window_stats(self.conf.target_pct)
         return dict(iops=ops, bps=nbytes, lat_ms=pr['pct_ms'], p50_ms=pr['p50_ms'], p99_ms=pr['p99_ms'],
                     probe_samples=pr['samples'], probe_error=self.probe.error,
@@ -382,6 +412,8 @@ class Arbiter:
                                  default=self.states[n].conf.default_limits())
                          for n, l in self.links.items()}
         s['container_errors'] = dict(self.cont_err)
+        if self.podman:
+            s['podman'] = self.podman.status()
         s['actions'] = dict(self.actions)
         s['probe'] = dict(policy=self.probe.policy, restarts=self.probe.restarts,
                           error=self.probe.error)
@@ -413,6 +445,8 @@ class Arbiter:
         g('container_target_latency_seconds', 'Container latency target at target-percentile',
           [({'quantile': q}, self.target_ms / 1e3)])
         g('container_iops', 'Containers\' completed I/O per second', [({}, c.get('iops'))])
+        g('container_up', 'The container\'s cgroup was read in the last period',
+          [({'container': n}, 1 if up else 0) for n, up in sorted(self.cont_up.items())])
         g('container_io_pressure_ratio', 'Share of time some container task stalled on I/O',
           [({}, c.get('pressure'))])
         g('weighted_work', 'Container plus gap times VM I/O, in 4 KiB I/Os a second',

@@ -4,10 +4,10 @@
 
 One loop device with direct I/O on a file of the build directory's disk.
 The VM: a TCG guest streaming 1 MiB O_DIRECT reads from its virtio-blk
-disk (that device, behind throttle group tg0).  The container: fio, 4 KiB
-random reads at QD4, in its own namespaces under a blkio cgroup
-(arbiter/hvctr-run).  Configurations, interleaved in each of --rounds
-rounds:
+disk (that device, behind throttle group tg0).  The container: a podman
+container (rootful, runc: tests/hvlib/podman.py) running fio, 4 KiB random
+reads at QD4; the arbiter finds it by its podman name.  Configurations,
+interleaved in each of --rounds rounds:
   container solo, VM solo      each side alone (then the container alone
                                again: the probe's baseline is the least of
                                the two, Scenario.probe_baseline)
@@ -16,8 +16,9 @@ rounds:
                                that baseline, the probe's p90; the
                                container's p99 is held to 2x its solo p99)
   static N MB/s                both, the VM's group fixed at N MB/s
-  BFQ weights                  both, the device's scheduler BFQ, container
-                               cgroup weight 1000, QEMU's weight 100
+  BFQ weights                  both, the device's scheduler BFQ, the
+                               container's cgroup parent weight 1000,
+                               QEMU's cgroup weight 100 (siblings)
   VM-path solo / contended     the VM load is fio (1 MiB, QD4) through a
                                qemu-storage-daemon (QEMU's block layer and
                                NBD), no guest CPU: the block layer alone
@@ -69,6 +70,9 @@ def bfq(dev, on):
         raise RuntimeError(f'{q}: no {want} ({cur.strip()})')
     with open(q, 'w') as f:
         f.write(want)
+
+
+BFQ_CTR = '/hvbench-ctr'      # the container's --cgroup-parent in the BFQ phase
 
 
 def move_to_cgroup(pid, path, weight=None):
@@ -138,15 +142,26 @@ class Bench:
                 self.record(rnd, sc.phase(name))
                 sc.vm.set_limits()
             elif name == 'BFQ weights':
+                # podman drops --blkio-weight here (runc's v1 blkio.weight
+                # is CFQ's, gone from this kernel): the weight is set on a
+                # parent group of the container's, a sibling of QEMU's
+                # (BFQ weighs siblings against each other)
                 bfq(sc.loop.dev, True)
+                os.makedirs('/sys/fs/cgroup/blkio' + BFQ_CTR, exist_ok=True)
+                with open(f'/sys/fs/cgroup/blkio{BFQ_CTR}/blkio.bfq.weight', 'w') as f:
+                    f.write('1000')
                 move_to_cgroup(sc.vm.g.pid, '/sys/fs/cgroup/blkio/hvbench-vm', 100)
                 try:
                     sc.vm.stop_load()
                     sc.vm.start_load()
-                    r = sc.phase(name, ctr_args=['--bfq-weight', '1000'])
+                    r = sc.phase(name, run_args=['--cgroup-parent', BFQ_CTR])
                 finally:
                     move_to_cgroup(sc.vm.g.pid, '/sys/fs/cgroup/blkio')
                     os.rmdir('/sys/fs/cgroup/blkio/hvbench-vm')
+                    if sc.fio:
+                        sc.fio.stop()
+                        sc.fio = None
+                    A.remove_cgroup_tree(BFQ_CTR)
                     bfq(sc.loop.dev, False)
                 self.record(rnd, r)
         return target
@@ -166,8 +181,7 @@ class Bench:
                 c = None
                 if name.endswith('contended'):
                     time.sleep(1)
-                    c = A.fio_result(A.container(f'arb-{os.getpid()}', sc.loop.dev,
-                                                 self.a.seconds))
+                    c = A.container(self.tmp, sc.ctr, sc.loop.dev, self.a.seconds).result()
                 v = A.fio_result(load)
                 self.record(rnd, dict(phase=name, container=c,
                                       vm=dict(bps=v['iops'] * (1 << 20), iops=v['iops'],
@@ -220,7 +234,8 @@ class Bench:
                  f'{a.seconds} s phases, mean +- 95 % CI.  A loop device (direct I/O) on a '
                  f'{a.size_mib} MiB file of this machine\'s disk; the VM: a TCG guest streaming '
                  '1 MiB O_DIRECT reads from its virtio-blk disk on that device; the container: '
-                 'fio 4 KiB random reads at QD4 in its own namespaces and blkio cgroup.  '
+                 'fio 4 KiB random reads at QD4 in a podman container (runc, cgroup v1 '
+                 'blkio), which the arbiter finds by its name.  '
                  'Work W = (container bytes + gap x VM bytes) / 4 KiB a second, '
                  f'gap = {gap:.2f} (calibration below).  Target: the container\'s p99 at '
                  'most 2 x its solo p99 of the round (0.5 ms at least); the arbiter is told '

@@ -1,10 +1,12 @@
 """Helpers for the arbiter's tests: a loop device with direct I/O on a file
 (the shared "SSD"), a VM path through QEMU's block layer (a
 qemu-storage-daemon whose export sits behind a throttle group, loaded by
-fio's nbd engine), containers (hvctr-run + fio), and the daemon itself."""
+fio's nbd engine), containers (podman's, running fio; tests/hvlib/podman.py)
+and the daemon itself."""
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -21,10 +23,10 @@ sys.path.insert(0, REPO)
 import hybridlib as H   # noqa: E402
 sys.path.insert(0, os.path.join(REPO, 'tests'))
 from hvlib import Guest   # noqa: E402
+from hvlib.podman import Podman, PodmanMissing   # noqa: E402
 from arbiter.sources import HIST_NS   # noqa: E402
 
 HVARBITER = os.path.join(ARBITER, 'hvarbiter')
-HVCTR = os.path.join(ARBITER, 'hvctr-run')
 
 
 def unavailable():
@@ -36,6 +38,9 @@ def unavailable():
             return f'{tool} is not installed'
     if not H.have_binaries():
         return 'QEMU is not built (make)'
+    why = podman_unavailable()
+    if why:
+        return why
     if not os.path.exists('/sys/fs/cgroup/blkio/blkio.throttle.io_serviced') and \
             not os.path.exists('/sys/fs/cgroup/cgroup.controllers'):
         return 'no cgroup v1 blkio or v2 hierarchy'
@@ -178,38 +183,149 @@ class _Sub:
         return self.tmp(f'{self.prefix}-{name}')
 
 
-def container(name, dev, seconds, qd=4, bs='4k', rw='randread', hvctr_args=(), ramp=0):
-    """fio as a container: its own namespaces, cgroups hvctr/NAME.  Its
-    figures leave out the first 'ramp' seconds (fio's ramp_time)."""
-    return subprocess.Popen(
-        [HVCTR, '--name', name, *hvctr_args, '--', 'fio', '--name=ctr', f'--filename={dev}', '--direct=1',
-         '--ioengine=libaio', f'--rw={rw}', f'--bs={bs}', f'--iodepth={qd}', '--time_based=1',
-         f'--runtime={seconds}', f'--ramp_time={ramp}', '--output-format=json'],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+_podman = None
 
 
-def fio_result(proc, timeout=120):
-    out, err = proc.communicate(timeout=timeout)
-    if proc.returncode:
-        raise AssertionError(f'fio failed ({proc.returncode}): {err[-500:]}')
+def podman():
+    """The tests' podman (rootful, runc, its own storage under the build
+    directory), made once."""
+    global _podman
+    if _podman is None:
+        _podman = Podman()
+    return _podman
+
+
+def podman_unavailable():
+    """Why podman containers cannot run here, or None."""
+    if os.geteuid() != 0:
+        return 'needs root (rootful podman)'
+    try:
+        podman()
+    except PodmanMissing as e:
+        return str(e)
+    return None
+
+
+def podman_command():
+    """[arbiter] podman-command for the tests' podman: its global options
+    (its storage) and nothing else."""
+    return shlex.join(podman().argv())
+
+
+def parse_fio(out):
     j = json.loads(out[out.index('{'):])['jobs'][0]
     side = j['read'] if j['read']['io_bytes'] else j['write']
     pc = side['clat_ns']['percentile']
     return dict(iops=side['iops'], p50_ms=pc['50.000000'] / 1e6, p99_ms=pc['99.000000'] / 1e6)
 
 
+class FioContainer:
+    """fio in a podman container of the test image, on the device dev
+    (given to it with --device), started detached: `podman run -d`
+    returns once fio runs, so a phase's clock starts with it, and
+    result() waits for its end (its init pid, not podman's 250 ms poll).
+    Its figures leave out the first 'ramp' seconds (fio's ramp_time);
+    fio writes them to a directory of tmp bind-mounted at /out.  The
+    container is removed by result() or stop() (tests call stop() in their
+    clean-up: a failed test leaves none behind).  run_args go to podman
+    run (--cgroup-parent ...)."""
+
+    def __init__(self, tmp, name, dev, seconds, qd=4, bs='4k', rw='randread', ramp=0,
+                 run_args=()):
+        self.pm, self.name, self.seconds = podman(), name, seconds
+        self.out = tmp(f'{name}-out')
+        os.makedirs(self.out, exist_ok=True)
+        self.pm.rm(name)                # a killed run's leftover
+        self.pm.run('run', '-d', '--name', name, '--network', 'none', '--device', dev,
+                    '-v', f'{self.out}:/out', *run_args, self.pm.image(),
+                    'fio', '--name=ctr', f'--filename={dev}', '--direct=1', '--ioengine=libaio',
+                    f'--rw={rw}', f'--bs={bs}', f'--iodepth={qd}', '--time_based=1',
+                    f'--runtime={seconds}', f'--ramp_time={ramp}', '--output-format=json',
+                    '--output=/out/fio.json')
+        info = self.pm.inspect(name)
+        self.id, self.pid = info['Id'], info['State']['Pid']
+        self.done = False
+
+    def result(self, timeout=120):
+        """fio's figures (iops, p50_ms, p99_ms) once it has ended."""
+        deadline = time.monotonic() + timeout
+        why = 'no output'
+        while os.path.exists(f'/proc/{self.pid}'):
+            if time.monotonic() > deadline:
+                raise AssertionError(f'container {self.name}: fio still runs after {timeout} s')
+            time.sleep(0.02)
+        code = self.pm.run('wait', self.name, timeout=60).stdout.strip()
+        try:
+            with open(os.path.join(self.out, 'fio.json')) as f:
+                out = f.read()
+        except OSError as e:
+            out = ''
+            why = str(e)
+        self.stop()
+        if code != '0' or not out:
+            raise AssertionError(f'fio in container {self.name} failed ({code}): '
+                                 f'{out[-500:] or why}')
+        return parse_fio(out)
+
+    def stop(self):
+        if not self.done:
+            self.pm.rm(self.name)
+            self.done = True
+
+
+def container(tmp, name, dev, seconds, **kw):
+    """fio as a podman container (FioContainer)."""
+    return FioContainer(tmp, name, dev, seconds, **kw)
+
+
+def fio_result(proc, timeout=120):
+    """The figures of a fio process (the VM path's fio, over NBD)."""
+    out, err = proc.communicate(timeout=timeout)
+    if proc.returncode:
+        raise AssertionError(f'fio failed ({proc.returncode}): {err[-500:]}')
+    return parse_fio(out)
+
+
+def remove_cgroup_tree(rel):
+    """Remove the group rel ('/parent') and its children (a container's,
+    conmon's) from every hierarchy under /sys/fs/cgroup: what podman's
+    cgroupfs manager made for --cgroup-parent and leaves behind."""
+    for h in os.listdir('/sys/fs/cgroup'):
+        top = os.path.join('/sys/fs/cgroup', h, rel.lstrip('/'))
+        if not os.path.isdir(top):
+            continue
+        for d, _, _ in sorted(os.walk(top), key=lambda x: -len(x[0])):
+            deadline = time.monotonic() + 5
+            while True:
+                try:
+                    os.rmdir(d)
+                    break
+                except OSError:         # conmon may still be on its way out
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+
+
 def cgroup_paths(name):
-    return (f'/sys/fs/cgroup/blkio/hvctr/{name}', f'/sys/fs/cgroup/unified/hvctr/{name}')
+    """Cgroups a test makes itself (a [container] given by cgroup =)."""
+    return (f'/sys/fs/cgroup/blkio/hvarbiter-test/{name}',
+            f'/sys/fs/cgroup/unified/hvarbiter-test/{name}')
 
 
 def config(tmp, dev, vms, containers, target_ms=5.0, period_ms=100, extra_device='',
-           extra_vm='', state='state', extra_arbiter=''):
-    """Write an arbiter configuration; vms: [(name, qmp_path)]."""
+           extra_vm='', state='state', extra_arbiter='', cgroups=()):
+    """Write an arbiter configuration; vms: [(name, qmp_path)]; containers:
+    podman names (the tests' podman, podman-command set for it); cgroups:
+    names of containers given by their cgroups (cgroup_paths)."""
+    if containers:
+        extra_arbiter = f'podman-command = {podman_command()}\n' + extra_arbiter
     text = (f'[arbiter]\nperiod-ms = {period_ms}\nstate-dir = {tmp(state)}\n'
             f'qmp-timeout-ms = 500\n{extra_arbiter}\n'
             f'[device]\npath = {dev}\ntarget-latency-ms = {target_ms}\nprobe-iops = 200\n'
             f'{extra_device}\n')
     for name in containers:
+        text += f'[container {name}]\npodman = {name}\n\n'
+    for name in cgroups:
         v1, v2 = cgroup_paths(name)
         text += f'[container {name}]\ncgroup = {v1}\n'
         if os.path.exists('/sys/fs/cgroup/unified/cgroup.controllers'):

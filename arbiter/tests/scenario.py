@@ -2,8 +2,8 @@
 test_guest_arbiter.py and bench/arbiter.py): one loop device with direct
 I/O; a TCG guest whose virtio-blk disk is that device behind throttle group
 tg0, streaming 1 MiB O_DIRECT reads (a VM doing a backup or a scan); a
-container (fio in namespaces under a blkio cgroup) doing 4 KiB random
-reads at QD4 on the same device.  Each phase measures the container with
+podman container running fio, 4 KiB random reads at QD4 on the same
+device; the arbiter finds the container by its podman name.  Each phase measures the container with
 fio's own figures and the VM from QEMU's blockstats over the same window.
 """
 
@@ -38,30 +38,35 @@ class Scenario:
             self.loop.close()
             raise
         self.daemon = None
+        self.ctr = f'arb-{os.getpid()}'
+        self.fio = None
 
     def close(self):
+        if self.fio:
+            self.fio.stop()
         if self.daemon:
             self.daemon.close()
         if self.vm:
             self.vm.close()
         self.loop.close()
 
-    def phase(self, name, container=True, vm=True, settle=0.0, ctr_args=()):
+    def phase(self, name, container=True, vm=True, settle=0.0, run_args=()):
         """Run one phase; returns dict(container=fio figures or None,
-        vm=rates or None)."""
+        vm=rates or None).  run_args go to the container's podman run."""
         (self.vm.start_load if vm else self.vm.stop_load)()
         p = None
         if container:
             # with the container running through the settling time (the
             # arbiter acts on it), which fio leaves out of its figures
-            p = A.container(f'arb-{os.getpid()}', self.loop.dev, self.secs,
-                            hvctr_args=ctr_args, ramp=settle)
+            p = self.fio = A.container(self.tmp, self.ctr, self.loop.dev, self.secs,
+                                       run_args=run_args, ramp=settle)
         time.sleep(settle or (0.5 if vm else 0))
         self.vm.histogram()
         a = self.vm.sample()
         c = None
         if p:
-            c = A.fio_result(p, timeout=self.secs + settle + 120)
+            c = p.result(timeout=self.secs + settle + 120)
+            self.fio = None
         else:
             time.sleep(self.secs)
         b = self.vm.sample()
@@ -95,8 +100,7 @@ class Scenario:
         return min(got) if got else None
 
     def start_arbiter(self, target_ms, gap=1.0, period_ms=100):
-        ctr = f'arb-{os.getpid()}'
-        conf = A.config(self.tmp, self.loop.dev, [('vm0', self.vm.qmp_path)], [ctr],
+        conf = A.config(self.tmp, self.loop.dev, [('vm0', self.vm.qmp_path)], [self.ctr],
                         target_ms=target_ms, period_ms=period_ms,
                         extra_device=f'gap = {gap}\n', extra_vm='device = disk0\n')
         self.daemon = A.Daemon(conf, self.tmp)

@@ -24,8 +24,8 @@ path = /dev/loop0
 target-latency-ms = 2.5
 
 [container db]
-cgroup = /sys/fs/cgroup/blkio/hvctr/db
-pressure = /sys/fs/cgroup/unified/hvctr/db
+cgroup = /sys/fs/cgroup/blkio/db
+pressure = /sys/fs/cgroup/unified/db
 
 [vm web1]
 qmp = /run/vm/web1.qmp
@@ -58,7 +58,7 @@ class ConfigTest(unittest.TestCase):
         self.assertEqual([v.name for v in c.vms], ['web1'])
         self.assertEqual(c.vms[0].floor_bps, 4 << 20)
         self.assertEqual(c.vms[0].default_limits(), {'iops-total': 0, 'bps-total': 0})
-        self.assertEqual(c.containers[0].pressure, '/sys/fs/cgroup/unified/hvctr/db')
+        self.assertEqual(c.containers[0].pressure, '/sys/fs/cgroup/unified/db')
         self.assertEqual(c.socket, '/run/hvarbiter-test/arbiter.sock')
 
     def test_absurd_targets(self):
@@ -160,6 +160,88 @@ class ConfigTest(unittest.TestCase):
                           r.stderr)
             self.assertIn('python3-libvirt', r.stderr)
 
+    def test_podman_container(self):
+        """[container NAME] takes a podman container's name or id instead of
+        a cgroup (exactly one of the two); [arbiter] podman-command gives
+        podman's global options, split as a shell would, never run by one."""
+        pm = GOOD.replace('cgroup = /sys/fs/cgroup/blkio/db\npressure = /sys/fs/cgroup/unified/db',
+                          'podman = web-db_1.prod')
+        c = self.load(pm)
+        self.assertEqual((c.containers[0].podman, c.containers[0].cgroup,
+                          c.containers[0].pressure), ('web-db_1.prod', None, None))
+        self.assertEqual(c.podman_command, ['podman'])
+        self.assertEqual(c.podman_timeout, 10.0)
+        self.assertIsNone(self.load(GOOD).containers[0].podman)
+        cid = '5c5f3da95e72' * 5 + '1fee'
+        self.assertEqual(self.load(pm.replace('web-db_1.prod', cid)).containers[0].podman, cid)
+        c = self.load(pm.replace('[arbiter]', '[arbiter]\npodman-command = podman --root '
+                                 '"/var/lib/my containers" --runroot=/run/c --runtime runc '
+                                 '--cgroup-manager cgroupfs --events-backend file\n'
+                                 'podman-timeout-ms = 500'))
+        self.assertEqual(c.podman_command, ['podman', '--root', '/var/lib/my containers',
+                                            '--runroot', '/run/c', '--runtime', 'runc',
+                                            '--cgroup-manager', 'cgroupfs',
+                                            '--events-backend', 'file'])
+        self.assertEqual(c.podman_timeout, 0.5)
+
+    def test_the_example_parses(self):
+        """arbiter.conf.example, as shipped, is a valid configuration."""
+        with open(os.path.join(os.path.dirname(HVARBITER), 'arbiter.conf.example')) as f:
+            c = self.load(f.read())
+        self.assertEqual([(x.name, x.podman) for x in c.containers], [('db', 'db')])
+        self.assertEqual([v.name for v in c.vms], ['web1'])
+
+    def test_podman_hostile_values(self):
+        """Names that are not podman's (an option, a path, shell syntax,
+        control characters, too long), both or neither of cgroup and
+        podman, a pressure group beside podman, the same container twice,
+        a podman-command that is not podman or passes an option the
+        arbiter does not, an absurd timeout: each refused, named."""
+        pm = GOOD.replace('cgroup = /sys/fs/cgroup/blkio/db\npressure = /sys/fs/cgroup/unified/db',
+                          'podman = db')
+        for ref in ('-db', '--remote', '../db', 'a/b', 'db;id', '$(id)', '`id`', 'a b', '.db',
+                    '_db', 'x' * 254, 'd\u00e9', 'db\x01', '*'):
+            self.refused(pm.replace('podman = db', f'podman = {ref}'),
+                         '[container db] podman', 'is not a valid name')
+        self.assertEqual(self.load(pm.replace('podman = db', 'podman = ' + 'x' * 253))
+                         .containers[0].podman, 'x' * 253)
+        self.refused(pm.replace('podman = db', 'podman = db\ncgroup = /sys/fs/cgroup/blkio/x'),
+                     '[container db] give one of cgroup', 'and podman')
+        self.refused(pm.replace('podman = db', 'weight = 2'), '[container db] give one of')
+        self.refused(pm.replace('podman = db', 'podman = db\npressure = /x'),
+                     '[container db] pressure: not with podman')
+        self.refused(pm + '\n[container db2]\npodman = db\n',
+                     '[container db2] podman: db is [container db] already')
+        self.refused(pm.replace('podman = db', 'podman ='), '[container db] podman: is required')
+        for cmd, why in (('sh -c "podman $x"', 'the program is podman'),
+                         ('podman --remote', 'not one of the global options'),
+                         ('podman --url tcp://10.0.0.1:8080', 'not one of the global options'),
+                         ('podman --root relative', 'must be an absolute path'),
+                         ('podman --root "/a', 'cannot split'),
+                         ('', 'is empty')):
+            self.refused(pm.replace('[arbiter]', f'[arbiter]\npodman-command = {cmd}'),
+                         '[arbiter] podman-command: ', why)
+        for t in ('0', '99', '120001', 'soon'):
+            self.refused(pm.replace('[arbiter]', f'[arbiter]\npodman-timeout-ms = {t}'),
+                         '[arbiter] podman-timeout-ms')
+
+    @unittest.skipIf(os.geteuid() != 0, 'needs root (a block device node)')
+    def test_check_and_run_name_a_missing_podman(self):
+        """check and run refuse a podman-command whose program is not
+        there, at once, rather than wait for a container for good."""
+        d = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, d)
+        os.mknod(os.path.join(d, 'disk'), 0o600 | stat.S_IFBLK, os.makedev(7, 250))
+        pm = GOOD.replace('cgroup = /sys/fs/cgroup/blkio/db\npressure = /sys/fs/cgroup/unified/db',
+                          'podman = db').replace('/dev/loop0', os.path.join(d, 'disk'))
+        conf = self.write(pm.replace('[arbiter]', '[arbiter]\n'
+                                     'podman-command = /nonexistent/podman --root /x'))
+        for cmd in ('check', 'run'):
+            r = self.hvarbiter(cmd, conf)
+            self.assertEqual(r.returncode, 1, r.stdout)
+            self.assertIn('hvarbiter: [container db] podman: /nonexistent/podman is not '
+                          'installed', r.stderr)
+
     def test_relative_paths_are_the_config_files_dirs(self):
         """Every path the configuration names may be relative: it is
         resolved against the directory of the configuration file (its real
@@ -173,7 +255,7 @@ class ConfigTest(unittest.TestCase):
                             'metrics-file = ../prom/arb.prom\nlog = logs/decisions.jsonl')
         text = text.replace('path = /dev/loop0', 'path = /dev/loop0\nmodel = model.json')
         text = text.replace('qmp = /run/vm/web1.qmp', 'qmp = vm/web1.qmp')
-        text = text.replace('cgroup = /sys/fs/cgroup/blkio/hvctr/db', 'cgroup = cg/db')
+        text = text.replace('cgroup = /sys/fs/cgroup/blkio/db', 'cgroup = cg/db')
         with open(os.path.join(d, 'etc', 'arb.conf'), 'w') as f:
             f.write(text)
         os.symlink('etc', os.path.join(d, 'link'))
@@ -193,7 +275,7 @@ class ConfigTest(unittest.TestCase):
             self.assertEqual(c.device, '/dev/loop0')
             self.assertEqual(c.vms[0].qmp, os.path.join(etc, 'vm', 'web1.qmp'))
             self.assertEqual(c.containers[0].cgroup, os.path.join(etc, 'cg', 'db'))
-            self.assertEqual(c.containers[0].pressure, '/sys/fs/cgroup/unified/hvctr/db')
+            self.assertEqual(c.containers[0].pressure, '/sys/fs/cgroup/unified/db')
 
     def write(self, text):
         with tempfile.NamedTemporaryFile('w', suffix='.conf', delete=False) as f:

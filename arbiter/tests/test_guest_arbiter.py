@@ -1,6 +1,7 @@
 """The design's observation reproduced and answered, with a real guest: a
 TCG guest streaming 1 MiB direct reads from its virtio-blk disk and a
-container doing 4 KiB random reads on the same loop device.  Without the
+podman container running fio, 4 KiB random reads on the same loop device,
+which the arbiter finds by its podman name.  Without the
 arbiter the container's IOPS drop and its p99 rises; with it the
 container's p99 (fio's own figure) is back within the target, and the total
 weighted work is not far below that of the best static throttle among

@@ -1,6 +1,6 @@
-"""The arbiter against real parts: a loop device with direct I/O, a VM path
-through QEMU's block layer behind a throttle group (qemu-storage-daemon,
-fio's nbd engine), containers (fio in namespaces under blkio cgroups), the
+"""The arbiter against real parts: a loop device with direct I/O, a TCG
+guest whose disk is that device behind a throttle group, containers
+(podman's, running fio, given to the arbiter by their podman name), the
 daemon and its watchdog as processes.  Limits are read back from QEMU."""
 
 import json
@@ -55,22 +55,17 @@ class ArbiterTest(unittest.TestCase):
         self.vm.set_limits()
         self.state = self.id().rsplit('.', 1)[-1]
         self.ctr = f'c{os.getpid()}'       # containers of parallel runs apart
-        self.procs = []
+        self.ctrs = []
         self.addCleanup(self.reap)
         self.addCleanup(self.vm.stop_load)
 
     def reap(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()       # hvctr-run takes its container with it
-            try:
-                p.communicate(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.communicate()
+        for c in self.ctrs:
+            c.stop()                # podman rm -f
 
-    def daemon(self, target_ms=0.05, vms=None, **kw):
-        conf = A.config(self.tmp, self.loop.dev, vms or [('vm0', self.vm.qmp_path)], [self.ctr],
+    def daemon(self, target_ms=0.05, vms=None, containers=None, **kw):
+        conf = A.config(self.tmp, self.loop.dev, vms or [('vm0', self.vm.qmp_path)],
+                        [self.ctr] if containers is None else containers,
                         target_ms=target_ms, state=self.state, extra_vm='device = disk0\n',
                         **kw)
         d = A.Daemon(conf, self.tmp, state=self.state)
@@ -81,9 +76,9 @@ class ArbiterTest(unittest.TestCase):
         self.vm.start_load()
 
     def container(self, seconds):
-        p = A.container(self.ctr, self.loop.dev, seconds)
-        self.procs.append(p)
-        return p
+        c = A.container(self.tmp, self.ctr, self.loop.dev, seconds)
+        self.ctrs.append(c)
+        return c
 
     def limits(self):
         return self.vm.g.qmp('qom-get', path='/objects/tg0', property='limits')
@@ -115,7 +110,7 @@ class ArbiterTest(unittest.TestCase):
                                x['iops-total'] == 10)
         self.assertGreaterEqual(low['iops-total'], 10)
         self.assertGreaterEqual(low['bps-total'], 2 << 20)
-        A.fio_result(ctr)
+        ctr.result()
         self.wait_limits(default, what='not lifted once the container stopped')
         recs = d.records()
         actions = [r.get('action') for r in recs]
@@ -220,10 +215,16 @@ class ArbiterTest(unittest.TestCase):
         self.assertEqual(d.terminate(), 0)
 
     def test_removed_cgroup_is_reported_not_fatal(self):
+        """A container given by its cgroup (cgroup =), whose directory is
+        removed under the daemon: reported, the loop goes on.  The test
+        makes the groups itself (no container in them): what it checks is
+        the daemon's reading of a group that goes away; a podman
+        container that goes away is test_podman.py's."""
         for p in A.cgroup_paths(self.ctr):
             os.makedirs(p, exist_ok=True)
-        d = self.daemon(target_ms=5)
-        self.addCleanup(lambda: [os.rmdir(p) for p in A.cgroup_paths(self.ctr)
+        d = self.daemon(target_ms=5, containers=[], cgroups=[self.ctr])
+        self.addCleanup(lambda: [os.rmdir(p) for p in A.cgroup_paths(self.ctr) +
+                                 tuple(os.path.dirname(x) for x in A.cgroup_paths(self.ctr))
                                  if os.path.isdir(p)])
         time.sleep(0.5)
         self.assertNotIn(self.ctr, d.status()['container_errors'])
