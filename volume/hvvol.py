@@ -567,23 +567,28 @@ class Volumes:
     # -- mount ------------------------------------------------------------------
     def mount(self, name, mountpoint=None):
         """Mount the volume on mountpoint (an existing empty directory;
-        default <run dir>/<name>/mnt) and return its status.  A volume whose
-        daemon still runs is taken over where it stands; one whose daemon
-        died is cleaned up first (refused while a container still has its
-        dead mount)."""
+        default <run dir>/<name>/mnt) and return its status, with
+        'recovered' saying what was found and done if it was not stopped
+        cleanly (else None).  A volume whose daemon still runs is taken over
+        where it stands; one whose daemon died is cleaned up first (refused
+        while a container still has its dead mount)."""
         name = check_name(name)
         if mountpoint is not None:
             mountpoint = check_mountpoint(mountpoint)
         with self._lock(name):
             cfg = self._config(name)
             st = self._state(name)
+            recovered = None
             if st is not None and host.alive(st['pid'], st['start']):
                 if st['mountpoint'] and self._mounted(st):
                     raise AlreadyMounted(f'volume {name} is mounted already, on '
                                          f'{st["mountpoint"]} (daemon pid {st["pid"]})',
                                          st['mountpoint'])
+                recovered = f'took over its running daemon (pid {st["pid"]})'
             elif st is not None:
                 self._clean_dead(cfg, st)
+                recovered = (f'its daemon (pid {st["pid"]}) had died: its dead mount, loop '
+                             'device and export were cleaned up and a new daemon started')
                 st = None
             if mountpoint is None:
                 mountpoint = os.path.join(self._rdir(name), 'mnt')
@@ -599,7 +604,7 @@ class Volumes:
             except BaseException:
                 self._undo_mount(cfg, st)
                 raise
-        return self.status(name)
+        return dict(self.status(name), recovered=recovered)
 
     def _check_mountpoint_free(self, name, mp):
         m = host.mount_at(mp)

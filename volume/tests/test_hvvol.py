@@ -46,6 +46,7 @@ class LifecycleTest(VolumeTest):
         mp = self.mountpoint()
         st = self.vols.mount('v1', mp)
         self.assertEqual(st['state'], 'mounted')
+        self.assertIsNone(st['recovered'])
         self.assertEqual(st['transport'], 'fuse')
         self.assertTrue(st['direct_io'], 'the loop device runs with direct I/O')
         self.assertTrue(self.vols._config('v1')['formatted'])
@@ -235,7 +236,10 @@ class CrashRecoveryTest(VolumeTest):
         os.sync()
         old = self.kill_daemon('v1')
         self.assertEqual(self.vols.status('v1')['state'], 'crashed')
-        st = self.vols.mount('v1', mp)
+        p = self.hvvol('mount', 'v1', mp)
+        self.assertIn(f'hvvol: volume v1: its daemon (pid {old["pid"]}) had died: its dead '
+                      'mount, loop device and export were cleaned up', p.stdout)
+        st = self.vols.status('v1')
         self.assertNotEqual(st['pid'], old['pid'])
         self.assertEqual(check_files(mp, sums), [])
         self.assertEqual(host.loops_backed_by(os.path.join(self.run_dir, 'v1', 'export')),
@@ -291,6 +295,7 @@ class CrashRecoveryTest(VolumeTest):
         self.assertEqual(self.vols.status('v1')['state'], 'attached')
         st2 = self.vols.mount('v1', mp)
         self.assertEqual(st2['pid'], st['pid'])
+        self.assertIn('took over its running daemon', st2['recovered'])
         with open(os.path.join(mp, 'x')) as f:
             self.assertEqual(f.read(), 'kept')
         self.vols.umount('v1')
