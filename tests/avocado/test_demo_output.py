@@ -3,6 +3,7 @@ from figures built the way the demo builds them.  Host-only and about a second."
 import importlib.util
 import os
 import sys
+import time
 
 from avocado import Test
 
@@ -108,3 +109,41 @@ class DemoOutput(Test):
             with open(path, 'rb') as f:
                 self.assertEqual(f.read(8), b'\x89PNG\r\n\x1a\n')
             self.assertGreater(os.path.getsize(path), 5000)
+
+    def test_shape_checked_before_any_guest(self):
+        """A shape the guest or the host cannot hold is refused at once, with the
+        size to ask for; a bad argument is refused; a shape that fits passes."""
+        import argparse  # pylint: disable=import-outside-toplevel
+
+        def args(**kw):
+            base = dict(mem='1G', items=200000, value_size=100, hot=0.3, bandwidth=125_000_000,
+                        precopy=0.5)
+            base.update(kw)
+            return argparse.Namespace(**base)
+
+        gib = 1 << 30
+        self.assertIsNone(self.demo.shape_error(args(), 22 * gib))
+        self.assertIsNone(self.demo.shape_error(args(mem='5G', items=10_000_000), 22 * gib))
+        why = self.demo.shape_error(args(items=20_000_000), 22 * gib)
+        self.assertRegex(why, r'need about 4\.9 GiB of guest RAM.*give --mem 5G')
+        why = self.demo.shape_error(args(mem='20G', items=10_000_000), 22 * gib)
+        self.assertRegex(why, r'this host has 22\.0 GiB available \(the largest shape that fits: '
+                              r'about \d+ items')
+        for bad in (dict(mem='1X'), dict(mem='-1G'), dict(hot=0), dict(hot=1.5), dict(items=0),
+                    dict(value_size=0), dict(bandwidth=0), dict(precopy=-1)):
+            self.assertIsNotNone(self.demo.shape_error(args(**bad), 22 * gib), bad)
+        self.assertEqual(self.demo.mem_bytes('3072M'), 3 * gib)
+        self.assertEqual(self.demo.mem_bytes('2048'), 2 * gib)    # QEMU's -m: MiB by default
+
+    def test_demo_refuses_before_booting(self):
+        """scripts/demo.py with a shape too large for its guest exits 2 with the
+        reason in about a second: no guest is started, no log directory made."""
+        import subprocess  # pylint: disable=import-outside-toplevel
+        t = time.monotonic()
+        p = subprocess.run([sys.executable, os.path.join(TOP, 'scripts', 'demo.py'), '--mem', '1G',
+                            '--items', '20000000', '--log-dir', os.path.join(self.workdir, 'logs')],
+                           capture_output=True, text=True, timeout=60, check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn('give --mem 5G or more', p.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.workdir, 'logs')))
+        self.assertLess(time.monotonic() - t, 30)
