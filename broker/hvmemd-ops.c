@@ -140,6 +140,15 @@ static void region_info(HvmRegion *r, HvmRegionInfo *ri)
     g_strlcpy(ri->name, r->name, sizeof(ri->name));
 }
 
+/* A region record for the reply */
+static void region_reply(GByteArray *data, HvmRegion *r)
+{
+    HvmRegionInfo ri;
+
+    region_info(r, &ri);
+    hvm_region_encode(data, &ri);
+}
+
 int hvmd_save(Broker *b, char *msg, size_t ml)
 {
     GError *err = NULL;
@@ -211,7 +220,6 @@ static int op_create(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
 {
     Broker *b = c->b;
     uint64_t size = hvmd_round_up(q->size, b->align);
-    HvmRegionInfo ri;
     HvmRegion *r;
     int fd, ret;
 
@@ -253,8 +261,7 @@ static int op_create(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
     }
     g_message("region '%s' created: %" G_GUINT64_FORMAT " bytes, mode %03o, "
               "uid %u, by pid %d", r->name, size, r->mode, r->uid, c->cred.pid);
-    region_info(r, &ri);
-    hvm_region_encode(data, &ri);
+    region_reply(data, r);
     return 0;
 }
 
@@ -289,13 +296,11 @@ static HvmRegion *checked(Conn *c, HvmRequest *q, unsigned want, int *ret,
 static int op_lookup(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
                      size_t ml)
 {
-    HvmRegionInfo ri;
     int ret;
     HvmRegion *r = checked(c, q, 4, &ret, msg, ml);
 
     if (r) {
-        region_info(r, &ri);
-        hvm_region_encode(data, &ri);
+        region_reply(data, r);
     }
     return ret;
 }
@@ -350,7 +355,6 @@ static int op_resize(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
 {
     Broker *b = c->b;
     uint64_t size = hvmd_round_up(q->size, b->align), old;
-    HvmRegionInfo ri;
     int ret;
     HvmRegion *r = checked(c, q, 0, &ret, msg, ml);
 
@@ -400,8 +404,7 @@ static int op_resize(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
             return ret;
         }
     }
-    region_info(r, &ri);
-    hvm_region_encode(data, &ri);
+    region_reply(data, r);
     return 0;
 }
 
@@ -490,7 +493,6 @@ static int op_free(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
 static int op_chmod(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
                     size_t ml)
 {
-    HvmRegionInfo ri;
     uint32_t old;
     int ret;
     HvmRegion *r = checked(c, q, 0, &ret, msg, ml);
@@ -505,8 +507,7 @@ static int op_chmod(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
         r->mode = old;
         return ret;
     }
-    region_info(r, &ri);
-    hvm_region_encode(data, &ri);
+    region_reply(data, r);
     return 0;
 }
 
@@ -514,7 +515,6 @@ static int op_stat(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
                    size_t ml)
 {
     Broker *b = c->b;
-    HvmRegionInfo ri;
     HvmRegion *r;
     int ret;
 
@@ -537,8 +537,7 @@ static int op_stat(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
     if (!r) {
         return ret;
     }
-    region_info(r, &ri);
-    hvm_region_encode(data, &ri);
+    region_reply(data, r);
     for (guint i = 0; i < r->items->len; i++) {
         item_reply(data, g_ptr_array_index(r->items, i));
     }
@@ -557,13 +556,10 @@ static int op_list(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
     hvm_put_u32(data, 0);
     g_hash_table_iter_init(&it, c->b->cat->regions);
     while (g_hash_table_iter_next(&it, NULL, &v)) {
-        HvmRegionInfo ri;
-
         if (!may(c, v, 4)) {
             continue;
         }
-        region_info(v, &ri);
-        hvm_region_encode(data, &ri);
+        region_reply(data, v);
         n++;
     }
     data->data[count_at] = n;
@@ -658,7 +654,6 @@ static int op_map(Conn *c, HvmRequest *q, GByteArray *data, int *fd_out,
                   char *msg, size_t ml)
 {
     bool rw = q->flags & HVM_MAP_RW;
-    HvmRegionInfo ri;
     int ret, fd;
     HvmRegion *r = checked(c, q, rw ? 6 : 4, &ret, msg, ml);
 
@@ -686,8 +681,7 @@ static int op_map(Conn *c, HvmRequest *q, GByteArray *data, int *fd_out,
         g_message("region '%s': read-write lease to pid %d", r->name,
                   c->cred.pid);
     }
-    region_info(r, &ri);
-    hvm_region_encode(data, &ri);
+    region_reply(data, r);
     *fd_out = fd;
     return 0;
 }
@@ -712,35 +706,32 @@ static int op_release(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
     return 0;
 }
 
+typedef int HvmdOp(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
+                   size_t ml);
+
+/* Every op but HVM_OP_MAP, whose reply also carries a descriptor */
+static HvmdOp *const ops[HVM_OP__MAX] = {
+    [HVM_OP_CREATE] = op_create,
+    [HVM_OP_LOOKUP] = op_lookup,
+    [HVM_OP_DESTROY] = op_destroy,
+    [HVM_OP_RESIZE] = op_resize,
+    [HVM_OP_ALLOC] = op_alloc,
+    [HVM_OP_ITEM_LOOKUP] = op_item_lookup,
+    [HVM_OP_FREE] = op_free,
+    [HVM_OP_CHMOD] = op_chmod,
+    [HVM_OP_STAT] = op_stat,
+    [HVM_OP_LIST] = op_list,
+    [HVM_OP_RELEASE] = op_release,
+};
+
 int hvmd_dispatch(Conn *c, HvmRequest *q, GByteArray *data, int *fd_out,
                     char *msg, size_t ml)
 {
-    switch (q->op) {
-    case HVM_OP_CREATE:
-        return op_create(c, q, data, msg, ml);
-    case HVM_OP_LOOKUP:
-        return op_lookup(c, q, data, msg, ml);
-    case HVM_OP_DESTROY:
-        return op_destroy(c, q, data, msg, ml);
-    case HVM_OP_RESIZE:
-        return op_resize(c, q, data, msg, ml);
-    case HVM_OP_ALLOC:
-        return op_alloc(c, q, data, msg, ml);
-    case HVM_OP_ITEM_LOOKUP:
-        return op_item_lookup(c, q, data, msg, ml);
-    case HVM_OP_FREE:
-        return op_free(c, q, data, msg, ml);
-    case HVM_OP_CHMOD:
-        return op_chmod(c, q, data, msg, ml);
-    case HVM_OP_STAT:
-        return op_stat(c, q, data, msg, ml);
-    case HVM_OP_LIST:
-        return op_list(c, q, data, msg, ml);
-    case HVM_OP_MAP:
+    if (q->op == HVM_OP_MAP) {
         return op_map(c, q, data, fd_out, msg, ml);
-    case HVM_OP_RELEASE:
-        return op_release(c, q, data, msg, ml);
-    default:
-        FAIL(-EOPNOTSUPP, "unknown op %u", q->op);
     }
+    if ((unsigned)q->op < HVM_OP__MAX && ops[q->op]) {
+        return ops[q->op](c, q, data, msg, ml);
+    }
+    FAIL(-EOPNOTSUPP, "unknown op %u", q->op);
 }
