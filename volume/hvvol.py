@@ -560,9 +560,18 @@ class Volumes:
             out['hybrid'] = {'unavailable': str(exc)}
         return out
 
+    def _own_loop(self, st):
+        """Whether the state's loop device is still ours (attached to this
+        volume's export file).  A loop device that was detached behind our
+        back may serve someone else now: its number, and the device number
+        of what is mounted from it, no longer say anything about us."""
+        export = self._transport(st['name'], st['transport'] or 'fuse').export_file
+        return bool(st['loop']) and st['loop'] in host.loops_backed_by(export)
+
     def _mounted(self, st):
         m = host.mount_at(st['mountpoint'])
-        return bool(m and st['dev'] and list(m['dev']) == list(st['dev']))
+        return bool(m and st['dev'] and list(m['dev']) == list(st['dev']) and
+                    self._own_loop(st))
 
     # -- mount ------------------------------------------------------------------
     def mount(self, name, mountpoint=None):
@@ -951,7 +960,8 @@ class Volumes:
         name = cfg['name']
         tr = self._transport(name, st['transport'] or 'fuse')
         if st['loop']:
-            tr.detach(st['loop'])
+            if self._own_loop(st):
+                tr.detach(st['loop'])
             st.update(loop=None, phase='detached')
             self._save_state(st)
         q = self._qmp(name)
@@ -1068,7 +1078,9 @@ class Volumes:
             # hvmem ends when its daemon does, and the region's lease with it
             host.wait_gone(st['wrapper_pid'], st['wrapper_start'], 10)
         _reap(st['wrapper_pid'] or st['pid'])
-        dev = st['dev']
+        # our file system can only be mounted from our loop device; if that
+        # is gone (detached by hand), so is the mount
+        dev = st['dev'] if self._own_loop(st) else None
         if dev:
             targets = host.mounted_targets(dev)
             found = host.users(dev, ignore_targets=targets)
@@ -1082,11 +1094,7 @@ class Volumes:
                     raise Busy(f'volume {name}: cannot unmount the dead file system on {t}: '
                                f'{p.stderr.strip()}')
         tr = self._transport(name, st['transport'] or 'fuse')
-        loops = set(host.loops_backed_by(tr.export_file))
-        if st['loop'] and host.loop_attached(st['loop']) and \
-                st['loop'] in host.loops_backed_by(tr.export_file):
-            loops.add(st['loop'])
-        for loop in sorted(loops):
+        for loop in host.loops_backed_by(tr.export_file):
             tr.detach(loop)
         tr.clean_dead_export()
         self._drop_state(name)

@@ -184,6 +184,25 @@ class LifecycleTest(VolumeTest):
             user.wait()
         self.vols.umount('v1')
 
+    def test_one_hvvol_at_a_time(self):
+        """While another hvvol works on a volume (holds its lock), a second
+        waits, and gives up with a clear error after its bound."""
+        import fcntl
+        from volume import hvvol as hvvol_mod
+        self.vols.create('v1', {'size': '64M'})
+        fd = os.open(os.path.join(self.run_dir, 'v1.lock'), os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        saved, hvvol_mod.LOCK_TIMEOUT = hvvol_mod.LOCK_TIMEOUT, 0.3
+        try:
+            with self.assertRaises(Busy) as e:
+                self.vols.mount('v1', self.mountpoint())
+            self.assertIn('another hvvol has been working on it', str(e.exception))
+            self.assertIsNone(self.state('v1'))
+        finally:
+            hvvol_mod.LOCK_TIMEOUT = saved
+            os.close(fd)
+        self.vols.mount('v1', self.mountpoint())
+
     def test_remove(self):
         cfg = self.vols.create('v1', {'size': '64M'})
         self.vols.mount('v1', self.mountpoint())
@@ -299,6 +318,40 @@ class CrashRecoveryTest(VolumeTest):
         with open(os.path.join(mp, 'x')) as f:
             self.assertEqual(f.read(), 'kept')
         self.vols.umount('v1')
+
+
+    def test_loop_number_taken_by_another(self):
+        """The volume's loop device detached behind hvvol's back, and its
+        number (and so its device number) reused for another file system
+        mounted elsewhere: recovery after the daemon's death leaves that
+        file system and its loop device alone."""
+        self.vols.create('v1', {'size': '64M'})
+        mp = self.mountpoint()
+        st = self.vols.mount('v1', mp)
+        subprocess.run(['umount', mp], check=True)
+        subprocess.run(['losetup', '-d', st['loop']], check=True)
+        wait_for(lambda: not host.loop_attached(st['loop']), what='the detach')
+        other_img = os.path.join(self.tmp, 'other.img')
+        with open(other_img, 'wb') as f:
+            f.truncate(32 * MiB)
+        subprocess.run(['mkfs.ext4', '-q', other_img], check=True)
+        other_mp = self.mountpoint('other')
+        p = subprocess.run(['losetup', '--show', st['loop'], other_img],
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            self.skipTest(f'{st["loop"]} was taken by another program meanwhile: {p.stderr}')
+        loop = p.stdout.strip()
+        subprocess.run(['mount', loop, other_mp], check=True)
+        self.extra_mounts.append(other_mp)
+        try:
+            self.kill_daemon('v1')
+            self.assertEqual(self.vols.umount('v1'), {'recovered': True})
+            m = host.mount_at(other_mp)
+            self.assertTrue(m and m['source'] == loop, 'the other file system was unmounted')
+            self.assertTrue(host.loop_attached(loop))
+        finally:
+            subprocess.run(['umount', other_mp])
+            subprocess.run(['losetup', '-d', loop])
 
 
 class FullTest(VolumeTest):
