@@ -19,6 +19,7 @@
 #include "block/block_int.h"
 #include "block/block-io.h"
 #include "clone-cache.h"
+#include "visit-options.h"
 #include "trace.h"
 
 /* ---- QMP ---- */
@@ -97,24 +98,9 @@ CloneCacheInfo *clone_cache_store_info(CloneCacheStore *s)
 #define CC_TRACE_MAGIC      "clone-cache-trace 1"
 #define CC_TRACE_MAX_BYTES  (256 * MiB)
 
-static BlockDriverState *cc_find_node(const char *node_name, Error **errp)
-{
-    BlockDriverState *bs = bdrv_find_node(node_name);
-
-    if (!bs) {
-        error_setg(errp, "Cannot find node '%s'", node_name);
-        return NULL;
-    }
-    if (bs->drv != &bdrv_clone_cache) {
-        error_setg(errp, "Node '%s' is not a clone-cache node", node_name);
-        return NULL;
-    }
-    return bs;
-}
-
 void qmp_clone_cache_record(const char *node_name, Error **errp)
 {
-    BlockDriverState *bs = cc_find_node(node_name, errp);
+    BlockDriverState *bs = find_driver_node(node_name, &bdrv_clone_cache, errp);
     BDRVCloneCacheState *s;
 
     if (!bs) {
@@ -135,7 +121,7 @@ CloneCacheTrace *qmp_clone_cache_record_stop(const char *node_name,
                                              const char *filename,
                                              Error **errp)
 {
-    BlockDriverState *bs = cc_find_node(node_name, errp);
+    BlockDriverState *bs = find_driver_node(node_name, &bdrv_clone_cache, errp);
     BDRVCloneCacheState *s;
     g_autoptr(GString) out = g_string_new(NULL);
     g_autoptr(GArray) order = NULL;
@@ -315,7 +301,7 @@ void qmp_clone_cache_prewarm(const char *node_name, const char *filename,
     GArray *blocks;
 
     GLOBAL_STATE_CODE();
-    bs = cc_find_node(node_name, errp);
+    bs = find_driver_node(node_name, &bdrv_clone_cache, errp);
     if (!bs) {
         return;
     }
@@ -345,7 +331,7 @@ void coroutine_fn qmp_clone_cache_unpin(const char *node_name, Error **errp)
     BDRVCloneCacheState *s;
 
     GLOBAL_STATE_CODE();
-    bs = cc_find_node(node_name, errp);
+    bs = find_driver_node(node_name, &bdrv_clone_cache, errp);
     if (!bs) {
         return;
     }

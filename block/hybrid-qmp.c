@@ -18,6 +18,7 @@
 #include "block/block-global-state.h"
 #include "block/block-io.h"
 #include "hybrid.h"
+#include "visit-options.h"
 
 /*
  * A reopen that changes only the mode: drained like blockdev-reopen, and
@@ -95,22 +96,6 @@ static HybridInfo *hybrid_get_info(BlockDriverState *bs)
     return info;
 }
 
-static BlockDriverState *hybrid_find_node(const char *node_name, Error **errp)
-{
-    BlockDriverState *bs = bdrv_find_node(node_name);
-
-    if (!bs) {
-        error_setg(errp, "Cannot find node '%s'", node_name);
-        return NULL;
-    }
-    if (bs->drv != &bdrv_hybrid) {
-        error_setg(errp, "Node '%s' is not a hybrid node (driver '%s')",
-                   node_name, bs->drv ? bs->drv->format_name : "none");
-        return NULL;
-    }
-    return bs;
-}
-
 HybridInfoList *qmp_query_hybrid(const char *node_name, Error **errp)
 {
     HybridInfoList *head = NULL, **tail = &head;
@@ -120,7 +105,7 @@ HybridInfoList *qmp_query_hybrid(const char *node_name, Error **errp)
     GRAPH_RDLOCK_GUARD_MAINLOOP();
 
     if (node_name) {
-        bs = hybrid_find_node(node_name, errp);
+        bs = find_driver_node(node_name, &bdrv_hybrid, errp);
         if (!bs) {
             return NULL;
         }
@@ -143,7 +128,7 @@ void qmp_hybrid_set_mode(const char *node_name, HybridMode mode,
     GLOBAL_STATE_CODE();
 
     /* No graph lock: the reopen drains the node */
-    bs = hybrid_find_node(node_name, errp);
+    bs = find_driver_node(node_name, &bdrv_hybrid, errp);
     if (!bs) {
         return;
     }

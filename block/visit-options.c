@@ -1,5 +1,6 @@
 /*
- * Parse a block driver's options with the QAPI visitor
+ * What hybrid and the clone cache share as block drivers: options parsed
+ * with the QAPI visitor, nodes found by name
  *
  * Copyright (c) 2026 The hybridvm authors
  *
@@ -13,6 +14,7 @@
 #include "qapi/qobject-input-visitor.h"
 #include "qobject/qdict.h"
 #include "block/qdict.h"
+#include "block/block_int.h"
 #include "visit-options.h"
 
 /*
@@ -42,4 +44,23 @@ BlockdevOptions *visit_blockdev_options(QDict *options, const char *driver,
     visit_type_BlockdevOptions(v, NULL, &opts, errp);
     visit_free(v);
     return opts;
+}
+
+/* The node @node_name, if @drv drives it; else NULL with @errp set */
+BlockDriverState *find_driver_node(const char *node_name, BlockDriver *drv,
+                                   Error **errp)
+{
+    BlockDriverState *bs = bdrv_find_node(node_name);
+
+    if (!bs) {
+        error_setg(errp, "Cannot find node '%s'", node_name);
+        return NULL;
+    }
+    if (bs->drv != drv) {
+        error_setg(errp, "Node '%s' is not a %s node (driver '%s')",
+                   node_name, drv->format_name,
+                   bs->drv ? bs->drv->format_name : "none");
+        return NULL;
+    }
+    return bs;
 }

@@ -1,6 +1,7 @@
 /*
- * Parse a block driver's options with the QAPI visitor, for hybrid and the
- * clone cache (block/visit-options.c)
+ * What hybrid and the clone cache share as block drivers
+ * (block/visit-options.c): their options parsed with the QAPI visitor, and
+ * their nodes found by name for their QMP commands
  *
  * Copyright (c) 2026 The hybridvm authors
  *
@@ -12,8 +13,11 @@
 #define BLOCK_VISIT_OPTIONS_H
 
 #include "qapi/qapi-types-block-core.h"
+#include "block/block-common.h"
 
 BlockdevOptions *visit_blockdev_options(QDict *options, const char *driver,
                                         Error **errp);
+BlockDriverState *find_driver_node(const char *node_name, BlockDriver *drv,
+                                   Error **errp);
 
 #endif
