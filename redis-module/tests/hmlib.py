@@ -143,6 +143,14 @@ class ServerTestCase(unittest.TestCase):
             s.start()
         return s
 
+    def stock_and_module(self, configs):
+        """Stock Redis, then Redis with the module and @configs, each
+        started when the loop gets to it: (name, module, server, client)
+        of each, the names 'stock' and 'mod'."""
+        for name, module in (('stock', False), ('mod', True)):
+            srv = self.server(name, module=module, configs=configs)
+            yield name, module, srv, srv.client()
+
     def demote_all(self, c, n, timeout=30, batch=1000):
         """Run APPASSIST.DEMOTE until n items are cold."""
         deadline = time.monotonic() + timeout

@@ -18,6 +18,8 @@ from test_visits import in_thread  # noqa: E402
 
 LONG = os.environ.get('HYBRIDVM_LONG') == '1'
 NKEYS = 40
+# Nothing demoted but by APPASSIST.DEMOTE
+MANUAL = {'hot-percent': 0, 'min-idle-ms': 0, 'demote': 'no'}
 
 
 def key(rng):
@@ -471,10 +473,7 @@ class DebugDifferentialTest(ServerTestCase):
         """DIGEST, DIGEST-VALUE, OBJECT, SDSLEN and POPULATE: the same
         replies as stock with most keys cold."""
         seen = {}
-        for name, module in (('stock', False), ('mod', True)):
-            srv = self.server(name, module=module,
-                              configs={'hot-percent': 0, 'min-idle-ms': 0, 'demote': 'no'})
-            c = srv.client()
+        for name, module, srv, c in self.stock_and_module(MANUAL):
             for i in range(50):
                 c.set('k%d' % i, 'v%d' % i * (i + 1), ex=1000 if i % 3 == 0 else None)
             c.set('key:1', 'mine')
@@ -507,10 +506,7 @@ class DebugDifferentialTest(ServerTestCase):
         functions.tcl, "FUNCTION - test debug reload with nosave and
         noflush", failed whenever its key was cold)."""
         seen = {}
-        for name, module in (('stock', False), ('mod', True)):
-            srv = self.server(name, module=module,
-                              configs={'hot-percent': 0, 'min-idle-ms': 0, 'demote': 'no'})
-            c = srv.client()
+        for name, module, srv, c in self.stock_and_module(MANUAL):
             c.set('x', '1')
             c.set('y', '2')
             c.set('z', '3')
@@ -579,10 +575,7 @@ class FilterExpiryTest(ServerTestCase):
         """Tracking's invalidation after the MGET reply, and a refused GET
         leaves the expired key in place: byte for byte as stock."""
         seen = {}
-        for name, module in (('stock', False), ('mod', True)):
-            srv = self.server(name, module=module,
-                              configs={'hot-percent': 0, 'min-idle-ms': 0, 'demote': 'no'})
-            c = srv.client()
+        for name, module, srv, c in self.stock_and_module(MANUAL):
             c.execute_command('DEBUG', 'SET-ACTIVE-EXPIRE', '0')
             c.execute_command('ACL', 'SETUSER', 'noget', 'on', '>pw', '~*', '+@all', '-get')
             c.set('x', '1')
@@ -614,11 +607,7 @@ class SortPatternTest(ServerTestCase):
         """SORT/SORT_RO BY and GET over cold keys, STORE, hash fields and
         BY nosort: stock's replies; a key SORT did not name stays cold."""
         seen = {}
-        for name, module in (('stock', False), ('mod', True)):
-            srv = self.server(name, module=module,
-                              configs={'hot-percent': 0, 'min-idle-ms': 0, 'demote': 'no',
-                                       'promote-window-ms': 60000})
-            c = srv.client()
+        for name, module, srv, c in self.stock_and_module({**MANUAL, 'promote-window-ms': 60000}):
             ids = [3, 11, 7, 42, 5, 19, 8]
             c.rpush('l', *ids)
             c.sadd('s', *ids)
@@ -659,9 +648,7 @@ class BlockingMoveTest(ServerTestCase):
         """The blocked client gets WRONGTYPE, the element stays in the
         source, the string destination keeps its value: as stock."""
         seen = {}
-        for name, module in (('stock', False), ('mod', True)):
-            srv = self.server(name, module=module, configs=aggressive())
-            c = srv.client()
+        for name, module, srv, c in self.stock_and_module(aggressive()):
             r = []
             for dst, cmd in (('d1', ['BRPOPLPUSH', 'src', 'd1', '0']),
                              ('d2', ['BLMOVE', 'src', 'd2', 'LEFT', 'RIGHT', '5'])):
@@ -736,10 +723,7 @@ class DifferentialTest(ServerTestCase):
         cold, absent and expired keys still count keyspace hits/misses and
         fire keymiss/expired events exactly as stock Redis does."""
         seen = {}
-        for name, module in (('stock', False), ('mod', True)):
-            srv = self.server(name, module=module,
-                              configs={'hot-percent': 0, 'min-idle-ms': 0, 'demote': 'no'})
-            c = srv.client()
+        for name, module, srv, c in self.stock_and_module(MANUAL):
             c.execute_command('DEBUG', 'SET-ACTIVE-EXPIRE', '0')
             c.config_set('notify-keyspace-events', 'KEmx')
             for k in ('a', 'c', 'x', 'y'):

@@ -272,9 +272,7 @@ class VisitTest(ServerTestCase):
         clock (Redis's introspection-2.tcl, "TOUCH alters the last access
         time of a key", failed)."""
         seen = {}
-        for name, module in (('stock', False), ('mod', True)):
-            srv = self.server(name, module=module, configs=configs())
-            c = srv.client()
+        for name, module, srv, c in self.stock_and_module(configs()):
             for k in 'abcdef':
                 c.set(k, VAL)
             seen[name] = c
@@ -333,9 +331,7 @@ class VisitTest(ServerTestCase):
         """Visits run the stock command on the real key: hits, misses and
         keyspace events are stock Redis's."""
         seen = {}
-        for name, module in (('stock', False), ('mod', True)):
-            srv = self.server(name, module=module, configs=configs())
-            c = srv.client()
+        for name, module, srv, c in self.stock_and_module(configs()):
             c.config_set('notify-keyspace-events', 'KEA')
             for k in ('a', 'b', 'c'):
                 c.set(k, 'v' + k)
