@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import unittest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD = os.environ.get('HYBRIDVM_BUILD', os.path.join(REPO, 'build'))
@@ -67,6 +68,21 @@ class TempDir:
 
     def cleanup(self):
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+class ToolTest(unittest.TestCase):
+    """A temporary directory, `tmp`, and `procs`: the qemu-io and
+    qemu-storage-daemon processes a test started, killed in tearDown
+    (a test removes one it stopped itself)."""
+
+    def setUp(self):
+        self.tmp = TempDir()
+        self.procs = []
+
+    def tearDown(self):
+        for p in self.procs:
+            p.kill()
+        self.tmp.cleanup()
 
 
 class QemuIo:

@@ -23,17 +23,11 @@ def virtual_size(img):
 
 
 @unittest.skipUnless(H.have_binaries(), f'QEMU tools not built in {H.BIN}')
-class ResizeTest(unittest.TestCase):
+class ResizeTest(H.ToolTest):
 
     def setUp(self):
-        self.tmp = H.TempDir()
+        super().setUp()
         self.img = self.tmp('r.hyb')
-        self.procs = []
-
-    def tearDown(self):
-        for p in self.procs:
-            p.kill()
-        self.tmp.cleanup()
 
     def create(self, size, opts='mode=sync'):
         H.qemu_img('create', '-q', '-f', 'hybrid', '-o', opts, self.img,

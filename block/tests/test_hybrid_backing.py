@@ -98,16 +98,7 @@ class Chain:
 
 
 @unittest.skipUnless(H.have_binaries(), f'QEMU tools not built in {H.BIN}')
-class BackingTest(unittest.TestCase):
-
-    def setUp(self):
-        self.tmp = H.TempDir()
-        self.daemons = []
-
-    def tearDown(self):
-        for d in self.daemons:
-            d.kill()
-        self.tmp.cleanup()
+class BackingTest(H.ToolTest):
 
     def create(self, name, base, fmt='raw', opts=None, size=None):
         path = self.tmp(name)
@@ -266,7 +257,7 @@ class BackingTest(unittest.TestCase):
                           'read-only=on',
             '--nbd-server', f'addr.type=unix,addr.path={sock}',
             '--export', 'type=nbd,id=e0,node-name=b0,name=base')
-        self.daemons.append(d)
+        self.procs.append(d)
         ov = self.create('ov.hyb', f'nbd+unix:///base?socket={sock}',
                          opts='ram-size=1M')
         self.io(ov, f'write -P 0x42 {BS - 512} 1024',
@@ -288,14 +279,14 @@ class BackingTest(unittest.TestCase):
         d = H.StorageDaemon(self.tmp, '--blockdev',
                             f'driver=hybrid,node-name=ov,file.driver=file,'
                             f'file.filename={ov}')
-        self.daemons.append(d)
+        self.procs.append(d)
         info = d.wait_restored('ov', timeout=30)[0]
         self.assertTrue(info['restore-done'])
         self.assertEqual(info['restore-bytes'], 3 * BS)
         self.assertEqual(info['ram-loaded'], 3 * BS)
         self.assertEqual(info['restore-total'], 3 * BS)
         d.stop()
-        self.daemons.remove(d)
+        self.procs.remove(d)
         self.assert_same(ov, c.ref())
 
     # ---- commit, rebase, stream ----
@@ -367,12 +358,12 @@ class BackingTest(unittest.TestCase):
             '--blockdev', f'driver=file,filename={ov},node-name=ov-file',
             '--blockdev', 'driver=hybrid,file=ov-file,backing=base,'
                           'node-name=ov')
-        self.daemons.append(d)
+        self.procs.append(d)
         d.cmd('block-stream', **{'job-id': 's0', 'device': 'ov'})
         ev = d.wait_event('BLOCK_JOB_COMPLETED', timeout=120)
         self.assertNotIn('error', ev['data'])
         d.stop()
-        self.daemons.remove(d)
+        self.procs.remove(d)
         self.assertNotIn('backing-filename', H.img_info(ov))
         os.unlink(c.base)
         self.assert_same(ov, c.ref())

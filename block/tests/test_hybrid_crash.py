@@ -22,16 +22,7 @@ SIZE = 32 * MiB
 
 
 @unittest.skipUnless(H.have_binaries(), f'QEMU tools not built in {H.BIN}')
-class HybridCrashTest(unittest.TestCase):
-
-    def setUp(self):
-        self.tmp = H.TempDir()
-        self.procs = []
-
-    def tearDown(self):
-        for p in self.procs:
-            p.kill()
-        self.tmp.cleanup()
+class HybridCrashTest(H.ToolTest):
 
     def verify(self, img, model):
         raw = self.tmp('verify.raw')

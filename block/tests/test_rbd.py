@@ -35,7 +35,7 @@ MiB = 1024 * 1024
 OP_TIMEOUT = 5
 
 
-class RbdTest(unittest.TestCase):
+class RbdTest(H.ToolTest):
 
     @classmethod
     def setUpClass(cls):
@@ -62,15 +62,6 @@ class RbdTest(unittest.TestCase):
     def tearDownClass(cls):
         cls.ceph.purge()
         shutil.rmtree(cls.dir, ignore_errors=True)
-
-    def setUp(self):
-        self.tmp = H.TempDir()
-        self.procs = []
-
-    def tearDown(self):
-        for p in self.procs:
-            p.kill()
-        self.tmp.cleanup()
 
     def qemu_io(self, opts, *cmds, check=True, env=None):
         args = [H.binary('qemu-io'), '--image-opts', opts]
