@@ -20,6 +20,10 @@ LONG = os.environ.get('HYBRIDVM_LONG') == '1'
 QEMU_PYTHON = os.path.join(BUILD, 'qemu-src', 'python')
 if os.path.isdir(QEMU_PYTHON) and QEMU_PYTHON not in sys.path:
     sys.path.insert(0, QEMU_PYTHON)
+TESTS = os.path.join(REPO, 'tests')     # hvlib: real QEMU guests
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+import hvlib    # noqa: E402
 
 
 def binary(name):
@@ -83,6 +87,38 @@ class ToolTest(unittest.TestCase):
         for p in self.procs:
             p.kill()
         self.tmp.cleanup()
+
+
+class GuestCase:
+    """Real guests (hvlib) for a unittest.TestCase, a mixin: `paths`,
+    `qemu_img`, a temporary directory `dir` (named after `dir_prefix`) and
+    add_guest(), whose guests tearDown shuts down before it removes the
+    directory.  A test is skipped where qemu-img, QEMU or the test guest's
+    initrd is not built."""
+
+    dir_prefix = 'hybrid-guest-'
+
+    def setUp(self):
+        self.paths = hvlib.BuildPaths()
+        try:
+            self.qemu_img = self.paths.binary('qemu-img')
+            self.paths.binary('qemu-system-x86_64')
+            self.paths.guest_file('initrd.img')
+        except hvlib.MissingBuild as exc:
+            self.skipTest(str(exc))
+        self.dir = tempfile.mkdtemp(prefix=self.dir_prefix)
+        self.guests = []
+
+    def add_guest(self, name, **kwargs):
+        """An hvlib.Guest in `dir`, not launched yet."""
+        g = hvlib.Guest(name, self.dir, paths=self.paths, **kwargs)
+        self.guests.append(g)
+        return g
+
+    def tearDown(self):
+        for g in reversed(self.guests):
+            g.shutdown()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class QemuIo:

@@ -3,25 +3,15 @@ image converted with qemu-img convert), in sync and in async mode, writes
 data, shuts down, boots again and finds it."""
 
 import os
-import shutil
 import sys
-import tempfile
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                '..', '..', 'tests'))
 import hybridlib as H   # noqa: E402
-
-try:
-    import hvlib        # noqa: E402
-except ImportError:     # pragma: no cover
-    hvlib = None
+from hybridlib import hvlib   # noqa: E402
 
 
 def guest_ready():
-    if hvlib is None:
-        return False, 'tests/hvlib not importable'
     paths = hvlib.BuildPaths()
     try:
         paths.binary('qemu-system-x86_64')
@@ -36,23 +26,13 @@ def guest_ready():
 READY, WHY = guest_ready()
 
 
-class GuestDiskCase:
+class GuestDiskCase(H.GuestCase):
     """Guests booting from a root disk of ours (a mixin for TestCase)."""
 
-    def setUp(self):
-        self.paths = hvlib.BuildPaths()
-        self.dir = tempfile.mkdtemp(prefix='hybrid-boot-')
-        self.guests = []
-
-    def tearDown(self):
-        for g in reversed(self.guests):
-            g.shutdown()
-        shutil.rmtree(self.dir, ignore_errors=True)
+    dir_prefix = 'hybrid-boot-'
 
     def boot(self, name, disk, fmt):
-        g = hvlib.Guest(name, self.dir, paths=self.paths, root_disk=disk,
-                        root_format=fmt)
-        self.guests.append(g)
+        g = self.add_guest(name, root_disk=disk, root_format=fmt)
         g.launch()
         g.wait_console(r'HV-ROOT /dev/vda', timeout=180)
         g.wait_console(r'HV-ONDISK /dev/vda', timeout=120)

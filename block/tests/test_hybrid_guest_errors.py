@@ -7,14 +7,13 @@ request on the persistent tier that touches one chosen sector.  The guest
 and flushes elsewhere.
 """
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import unittest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..', 'tests'))
-import hvlib  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hybridlib as H   # noqa: E402
+from hybridlib import hvlib   # noqa: E402
 
 MiB = 1 << 20
 DATA_OFFSET = 65536           # docs/hybrid-format.rst: block 0 of a new image
@@ -27,23 +26,9 @@ def tier_sector(guest_offset):
     return (DATA_OFFSET + guest_offset) // 512
 
 
-class HybridGuestErrors(unittest.TestCase):
+class HybridGuestErrors(H.GuestCase, unittest.TestCase):
 
-    def setUp(self):
-        self.paths = hvlib.BuildPaths()
-        try:
-            self.qemu_img = self.paths.binary('qemu-img')
-            self.paths.binary('qemu-system-x86_64')
-            self.paths.guest_file('initrd.img')
-        except hvlib.MissingBuild as exc:
-            self.skipTest(str(exc))
-        self.dir = tempfile.mkdtemp(prefix='hybrid-guest-err-')
-        self.guests = []
-
-    def tearDown(self):
-        for g in self.guests:
-            g.shutdown()
-        shutil.rmtree(self.dir, ignore_errors=True)
+    dir_prefix = 'hybrid-guest-err-'
 
     def guest(self, mode, werror, rerror='report'):
         image = os.path.join(self.dir, f'{mode}-{werror}.hybrid')
@@ -57,12 +42,11 @@ class HybridGuestErrors(unittest.TestCase):
             f'inject-error.0.sector={tier_sector(BAD_WRITE)}', 'inject-error.0.once=off',
             'inject-error.1.event=pwritev', 'inject-error.1.iotype=read', 'inject-error.1.errno=5',
             f'inject-error.1.sector={tier_sector(BAD_READ)}', 'inject-error.1.once=off'])
-        g = hvlib.Guest(f'{mode}-{werror}', self.dir, paths=self.paths, redis=False, args=[
+        g = self.add_guest(f'{mode}-{werror}', redis=False, args=[
             '-blockdev', f'driver=file,node-name=tier,filename={image}',
             '-blockdev', dbg,
             '-blockdev', 'driver=hybrid,node-name=hyb,file=dbg',
             '-device', f'virtio-blk-pci,drive=hyb,werror={werror},rerror={rerror}'])
-        self.guests.append(g)
         g.launch()
         g.wait_console(r'HV-BOOTED', timeout=120)
         return g, image

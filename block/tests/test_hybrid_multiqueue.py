@@ -9,14 +9,12 @@ QEMU has quit.
 """
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import unittest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..', 'tests'))
-import hvlib  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hybridlib as H   # noqa: E402
 
 BS = 65536
 BLOCKS = 32              # per writer: writer 1 in the RAM tier, writer 2 beyond
@@ -45,23 +43,9 @@ def reader_cmd(c):
             "2>/dev/null || exit 9; done'")
 
 
-class HybridMultiqueue(unittest.TestCase):
+class HybridMultiqueue(H.GuestCase, unittest.TestCase):
 
-    def setUp(self):
-        self.paths = hvlib.BuildPaths()
-        try:
-            self.qemu_img = self.paths.binary('qemu-img')
-            self.paths.binary('qemu-system-x86_64')
-            self.paths.guest_file('initrd.img')
-        except hvlib.MissingBuild as exc:
-            self.skipTest(str(exc))
-        self.dir = tempfile.mkdtemp(prefix='hybrid-mq-')
-        self.guest = None
-
-    def tearDown(self):
-        if self.guest:
-            self.guest.shutdown()
-        shutil.rmtree(self.dir, ignore_errors=True)
+    dir_prefix = 'hybrid-mq-'
 
     def test_two_queues_in_two_iothreads(self):
         image = os.path.join(self.dir, 'mq.hybrid')
@@ -71,15 +55,13 @@ class HybridMultiqueue(unittest.TestCase):
                         str(2 * BLOCKS * BS)], check=True, capture_output=True)
         dev = ('{"driver":"virtio-blk-pci","drive":"hyb","num-queues":2,'
                '"iothread-vq-mapping":[{"iothread":"io0"},{"iothread":"io1"}]}')
-        self.guest = hvlib.Guest('mq', self.dir, paths=self.paths, smp=2, redis=False,
-                                 balloon=False, args=[
-                                     '-object', 'iothread,id=io0',
-                                     '-object', 'iothread,id=io1',
-                                     '-blockdev', f'driver=file,node-name=tier,filename={image}',
-                                     '-blockdev', 'driver=hybrid,node-name=hyb,file=tier',
-                                     '-device', dev,
-                                     '-trace', f'enable=hybrid_foreign_request,file={trace}'])
-        g = self.guest
+        g = self.add_guest('mq', smp=2, redis=False, balloon=False, args=[
+            '-object', 'iothread,id=io0',
+            '-object', 'iothread,id=io1',
+            '-blockdev', f'driver=file,node-name=tier,filename={image}',
+            '-blockdev', 'driver=hybrid,node-name=hyb,file=tier',
+            '-device', dev,
+            '-trace', f'enable=hybrid_foreign_request,file={trace}'])
         g.boot()
         self.assertEqual(g.run('nproc').strip(), '2')
         g.run(f'({writer_cmd(1)}) & w1=$!; ({writer_cmd(2)}) & w2=$!; '
@@ -91,7 +73,6 @@ class HybridMultiqueue(unittest.TestCase):
                     '2>/dev/null | md5sum', timeout=120)
         self.assertEqual(out.split()[0], hashlib.md5(want).hexdigest())
         g.shutdown()
-        self.guest = None
 
         # every request from the second queue's iothread ran in the node's
         with open(trace) as f:
