@@ -18,6 +18,14 @@ PORT = 'org.qemu.app-assist.{}'
 LINK_PORTS = ('mkdir -p /dev/virtio-ports; for p in /sys/class/virtio-ports/vport*; do '
               'ln -sf /dev/${p##*/} /dev/virtio-ports/$(cat $p/name); done')
 
+
+def answers(*then):
+    """A guest application that reads the request and logs it, runs the
+    shell lines @then, and keeps the port open."""
+    return '\n'.join(('exec 3<>"$1"', 'read -r l <&3; echo "$l" >"$2"') + then +
+                     ('sleep 100000',))
+
+
 # Guest applications.  $1 = port path, $2 = log file; each logs what it read.
 APPS = {
     # Answers PREPARE with freed-bytes=$3, logs every line it gets afterwards.
@@ -32,41 +40,22 @@ done''',
     'sleeper': r'''exec 3<>"$1"
 echo open >"$2"
 sleep 100000''',
-    # Reads the request, answers garbage that is not RESP.
-    'garbage': r'''exec 3<>"$1"
-read -r l <&3; echo "$l" >"$2"
-printf 'HTTP/1.1 200 OK\r\n\r\n' >&3
-sleep 100000''',
+    # Answers garbage that is not RESP.
+    'garbage': answers(r"printf 'HTTP/1.1 200 OK\r\n\r\n' >&3"),
     # Well-formed RESP, wrong type for freed-bytes.
-    'wrongtype': r'''exec 3<>"$1"
-read -r l <&3; echo "$l" >"$2"
-printf '*2\r\n$11\r\nfreed-bytes\r\n$5\r\n-1e99\r\n' >&3
-sleep 100000''',
+    'wrongtype': answers(r"printf '*2\r\n$11\r\nfreed-bytes\r\n$5\r\n-1e99\r\n' >&3"),
     # A multi-bulk count of two billion.
-    'bigarray': r'''exec 3<>"$1"
-read -r l <&3; echo "$l" >"$2"
-printf '*2000000000\r\n$11\r\nfreed-bytes\r\n' >&3
-sleep 100000''',
+    'bigarray': answers(r"printf '*2000000000\r\n$11\r\nfreed-bytes\r\n' >&3"),
     # Floods: announces a 1 GB bulk string and sends 2 MB of it, then zeros.
-    'flood': r'''exec 3<>"$1"
-read -r l <&3; echo "$l" >"$2"
-printf '$1000000000\r\n' >&3
-head -c 2000000 /dev/zero >&3
-sleep 100000''',
+    'flood': answers(r"printf '$1000000000\r\n' >&3", 'head -c 2000000 /dev/zero >&3'),
     # Refuses.
-    'refuse': r'''exec 3<>"$1"
-read -r l <&3; echo "$l" >"$2"
-printf -- '-ERR busy\r\n' >&3
-sleep 100000''',
+    'refuse': answers(r"printf -- '-ERR busy\r\n' >&3"),
     # Floods the port with zeros for as long as it lives.
     'firehose': r'''exec 3<>"$1"
 echo open >"$2"
 cat /dev/zero >&3''',
-    # Reads the request, then closes the port.
-    'disconnect': r'''exec 3<>"$1"
-read -r l <&3; echo "$l" >"$2"
-exec 3<&-
-sleep 100000''',
+    # Closes the port.
+    'disconnect': answers('exec 3<&-'),
 }
 
 
