@@ -232,11 +232,7 @@ class Bench:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument('--size', default='1G')
-    ap.add_argument('--runtime', type=int, default=3)
-    ap.add_argument('--reps', type=int, default=5)
-    ap.add_argument('--out', default=os.path.join(REPO, 'docs', 'bench'))
-    ap.add_argument('--disk-dir', default=os.path.join(REPO, 'build'))
+    HB.add_fio_args(ap, size='1G', reps=5)
     args = ap.parse_args()
     b = Bench(args)
     try:

@@ -458,13 +458,20 @@ def to_qapi(opts):
     return root
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument('--size', default='512M')
+def add_fio_args(ap, size, reps):
+    """The options of a bench that runs Bench.fio (bench/broker-hybrid.py
+    too): the node's size, seconds per fio run, repetitions, where the
+    report goes and where the images go."""
+    ap.add_argument('--size', default=size)
     ap.add_argument('--runtime', type=int, default=3)
-    ap.add_argument('--reps', type=int, default=2)
+    ap.add_argument('--reps', type=int, default=reps)
     ap.add_argument('--out', default=os.path.join(REPO, 'docs', 'bench'))
     ap.add_argument('--disk-dir', default=os.path.join(REPO, 'build'))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    add_fio_args(ap, size='512M', reps=2)
     ap.add_argument('--only', default='')
     ap.add_argument('--pooled', type=int, default=0, metavar='N',
                     help='only the large-block ratios, N interleaved rounds')
