@@ -115,6 +115,8 @@ MODULE_SETTINGS = {**{c: {'zero-freed': 'no'} for c in ZERO_OFF},
                    'ours-wholelist': {'page-list-slice-us': 0}}
 # The longest the synchronous compaction pass after loading may take (s).
 COMPACT_BUDGET_S = 600
+# How many of the window's slowest GETs a row keeps (for the JSON).
+SLOWEST = 200
 # The window after the migration that the load is measured in as well.
 AFTER_S = 2.0
 # Configurations that keep the loader's settings (a 1 ms interval of 1 ms
@@ -173,7 +175,7 @@ def thp_disabled(disable):
 
 
 def load_data(g, args, module, lazy=False, keep_tuning=False, settings=None):
-    r = g.redis(timeout=120)
+    r = g.redis(timeout=120, socket_timeout=120)
     for k, v in (settings or {}).items():
         r.config_set(f'appassist.{k}', v)
     size, n = args.size, args.items
@@ -212,9 +214,9 @@ def load_data(g, args, module, lazy=False, keep_tuning=False, settings=None):
             # tests and benchmarks), whatever the background did before.
             rss0 = r.info('memory')['used_memory_rss']
             t1 = time.monotonic()
-            # The pass's budget (ms) and a socket timeout past it: 5 M items
-            # take minutes under TCG.
-            rc = g.redis(timeout=COMPACT_BUDGET_S + 60)
+            # The pass's budget (ms) and a reply timeout past it: 5 M items
+            # take half a minute under TCG, more on a busy host.
+            rc = g.redis(socket_timeout=COMPACT_BUDGET_S + 60)
             moved = rc.execute_command('APPASSIST.COMPACT', COMPACT_BUDGET_S * 1000)
             rc.close()
             log(f'{g.name}: compaction pass {time.monotonic() - t1:.1f} s, {moved} keys '
@@ -479,10 +481,15 @@ def run_config(config, args, logdir):
         row['load timeline'] = {'start': round(start - t0, 2), 'per_100ms': buckets,
                                 'switch': round(t_switch[0] - t0, 2) if t_switch else None,
                                 'end': round(t1 - t0, 2)}
+        # The slowest GETs of the window, when they ended (s from its start)
+        # and how long they took (ms): which part of the migration makes
+        # the tail that p99 reads.
+        slow = sorted(((lat, t) for t, lat in list(load.samples) if t0 <= t < t1), reverse=True)
+        row['load slowest'] = [(round(t - t0, 3), round(1000 * lat, 1)) for lat, t in slow[:SLOWEST]]
         row['host load avg'] = loadavg
         # Where the 2 host cores went while the migration ran (% of a core)
         row['host CPU during (% of a core)'] = cpu
-        log(f'{config}: {json.dumps({k: v for k, v in row.items() if k not in ("app-assist", "load timeline")})}')
+        log(f'{config}: {json.dumps({k: v for k, v in row.items() if k not in ("app-assist", "load timeline", "load slowest")})}')
         return row
     finally:
         for g in (dst, src):
@@ -625,6 +632,26 @@ def write_charts(rows, out):
     charts.save(fig, os.path.join(out, 'app-assist-time.png'), dpi=100)
 
 
+def parse_args(ap):
+    """@ap's arguments, with the command line and the start time that the
+    reports name."""
+    args = ap.parse_args()
+    args.cmdline = ' '.join(sys.argv[1:])
+    args.started = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
+    return args
+
+
+def load_saved(args, keep=('out', 'report_only')):
+    """--report-only: the saved JSON, whose arguments replace @args' (but
+    for those in @keep, the ones this run was given)."""
+    with open(args.report_only) as f:
+        saved = json.load(f)
+    for k, v in saved['args'].items():
+        if k not in keep:
+            setattr(args, k, v)
+    return saved
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -659,16 +686,9 @@ def main():
                     help='pooled mode: the configuration the ratios are against')
     ap.add_argument('--name', default='app-assist-pooled',
                     help='pooled mode: the report files NAME.md/.json/.png')
-    args = ap.parse_args()
-    args.cmdline = ' '.join(sys.argv[1:])
-    args.started = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
+    args = parse_args(ap)
     if args.report_only:
-        with open(args.report_only) as f:
-            saved = json.load(f)
-        for k, v in saved['args'].items():
-            if k not in ('out', 'report_only'):
-                setattr(args, k, v)
-        write_report(saved['rows'], args, args.out)
+        write_report(load_saved(args)['rows'], args, args.out)
         return
     build = os.environ.get('HYBRIDVM_BUILD') or os.path.join(TOP, 'build')
     logdir = args.logdir or os.path.join(build, 'bench', time.strftime('app-assist-%Y%m%d-%H%M%S'))

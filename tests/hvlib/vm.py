@@ -32,13 +32,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def redis_client(port, timeout=30, name='guest', **kwargs):
+def redis_client(port, timeout=30, name='guest', socket_timeout=30, **kwargs):
     """A redis-py client for 127.0.0.1:port, once the server there answers PING
-    (retried until `timeout`: a guest's Redis may still be starting)."""
+    (retried until `timeout`: a guest's Redis may still be starting); each
+    command then waits at most `socket_timeout` seconds for its reply."""
     import redis
     deadline = time.monotonic() + timeout
     while True:
-        client = redis.Redis(host='127.0.0.1', port=port, socket_timeout=30,
+        client = redis.Redis(host='127.0.0.1', port=port, socket_timeout=socket_timeout,
                              socket_connect_timeout=5, **kwargs)
         try:
             client.ping()
