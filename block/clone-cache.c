@@ -416,23 +416,27 @@ static const char *const cc_strong_runtime_opts[] = {
     CC_OPT_STORE,
     CC_OPT_BASE_ID,
     CC_OPT_GENERATION,
+
     NULL
 };
 
 BlockDriver bdrv_clone_cache = {
     .format_name                = "clone-cache",
     .instance_size              = sizeof(BDRVCloneCacheState),
+    .is_filter                  = true,
+    .strong_runtime_opts        = cc_strong_runtime_opts,
 
+    /* open, close */
     .bdrv_open                  = cc_open,
     .bdrv_close                 = cc_close,
     .bdrv_child_perm            = cc_child_perm,
     .bdrv_refresh_limits        = cc_refresh_limits,
 
-    .bdrv_co_getlength          = cc_co_getlength,
+    /* I/O */
     .bdrv_co_preadv_part        = cc_co_preadv_part,
 
-    .is_filter                  = true,
-    .strong_runtime_opts        = cc_strong_runtime_opts,
+    /* information */
+    .bdrv_co_getlength          = cc_co_getlength,
 };
 
 static void bdrv_clone_cache_init(void)
