@@ -414,6 +414,7 @@ class Arbiter:
         s['container_errors'] = dict(self.cont_err)
         if self.podman:
             s['podman'] = self.podman.status()
+            s['podman_events'] = self.podman.events.status()
         s['actions'] = dict(self.actions)
         s['probe'] = dict(policy=self.probe.policy, restarts=self.probe.restarts,
                           error=self.probe.error)

@@ -9,10 +9,11 @@ cgroup v2, the unified group) holds the I/O counters, and the v2 group,
 where it has io.pressure, the stall time.  This works whatever podman's
 cgroup manager (cgroupfs: /libpod_parent/libpod-ID; systemd:
 /machine.slice/libpod-ID.scope) and whatever --cgroup-parent the container
-was started with.  The group's last component must name the container's
-full id: that holds off a pid that was reused between podman's answer and
-the read of /proc (and a container run with --cgroups=disabled, whose
-processes sit in some other group).
+was started with.  The group's path must name the container's full id (in
+its last component, or in one above it: crun with systemd puts the
+container in libpod-ID.scope/container): that holds off a pid that was
+reused between podman's answer and the read of /proc (and a container run
+with --cgroups=disabled, whose processes sit in some other group).
 
 Everything podman says is bounded and checked: its output (at most
 MAX_OUTPUT bytes, JSON, exactly one container, an id of 64 hex digits, a
@@ -21,14 +22,17 @@ MAX_DEPTH components of [A-Za-z0-9_.@:+-] and '\\', never '.' or '..'),
 and the directories they lead to must be under the cgroup mounts.
 
 Waiting and restarts (the Watch thread): a container that does not exist
-yet, is not running, or whose podman call failed is retried with a back-off
-(RETRY_MIN doubling to RETRY_MAX), each change of state logged once; one
-that is found is re-checked cheaply every CHECK_S seconds (its pid still in
-the same group, the group's directory the same inode), and looked up again
-at once when that fails: a restarted container (a new pid, a new group
-directory whose counters start at zero) is followed, one that stops or is
-removed is reported (`container_errors`, the `container` events of the
-decision log), never the end of the daemon.
+yet, is not running, or whose podman call failed is looked up again when
+podman reports an event of it (`podman events`, a stream the Watch keeps
+running: Events), and otherwise after a back-off (RETRY_MIN doubling to
+RETRY_MAX, or to RETRY_MAX_EVENTS while the event stream runs), each change
+of state logged once; one that is found is re-checked cheaply every
+CHECK_S seconds and at each of its events (its pid still in the same group,
+the group's directory the same inode), and looked up again at once when
+that fails: a restarted container (a new pid, a new group directory whose
+counters start at zero) is followed, one that stops or is removed is
+reported (`container_errors`, the `container` events of the decision log),
+never the end of the daemon.
 """
 
 import json
@@ -36,6 +40,7 @@ import os
 import re
 import selectors
 import shlex
+import shutil
 import signal
 import subprocess
 import threading
@@ -53,8 +58,12 @@ ID_RE = re.compile(r'[0-9a-f]{64}')
 # prefix of one is hex, so it fits too
 REF_RE = re.compile(r'^[A-Za-z0-9][A-Za-z0-9_.-]{0,252}\Z')
 COMPONENT_RE = re.compile(r'[A-Za-z0-9_.@:+\\-]{1,%d}' % MAX_COMPONENT)
-RETRY_MIN, RETRY_MAX = 0.5, 2.0   # a podman inspect: ~0.03 s of CPU here
+# Lookups of a container that is not there: a podman inspect costs ~0.03 s
+# of CPU here.  Podman's events say when one starts: while they come, the
+# back-off only guards against a missed event.
+RETRY_MIN, RETRY_MAX, RETRY_MAX_EVENTS = 0.5, 2.0, 30.0
 CHECK_S = 0.5
+EVENT_MIN_S = 0.2           # lookups of one container, at most one per this, on events
 
 # podman's global options that the arbiter passes on (all take a value):
 # where podman keeps its containers and how it reaches them on this host.
@@ -192,6 +201,13 @@ def run_bounded(argv, timeout, max_out=MAX_OUTPUT):
     return rc, bytes(bufs[p.stdout]), bytes(bufs[p.stderr])
 
 
+def _pdeath():
+    """A prefix that makes a child die with the daemon (setpriv's
+    --pdeathsig: a long-lived podman events must not outlive a SIGKILLed
+    daemon), where util-linux's setpriv is there."""
+    return ['setpriv', '--pdeathsig', 'KILL', '--'] if shutil.which('setpriv') else []
+
+
 def _printable(b, n=300):
     s = b.decode('utf-8', 'replace').strip()
     lines = [x for x in s.splitlines() if x.strip()]
@@ -304,17 +320,17 @@ def _dir_of(mount, path):
 
 
 def _names(path, cid):
-    parts = check_cgroup_path(path)
-    return bool(parts) and cid in parts[-1]
+    """Whether a component of the cgroup path names the container's id."""
+    return any(cid in c for c in check_cgroup_path(path))
 
 
 def locate(found, proc_text, mountinfo_text):
     """The container's counter group (v1 blkio; on a host with v2 only,
     the unified group) and its v2 group for io.pressure (None if there is
     none, or it has no io.pressure), from its init's /proc/PID/cgroup and
-    the mount table.  A group's last component must name the container's
-    id: the counter group's, or the container is refused; the v2 group's,
-    or it is not used for io.pressure."""
+    the mount table.  A group's path must name the container's id: the
+    counter group's, or the container is refused; the v2 group's, or it is
+    not used for io.pressure."""
     blkio, v2 = parse_proc_cgroup(proc_text)
     mounts = cgroup_mounts(mountinfo_text)
     cid = found['id']
@@ -374,13 +390,134 @@ def resolve(command, ref, timeout):
 
 def still_there(f):
     """Whether a container found earlier is still where it was: its init
-    pid in a group naming its id, and its group the same directory."""
+    pid in a group whose path names its id, and its group the same
+    directory."""
     try:
         blkio, v2 = parse_proc_cgroup(read_small(f'/proc/{f.pid}/cgroup'))
-        return (any(p and f.id in p.rsplit('/', 1)[-1] for p in (blkio, v2))
+        return (any(p and f.id in p for p in (blkio, v2))
                 and os.stat(f.cgroup).st_ino == f.ino)
     except (SourceError, OSError):
         return False
+
+
+class Events(threading.Thread):
+    """`podman events` for containers, kept running: each event's container
+    name and id go to on_event(name, id), which looks the container up
+    again.  The stream is bounded (a line of at most MAX_LINE bytes, JSON
+    of an object whose Name and ID are strings; anything else is skipped
+    and counted), started again after it ends (1 s, doubling to 30 s; at
+    once again after one ran 30 s) with its reason logged once per
+    change, and dies with the daemon.  state: 'starting', 'running' (it has
+    run 1 s, or said something), 'error' (it ended; why in error)."""
+
+    MAX_LINE = 1 << 16
+    STABLE_S = 30.0
+
+    def __init__(self, command, on_event, log):
+        super().__init__(name='podman-events', daemon=True)
+        self.command, self.on_event, self.log = command, on_event, log
+        self.lock = threading.Lock()
+        self.state, self.error, self.restarts, self.skipped = 'starting', None, 0, 0
+        self.proc = None
+        self.stop_ev = threading.Event()
+
+    def status(self):
+        with self.lock:
+            p = self.proc
+            return dict(state=self.state, error=self.error, restarts=self.restarts,
+                        skipped=self.skipped,
+                        pid=p.pid if p is not None and p.poll() is None else None)
+
+    def _state(self, state, error=None):
+        with self.lock:
+            changed = (state, error) != (self.state, self.error)
+            self.state, self.error = state, error
+        if changed and state != 'starting':
+            self.log(dict(event='podman-events', state=state, error=error))
+
+    def line(self, raw):
+        try:
+            j = json.loads(raw)
+            name, cid = j.get('Name'), j.get('ID')
+            if not isinstance(name, str) or not isinstance(cid, str):
+                raise ValueError
+        except (ValueError, AttributeError, UnicodeDecodeError):
+            with self.lock:
+                self.skipped += 1
+            return
+        self.on_event(name[:256], cid[:256])
+
+    def stream(self):
+        """Run one podman events until it ends; returns why it ended."""
+        argv = _pdeath() + list(self.command) + ['events', '--format', 'json',
+                                                 '--filter', 'type=container']
+        try:
+            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, env=env(), close_fds=True,
+                                 start_new_session=True)
+        except OSError as e:
+            return f'{argv[0]}: {e.strerror}'
+        self.proc = p
+        out, err = bytearray(), bytearray()
+        started = time.monotonic()
+        try:
+            with selectors.DefaultSelector() as sel:
+                sel.register(p.stdout, selectors.EVENT_READ)
+                sel.register(p.stderr, selectors.EVENT_READ)
+                while sel.get_map() and not self.stop_ev.is_set():
+                    ready = sel.select(0.5)
+                    if self.state != 'running' and time.monotonic() - started > 1.0:
+                        self._state('running')
+                    for key, _ in ready:
+                        d = os.read(key.fd, 65536)
+                        if not d:
+                            sel.unregister(key.fileobj)
+                        elif key.fileobj is p.stderr:
+                            err = (err + d)[-MAX_STDERR:]
+                        else:
+                            out += d
+                            *lines, rest = out.split(b'\n')
+                            if len(rest) > self.MAX_LINE:
+                                return f'a line of more than {self.MAX_LINE} bytes'
+                            out = bytearray(rest)
+                            for ln in lines:
+                                if ln.strip():
+                                    self._state('running')
+                                    self.line(bytes(ln[:self.MAX_LINE]))
+        finally:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            rc = p.wait()
+            p.stdout.close()
+            p.stderr.close()
+            self.ran = time.monotonic() - started
+        return f'podman events exited ({rc}): {_printable(bytes(err)) or "no message"}'
+
+    def run(self):
+        backoff = 1.0
+        while not self.stop_ev.is_set():
+            self.ran = 0.0
+            why = self.stream()
+            if self.stop_ev.is_set():
+                break
+            with self.lock:
+                self.restarts += 1
+            self._state('error', why)
+            backoff = 1.0 if self.ran > self.STABLE_S else backoff
+            self.stop_ev.wait(backoff)
+            backoff = min(30.0, backoff * 2)
+
+    def stop(self):
+        self.stop_ev.set()
+        p = self.proc
+        if p and p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.join(timeout=2)
 
 
 class Watch(threading.Thread):
@@ -396,8 +533,26 @@ class Watch(threading.Thread):
         self.stop_ev = threading.Event()
         self.entries = {c.name: dict(ref=c.podman, found=None, gen=0, state='starting',
                                      error='not looked up yet', due=0.0, backoff=RETRY_MIN,
-                                     checked=0.0)
+                                     checked=0.0, tried=0.0, kicked=False)
                         for c in conf.containers if c.podman}
+        self.events = Events(self.command, self.on_event, log)
+
+    def start(self):
+        super().start()
+        self.events.start()
+
+    def on_event(self, name, cid):
+        """podman reported an event of a container: if it is one of ours
+        (by name, id or id prefix), look at it again now."""
+        hit = False
+        with self.lock:
+            for e in self.entries.values():
+                f = e['found']
+                if e['ref'] == name or cid.startswith(e['ref']) or (f and f.id == cid):
+                    e['due'] = e['checked'] = 0.0
+                    e['kicked'] = hit = True
+        if hit:
+            self.wake.set()
 
     def get(self, name):
         with self.lock:
@@ -420,9 +575,10 @@ class Watch(threading.Thread):
     def stop(self):
         self.stop_ev.set()
         self.wake.set()
+        self.events.stop()
         self.join(timeout=1)        # a podman call under way is not waited for
 
-    def _set(self, name, found=None, err=None):
+    def _set(self, name, found=None, err=None, via=None):
         with self.lock:
             e = self.entries[name]
             before = (e['state'], e['found'] and (e['found'].id, e['found'].pid), e['error'])
@@ -435,10 +591,12 @@ class Watch(threading.Thread):
                 e['found'], e['error'] = None, str(err)
                 e['state'] = 'waiting' if err.kind in ('absent', 'stopped') else 'error'
                 e['due'] = time.monotonic() + e['backoff']
-                e['backoff'] = min(RETRY_MAX, e['backoff'] * 2)
+                e['backoff'] = min(RETRY_MAX_EVENTS, e['backoff'] * 2)
             after = (e['state'], found and (found.id, found.pid), e['error'])
         if after != before:
-            rec = dict(event='container', container=name, state=after[0])
+            # via: what made the arbiter look (a podman event, a retry, the
+            # found container's group no longer its own)
+            rec = dict(event='container', container=name, state=after[0], via=via)
             rec.update(found.as_dict() if found else dict(podman=e['ref'], error=e['error']))
             self.log(rec)
 
@@ -447,11 +605,15 @@ class Watch(threading.Thread):
         found ones; returns the seconds until the next is due."""
         now = time.monotonic()
         nxt = CHECK_S
+        # without podman's events, a container not there is looked for
+        # every RETRY_MAX at least
+        events = self.events.state == 'running'
         for name in list(self.entries):
             if self.stop_ev.is_set():
                 break
             with self.lock:
                 e = dict(self.entries[name])
+                self.entries[name]['kicked'] = False
             f = e['found']
             if f is not None:
                 if now - e['checked'] < CHECK_S:
@@ -461,13 +623,22 @@ class Watch(threading.Thread):
                     with self.lock:
                         self.entries[name]['checked'] = now
                     continue
-            elif now < e['due']:
-                nxt = min(nxt, e['due'] - now)
-                continue
+                via = 'check'
+            else:
+                due = max(e['due'] if events else min(e['due'], e['tried'] + RETRY_MAX),
+                          e['tried'] + EVENT_MIN_S)
+                if now < due:
+                    nxt = min(nxt, due - now)
+                    with self.lock:
+                        self.entries[name]['kicked'] |= e['kicked']
+                    continue
+                via = 'event' if e['kicked'] else 'retry'
+            with self.lock:
+                self.entries[name]['tried'] = now
             try:
-                self._set(name, found=resolve(self.command, e['ref'], self.timeout))
+                self._set(name, found=resolve(self.command, e['ref'], self.timeout), via=via)
             except PodmanError as err:
-                self._set(name, err=err)
+                self._set(name, err=err, via=via)
         return max(0.01, nxt)
 
     def run(self):

@@ -76,8 +76,12 @@ class ParseTest(unittest.TestCase):
         info = dict(id=ID, pid=42)
         self.assertEqual(P.locate(info, f'7:blkio:/libpod_parent/libpod-{ID}\n', mi),
                          (f'/sys/fs/cgroup/blkio/libpod_parent/libpod-{ID}', None))
-        for text in ('7:blkio:/user.slice\n', '7:blkio:/\n',
-                     f'7:blkio:/libpod-{ID}/other\n', f'7:blkio:/libpod-{ID[:-1]}\n'):
+        # crun with systemd: the container in a child of its scope
+        self.assertEqual(P.locate(info, f'7:blkio:/machine.slice/libpod-{ID}.scope/container\n',
+                                  mi),
+                         (f'/sys/fs/cgroup/blkio/machine.slice/libpod-{ID}.scope/container', None))
+        for text in ('7:blkio:/user.slice\n', '7:blkio:/\n', f'7:blkio:/libpod-{ID[:-1]}\n',
+                     f'7:blkio:/libpod-{ID[:-1]}/{ID[-1]}\n'):
             with self.assertRaisesRegex(P.PodmanError, 'does not name container'):
                 P.locate(info, text, mi)
         # the v2 group serves io.pressure only if it names the container too
@@ -153,6 +157,20 @@ FAKE = '''#!{python}
 # a stand-in podman: records its arguments, then answers as the file "mode" says
 import json, os, subprocess, sys, time
 here = os.path.dirname(os.path.abspath(__file__))
+if 'events' in sys.argv:
+    with open(os.path.join(here, 'events-mode')) as f:
+        mode = f.read()
+    if mode == 'hostile':
+        for line in ('not json', '[1]', '{{"Name": 5, "ID": "x"}}',
+                     json.dumps(dict(Name='web', ID={ident!r}, Status='start'))):
+            print(line, flush=True)
+        time.sleep(0.5)
+        print('x' * 70000, flush=True)
+    elif mode == 'fails':
+        print('Error: cannot read events with the "none" backend', file=sys.stderr)
+        sys.exit(125)
+    time.sleep(30)
+    sys.exit(0)
 with open(os.path.join(here, 'argv'), 'w') as f:
     f.write('\\n'.join(sys.argv[1:]))
 with open(os.path.join(here, 'mode')) as f:
@@ -263,6 +281,33 @@ class FakePodmanTest(unittest.TestCase):
         self.assertLess(len(msg), 500)
         self.assertNotIn('\x1b', msg)
 
+    def test_events_stream_hostile_and_failing(self):
+        """podman events' lines are bounded and checked: lines that are not
+        an object with a string Name and ID are skipped, a line over 64 KiB
+        ends the stream, which is started again, its reason logged; a
+        podman that cannot give events (the "none" backend) is an error
+        in the stream's state, retried with a back-off, not a crash."""
+        with open(os.path.join(self.d, 'events-mode'), 'w') as f:
+            f.write('hostile')
+        seen, log = [], Recorder()
+        ev = P.Events([self.prog], lambda n, i: seen.append((n, i)), log)
+        ev.start()
+        self.addCleanup(ev.stop)
+        A.wait_for(ev.status, lambda s: s['restarts'] >= 1, 10, 'the stream ended')
+        st = ev.status()
+        self.assertEqual(seen[:1], [('web', ID)])
+        self.assertGreaterEqual(st['skipped'], 3)
+        self.assertEqual(st['state'], 'error')
+        self.assertIn('a line of more than 65536 bytes', st['error'])
+        with open(os.path.join(self.d, 'events-mode'), 'w') as f:
+            f.write('fails')
+        A.wait_for(ev.status, lambda s: 'none" backend' in (s['error'] or ''), 15,
+                   'the failing stream')
+        errs = [r['error'] for r in log if r.get('event') == 'podman-events' and r['error']]
+        self.assertEqual(len(errs), len(set(errs)), 'one log line per change')
+        self.assertIn('podman events exited (125): Error: cannot read events with the "none" '
+                      'backend', errs)
+
     def test_malformed_answers(self):
         for mode, words in (('notjson', 'not JSON'), ('two', 'not a list of one'),
                             ('obj', 'not a list of one'), ('badid', 'Id is not 64 hex'),
@@ -370,6 +415,53 @@ class RealPodmanTest(unittest.TestCase):
         self.assertEqual(states[-1], ('waiting', None), log)
 
 
+class RealEventsTest(unittest.TestCase):
+    """The watch, told by podman's events, finds a container when it
+    starts rather than at its next retry."""
+
+    def setUp(self):
+        self.pm = A.podman()
+        self.image = self.pm.image()
+        self.name = f'arbpe-{os.getpid()}'
+        self.addCleanup(self.pm.rm, self.name)
+        self.log = Recorder()
+        conf = types.SimpleNamespace(
+            podman_command=self.pm.argv(), podman_timeout=30.0,
+            containers=[types.SimpleNamespace(name='db', podman=self.name)])
+        self.w = P.Watch(conf, self.log)
+        self.w.start()
+        self.addCleanup(self.w.stop)
+
+    def test_found_on_its_start_event(self):
+        """With the events running, the retries of a container that is not
+        there back off (0.5, 1, 2, 4, 8 s ...): one started 9 s in is found
+        by its start event within 2 s, long before the next retry (15.5 s
+        in), and the log says so (via: event)."""
+        t0 = time.monotonic()
+        A.wait_for(self.w.events.status, lambda s: s['state'] == 'running', 20, 'events')
+        time.sleep(max(0.0, t0 + 9 - time.monotonic()))
+        self.pm.run('run', '-d', '--name', self.name, '--network', 'none', self.image,
+                    'sleep', '300')
+        t1 = time.monotonic()
+        A.wait_for(lambda: self.w.get('db')[0], lambda f: f is not None, 5, 'found')
+        self.assertLess(time.monotonic() - t1, 2.0)
+        found = [r for r in self.log if r.get('event') == 'container' and r['state'] == 'found']
+        self.assertEqual([r['via'] for r in found], ['event'], self.log)
+
+    def test_a_killed_event_stream_is_started_again(self):
+        """The events' podman killed: logged, started again, running."""
+        A.wait_for(self.w.events.status, lambda s: s['state'] == 'running', 20, 'events')
+        pid = self.w.events.proc.pid
+        os.killpg(pid, 9)
+        st = A.wait_for(self.w.events.status, lambda s: s['restarts'] == 1 and
+                        s['state'] == 'running', 20, 'events again')
+        self.assertIsNone(st['error'])
+        self.assertNotEqual(self.w.events.proc.pid, pid)
+        died = [r for r in self.log if r.get('event') == 'podman-events' and r['error']]
+        self.assertEqual(len(died), 1, self.log)
+        self.assertIn('podman events exited (-9)', died[0]['error'])
+
+
 def loop_unavailable():
     if WHY:
         return WHY
@@ -386,7 +478,7 @@ class DaemonPodmanTest(A.LoopTestCase):
 
     def setUp(self):
         self.name = f'arbpd-{os.getpid()}'
-        self.peer = FakeQMP(self.tmp('vm0.qmp'))
+        self.peer = FakeQMP(self.tmp(f'{self.id().rsplit(".", 1)[-1]}-vm0.qmp'))
         self.addCleanup(self.peer.close)
         self.ctrs = []
         self.addCleanup(lambda: [c.stop() for c in self.ctrs])
@@ -428,7 +520,10 @@ class DaemonPodmanTest(A.LoopTestCase):
         c2 = self.fio(60)           # a new container of that name
         self.assertNotEqual(c2.id, c1.id)
         measured(c2.id)
+        events = d.status()['podman_events']
+        self.assertEqual(events['state'], 'running', events)
         self.assertEqual(d.terminate(), 0)
+        self.assertFalse(os.path.exists(f'/proc/{events["pid"]}'), 'podman events outlived it')
         ev = [(r['state'], r.get('id')) for r in d.records() if r.get('event') == 'container']
         self.assertEqual(ev[0], ('waiting', None))
         self.assertIn(('found', c1.id), ev)
@@ -436,6 +531,21 @@ class DaemonPodmanTest(A.LoopTestCase):
         self.assertLess(ev.index(('found', c1.id)), ev.index(('found', c2.id)))
         self.assertIn('waiting', [s for s, _ in ev[ev.index(('found', c1.id)):]])
 
+
+    def test_killed_daemon_takes_its_podman_events_along(self):
+        """The daemon SIGKILLed: its podman events process dies with it
+        (it would otherwise wait for the next container event to notice)."""
+        conf = A.config(self.tmp, self.loop.dev, [('vm0', self.peer.path)], [self.name],
+                        target_ms=1000, state='killed')
+        d = A.Daemon(conf, self.tmp, state='killed')
+        self.addCleanup(d.close)
+        pid = d.wait(lambda s: s['podman_events']['state'] == 'running',
+                     what='podman events')['podman_events']['pid']
+        self.assertTrue(os.path.exists(f'/proc/{pid}'))
+        d.proc.kill()
+        d.proc.wait()
+        A.wait_for(lambda: os.path.exists(f'/proc/{pid}'), lambda x: not x, 5,
+                   'podman events gone')
 
 if __name__ == '__main__':
     unittest.main()
