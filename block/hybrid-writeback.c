@@ -12,6 +12,8 @@
 
 #include "qemu/osdep.h"
 #include "qemu/cutils.h"
+#include "qemu/main-loop.h"
+#include "qapi/error.h"
 #include "qemu/units.h"
 #include "block/block-io.h"
 #include "block/block_int.h"
@@ -260,7 +262,7 @@ static void coroutine_fn hybrid_flusher_entry(void *opaque)
         hybrid_slot_unlock(s, slot);
         if (ret < 0 && !s->flush_error) {
             /* Sticky until a guest flush manages to write everything */
-            s->flush_error = ret;
+            hybrid_set_flush_error(s, ret);
             trace_hybrid_flush_error(s, ret);
         }
         qemu_co_queue_restart_all(&s->dirty_queue);
@@ -268,6 +270,65 @@ static void coroutine_fn hybrid_flusher_entry(void *opaque)
     s->flush_workers--;
     qemu_co_queue_restart_all(&s->dirty_queue);
     bdrv_dec_in_flight(bs);
+}
+
+/*
+ * While write-back fails, the RAM tier holds acknowledged writes that exist
+ * nowhere else (unless it is a region): closing the node then would drop
+ * them (hybrid_close can only report it).  So blockdev-del is refused for
+ * as long as the error stands; a flush that writes everything lifts it.
+ * Op blockers are main-loop state and flush_error changes in the node's
+ * AioContext: a bottom half in the main loop brings the blocker in line.
+ */
+static void hybrid_del_blocker_bh(void *opaque)
+{
+    BDRVHybridState *s = opaque;
+    BlockDriverState *bs = s->bs;
+    int err = qatomic_read(&s->flush_error);
+
+    GLOBAL_STATE_CODE();
+    if (err && !s->del_blocker) {
+        error_setg(&s->del_blocker, "node '%s' holds writes that could not "
+                   "be written back to its persistent tier (%s); deleting it "
+                   "would lose them: make the tier writable again and flush "
+                   "the node first", bdrv_get_node_name(bs), strerror(-err));
+        bdrv_op_block(bs, BLOCK_OP_TYPE_DRIVE_DEL, s->del_blocker);
+        trace_hybrid_del_blocked(s, err);
+    } else if (!err && s->del_blocker) {
+        bdrv_op_unblock(bs, BLOCK_OP_TYPE_DRIVE_DEL, s->del_blocker);
+        error_free(s->del_blocker);
+        s->del_blocker = NULL;
+        trace_hybrid_del_unblocked(s);
+    }
+}
+
+/* Any thread.  Records @ret (0 or -errno) as the write-back's state. */
+void hybrid_set_flush_error(BDRVHybridState *s, int ret)
+{
+    int old = qatomic_xchg(&s->flush_error, ret);
+
+    if (!old != !ret && s->del_blocker_bh) {
+        qemu_bh_schedule(s->del_blocker_bh);
+    }
+}
+
+void hybrid_writeback_init(BDRVHybridState *s)
+{
+    s->del_blocker_bh = qemu_bh_new(hybrid_del_blocker_bh, s);
+}
+
+/* Main loop, at close: the node goes, and its blocker with it */
+void hybrid_writeback_cleanup(BDRVHybridState *s)
+{
+    if (s->del_blocker_bh) {
+        qemu_bh_delete(s->del_blocker_bh);
+        s->del_blocker_bh = NULL;
+    }
+    if (s->del_blocker) {
+        bdrv_op_unblock(s->bs, BLOCK_OP_TYPE_DRIVE_DEL, s->del_blocker);
+        error_free(s->del_blocker);
+        s->del_blocker = NULL;
+    }
 }
 
 void hybrid_flusher_kick(BDRVHybridState *s)
@@ -304,7 +365,7 @@ static int coroutine_fn GRAPH_RDLOCK hybrid_flush_ram(BlockDriverState *bs)
     }
     trace_hybrid_flush(s, cap, s->dirty_bytes);
     if (!cap) {
-        s->flush_error = 0;
+        hybrid_set_flush_error(s, 0);
         return 0;
     }
     todo = g_new(uint64_t, cap);
@@ -327,11 +388,9 @@ static int coroutine_fn GRAPH_RDLOCK hybrid_flush_ram(BlockDriverState *bs)
         }
     }
 
+    hybrid_set_flush_error(s, ret);
     if (ret == 0) {
-        s->flush_error = 0;
         hybrid_flusher_kick(s);
-    } else {
-        s->flush_error = ret;
     }
     qemu_co_queue_restart_all(&s->dirty_queue);
     return ret;

@@ -784,6 +784,7 @@ static int hybrid_open(BlockDriverState *bs, QDict *options, int flags,
     trace_hybrid_open(s, s->size, s->block_size, s->ram_blocks, s->mode,
                       s->dedup, !!(s->header.flags & HYBRID_FLAG_DIRTY));
 
+    hybrid_writeback_init(s);
     /* An inactive image (incoming migration) restores when activated */
     hybrid_start_background(s);
     return 0;
@@ -903,6 +904,7 @@ static void hybrid_close(BlockDriverState *bs)
 {
     BDRVHybridState *s = bs->opaque;
 
+    hybrid_writeback_cleanup(s);
     if (s->slots) {
         assert(!s->restore_workers && s->flush_workers == 0);
         if (bs->open_flags & BDRV_O_RDWR &&

@@ -232,7 +232,10 @@ typedef struct BDRVHybridState {
     CoQueue dirty_queue;        /* writers waiting for dirty_bytes < limit */
     int flush_workers;
     bool writeback_burst;       /* between the high and low watermark */
-    int flush_error;            /* sticky: first write-back failure */
+    int flush_error;            /* sticky: first write-back failure
+                                 * (set through hybrid_set_flush_error) */
+    QEMUBH *del_blocker_bh;     /* main loop: follows flush_error with... */
+    Error *del_blocker;         /* ...a blockdev-del blocker (main loop) */
     bool quiesced;              /* inside a drained section */
     bool inactive;              /* BDRV_O_INACTIVE: no background I/O */
 
@@ -469,6 +472,9 @@ hybrid_write_through(BDRVHybridState *s, int64_t offset, int64_t bytes,
 void hybrid_slot_set_dirty(BDRVHybridState *s, HybridSlot *slot,
                            uint32_t lo, uint32_t hi);
 void hybrid_flusher_kick(BDRVHybridState *s);
+void hybrid_set_flush_error(BDRVHybridState *s, int ret);
+void hybrid_writeback_init(BDRVHybridState *s);
+void hybrid_writeback_cleanup(BDRVHybridState *s);
 bool coroutine_fn hybrid_may_defer_write(BDRVHybridState *s, HybridSlot *slot,
                                          uint32_t lo, uint32_t hi);
 int coroutine_fn GRAPH_RDLOCK hybrid_co_flush_to_os(BlockDriverState *bs);

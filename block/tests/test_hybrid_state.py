@@ -232,6 +232,58 @@ class HybridWriteAfterErrorTest(unittest.TestCase):
                         self.img, check=False).stdout
         return 'Pattern verification failed' not in out
 
+    def test_delete_refused_while_writes_are_unwritten(self):
+        """A node whose write-back failed holds acknowledged writes that are
+        nowhere else: blockdev-del is refused, naming the node and the
+        error, until a flush writes everything; then it goes and the image
+        holds the writes (without the blocker the RAM tier was dropped with
+        only a log line)."""
+        sector = (65536 + MiB) // 512
+        q = H.StorageDaemon(
+            self.tmp, '--blockdev',
+            'driver=blkdebug,node-name=d0,image.driver=file,'
+            f'image.filename={self.img},'
+            f'inject-error.0.event=pwritev,inject-error.0.iotype=write,'
+            f'inject-error.0.sector={sector},inject-error.0.errno=28,'
+            f'inject-error.0.state=1,'
+            # in state 2 this rule replaces the first one; it never fires
+            f'inject-error.1.event=pwritev,inject-error.1.iotype=write,'
+            f'inject-error.1.sector={(65536 + 15 * MiB) // 512},'
+            f'inject-error.1.errno=28,inject-error.1.state=2,'
+            f'set-state.0.event=pwritev_zero,set-state.0.state=1,'
+            f'set-state.0.new_state=2',
+            '--blockdev', 'driver=hybrid,node-name=h0,mode=async,file=d0',
+            system=True)
+        try:
+            def io(cmd):
+                return q.cmd('human-monitor-command', **{
+                    'command-line': f'qemu-io h0 "{cmd}"'})
+            io('write -P 0x41 1M 64k')      # acknowledged, in RAM
+            io('flush')                     # the write-back fails: ENOSPC
+            self.assertEqual(q.cmd('query-hybrid')[0].get('error'),
+                             'No space left on device')
+            r = q.qmp('blockdev-del', **{'node-name': 'h0'})
+            self.assertIn('error', r)
+            self.assertIn("node 'h0' holds writes that could not be written "
+                          'back to its persistent tier (No space left on '
+                          'device)', r['error']['desc'])
+            # The tier recovers (blkdebug leaves state 1); a flush clears
+            io('write -z 12M 64k')
+            io('flush')
+            self.assertIsNone(q.cmd('query-hybrid')[0].get('error'))
+            deadline = time.monotonic() + 10
+            while True:                     # the blocker goes in a BH
+                r = q.qmp('blockdev-del', **{'node-name': 'h0'})
+                if 'error' not in r or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            self.assertNotIn('error', r)
+        finally:
+            q.stop()
+        out = H.qemu_io('-r', '-f', 'hybrid', '-c', 'read -P 0x41 1M 64k',
+                        self.img).stdout
+        self.assertNotIn('failed', out)
+
     def test_write_through_until_flush(self):
         """blkdebug fails writes at guest offset 1 MiB until a write-zeroes
         beyond the boundary lifts it.  A flush fails; then a write elsewhere
