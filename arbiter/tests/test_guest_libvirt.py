@@ -1,7 +1,8 @@
 """The arbiter driving a VM that libvirt manages: a private libvirtd, a
 TCG guest defined with `virsh define` whose virtio disk is the
 shared loop device, the guest streaming 1 MiB direct reads from it and a
-container reading the same device.  The arbiter reaches the domain through
+podman container running fio on the same device (the arbiter given its
+podman name).  The arbiter reaches the domain through
 libvirt's API (arbiter/libvirtlink.py): the limits it sets are what
 `virsh blkdeviotune --live` shows, the domain's persistent definition is
 left alone, the watchdog's restore goes through libvirt too, and a domain
@@ -106,14 +107,10 @@ class LibvirtArbiterTest(unittest.TestCase):
         a cut through libvirt."""
         self.load(True)
         self.addCleanup(self.load, False)
-        p = A.container(ctr, self.loop.dev, seconds)
-        try:
-            d.wait(lambda s: (s['vm_state']['v']['limits'] or {}).get('iops-total', 0) > 0,
-                   what='a cut applied through libvirt')
-        except BaseException:
-            p.kill()                # the runner takes its container with it
-            p.communicate()
-            raise
+        p = A.container(self.tmp, ctr, self.loop.dev, seconds)
+        self.addCleanup(p.stop)
+        d.wait(lambda s: (s['vm_state']['v']['limits'] or {}).get('iops-total', 0) > 0,
+               what='a cut applied through libvirt')
         return p
 
     def test_1_cuts_through_blkdeviotune_and_lets_go(self):
@@ -139,7 +136,7 @@ class LibvirtArbiterTest(unittest.TestCase):
             self.assertTrue(all(m.get('p99_ms') is None for m in vms))
             self.assertIn('hvarbiter_vm_mean_seconds{vm="v"}', d.ask('metrics'))
         finally:
-            A.fio_result(p, timeout=120)
+            p.result(timeout=120)
         # containers idle: lifted, through libvirt as well
         d.wait(lambda s: (s['vm_state']['v']['limits'] or {}).get('iops-total', 1) == 0,
                what='the limits lifted')
@@ -155,7 +152,7 @@ class LibvirtArbiterTest(unittest.TestCase):
             A.wait_for(lambda: int(iotune(self.host, 'vda', '--live')['total_iops_sec']),
                        lambda v: v == 0, 20, 'the watchdog restoring the default')
         finally:
-            A.fio_result(p, timeout=120)
+            p.result(timeout=120)
         ev = [r.get('event') for r in d.records() if r.get('event') in ('watchdog', 'restore-default')]
         self.assertEqual(ev, ['watchdog', 'restore-default'])
         self.assertEqual([r['error'] for r in d.records() if r.get('event') == 'restore-default'],
