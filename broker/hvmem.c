@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "client.h"
+#include "hvmem-podman.h"
 
 static const char usage[] =
     "usage: hvmem [-s SOCKET] VERB ARGS\n"
@@ -27,6 +28,11 @@ static const char usage[] =
     "  map NAME [--rw] -- COMMAND [ARGS]   run COMMAND with the region's fd in\n"
     "      $HVMEM_FD (O_RDONLY, or O_RDWR holding the read-write lease until\n"
     "      COMMAND exits) and its size in $HVMEM_SIZE; exits with its status\n"
+    "  podman-run NAME [--rw] -- PODMAN [OPTIONS] run [RUN-OPTIONS] IMAGE [ARGS]\n"
+    "      run a podman container with the region bind-mounted at\n"
+    "      /run/hvmem/NAME (read-only unless --rw; $HVMEM_REGION_PATH,\n"
+    "      $HVMEM_SIZE); the region and its lease are held until the container\n"
+    "      is gone, and it is removed when it exits; exits with its status\n"
     "SOCKET defaults to $HVMEM_SOCKET or /run/hybridvm-broker.sock\n";
 
 static void print_region(const HvmRegionInfo *ri)
@@ -229,6 +235,8 @@ static int run(HvmClient *c, int argc, char **argv, GError **err)
         g_array_free(regions, TRUE);
     } else if (!strcmp(verb, "map")) {
         return map_and_run(c, argc, argv, err);
+    } else if (!strcmp(verb, "podman-run")) {
+        return hvm_podman_run(c, argc, argv, err);
     } else {
         goto bad;
     }
