@@ -209,6 +209,28 @@ def wait_for(pred, timeout=30, what='condition'):
         time.sleep(0.02)
 
 
+def podman_run_argv(sock, region, podman_argv, rw=False, hvmem_args=()):
+    """`hvmem -s SOCK podman-run REGION [--rw] -- PODMAN ... run ...`: a
+    podman container with the region inside (docs/broker.md); podman_argv
+    is the podman command line, e.g. hvlib.podman.Podman.argv('run', ...)."""
+    return [HVMEM, '-s', sock, 'podman-run', region] + (['--rw'] if rw else []) + \
+        list(hvmem_args) + ['--'] + list(podman_argv)
+
+
+def wait_container_running(pm, name, proc, timeout=60):
+    """Wait until podman (a hvlib.podman.Podman) says container `name`
+    runs; fail at once if proc, the hvmem podman-run that starts it, exits."""
+    def running():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f'hvmem podman-run exited {proc.returncode} before '
+                                 f'container {name} ran: {out}{err}')
+        r = pm.run('inspect', '--type', 'container', '--format', '{{.State.Running}}',
+                   name, check=False)
+        return r.stdout.strip() == 'true'
+    wait_for(running, timeout=timeout, what=f'container {name} running')
+
+
 class Broker:
     """A real hvmemd on a private pool (in /dev/shm) and socket."""
 

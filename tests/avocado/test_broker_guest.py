@@ -5,12 +5,15 @@ The test, in libvirt's place, asks a real hvmemd for a region, maps it
 read-write (the region's lease) and boots the guest with
 memory-backend-file,share=on on the descriptor, so the guest's memory is
 the region: accounted by the broker, visible to whoever the broker lets
-map it, and kept by the broker when QEMU exits."""
+map it (a podman container through `hvmem podman-run`), and kept by the
+broker when QEMU exits.  And two podman containers and a guest share one
+region (issue 37, item 2): the guest sees it as an ivshmem device."""
 
 import json
 import mmap
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -19,6 +22,7 @@ import time
 import uuid
 
 from hvtest import HybridVMTest
+from hvlib.podman import Podman, PodmanMissing
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, 'broker', 'tests'))
@@ -30,6 +34,9 @@ MiB = 1024 * 1024
 class GuestRamInRegion(HybridVMTest):
 
     def setUp(self):
+        self.pm = None
+        self.containers = []
+        self.holders = []
         super().setUp()
         if not os.path.exists(B.HVMEMD):
             self.cancel(f'{B.HVMEMD} not built')
@@ -42,7 +49,30 @@ class GuestRamInRegion(HybridVMTest):
         self.broker.start()
         self.c = self.broker.client()
 
+    def podman(self):
+        """Real podman (hvlib.podman), or the test is cancelled."""
+        if self.pm is None:
+            try:
+                self.pm = Podman()
+                self.pm.image()
+            except PodmanMissing as e:
+                self.cancel(str(e))
+        return self.pm
+
+    def container_name(self):
+        """A unique container name, removed in tearDown."""
+        name = f'hvmem-guest-{uuid.uuid4().hex[:12]}'
+        self.containers.append(name)
+        return name
+
     def tearDown(self):
+        for p in self.holders:
+            if p.poll() is None:
+                p.kill()         # its guard removes the container
+        if self.containers:
+            self.pm.rm(*self.containers)     # should the guard not have
+        for p in self.holders:
+            p.communicate(timeout=60)
         super().tearDown()
         if self.c:
             self.c.close()
@@ -53,8 +83,9 @@ class GuestRamInRegion(HybridVMTest):
     def test_guest_ram_is_the_region(self):
         """The guest's memory is the region: a marker the guest writes in
         its RAM is read back through a read-only grant of the region and by
-        a container that has the region bind-mounted; the broker accounts
-        it and keeps it (with the marker) after QEMU."""
+        a podman container that has the region bind-mounted (one that asks
+        to write is refused: QEMU's manager holds the lease); the broker
+        accounts it and keeps it (with the marker) after QEMU."""
         size = 256 * MiB
         self.c.create('vm-ram', size, 0o640)
         _, fd = self.c.map('vm-ram', rw=True)
@@ -86,16 +117,23 @@ class GuestRamInRegion(HybridVMTest):
                 mmap.mmap(ro, size, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             os.close(ro)
             other.close()
-            # a container (broker/hvmem-container) gets the same memory
-            # bind-mounted read-only while the guest runs
-            find = ("import mmap, os, sys; f = open(os.environ['HVMEM_REGION_PATH'], 'rb'); "
-                    "m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ); "
-                    "print('found' if m.find(sys.argv[1].encode()) >= 0 else 'absent')")
-            r = subprocess.run([os.path.join(REPO, 'broker', 'hvmem-container'), '-s',
-                                self.broker.sock, 'vm-ram', '--', B.SYSTEM_PYTHON, '-c',
-                                find, marker], capture_output=True, text=True,
-                               env=dict(os.environ, HVMEM=B.HVMEM), timeout=60)
-            self.assertEqual(r.stdout.strip(), 'found', r.stdout + r.stderr)
+            # a podman container gets the same memory bind-mounted
+            # read-only while the guest runs; one asking to write is refused
+            # (QEMU's manager holds the lease)
+            pm = self.podman()
+            name = self.container_name()
+            r = subprocess.run(B.podman_run_argv(self.broker.sock, 'vm-ram', pm.argv(
+                'run', '--rm', '--name', name, '--network', 'none', pm.image(),
+                'grep', '-q', '-a', marker, '/run/hvmem/vm-ram')),
+                capture_output=True, text=True, env=pm.env(), timeout=120)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)   # grep's: found
+            name = self.container_name()
+            r = subprocess.run(B.podman_run_argv(self.broker.sock, 'vm-ram', pm.argv(
+                'run', '--name', name, '--network', 'none', pm.image(), 'true'), rw=True),
+                capture_output=True, text=True, env=pm.env(), timeout=120)
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn('already has a read-write owner', r.stderr)
+            self.assertNotEqual(pm.run('container', 'exists', name, check=False).returncode, 0)
             g.shutdown()
         finally:
             os.close(fd)
@@ -190,3 +228,72 @@ class GuestRamInRegion(HybridVMTest):
             new.shutdown()
         finally:
             os.close(fd)
+
+    def test_containers_and_guest_share_a_region(self):
+        """Two podman containers and a guest on one region: a read-write
+        container's stores are seen as they happen by a read-only container
+        beside it and by the guest, which has the region as an ivshmem
+        device's memory (mapped read-only: the guest's stores do not reach
+        it); a second read-write container is refused meanwhile, and the
+        lease goes with the writer."""
+        pm = self.podman()
+        size = 4 * MiB                  # an ivshmem BAR: a power of two
+        self.c.create('shared', size, 0o644)
+        writer, reader = self.container_name(), self.container_name()
+        for name, rw in ((writer, True), (reader, False)):
+            p = subprocess.Popen(B.podman_run_argv(self.broker.sock, 'shared', pm.argv(
+                'run', '--name', name, '--network', 'none', pm.image(), 'sleep', '600'),
+                rw=rw), env=pm.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True)
+            self.holders.append(p)
+            B.wait_container_running(pm, name, p)
+        _, fd = self.c.map('shared')    # read-only, for QEMU
+        try:
+            os.set_inheritable(fd, True)
+            g = self.guest('ivshmem', mem='256M', redis=False, args=[
+                '-object', f'memory-backend-file,id=shm0,size={size},'
+                f'mem-path=/proc/self/fd/{fd},share=on,readonly=on',
+                '-device', 'ivshmem-plain,memdev=shm0'])
+            g.boot()
+        finally:
+            os.close(fd)
+        # BAR 2 of the ivshmem device (1af4:1110) is the region
+        bar = g.run('d=$(dirname $(grep -l 0x1110 /sys/bus/pci/devices/*/device)); '
+                    'sed -n 3p $d/resource | cut -d" " -f1').strip()
+        self.assertRegex(bar, r'^0x[0-9a-f]+$')
+
+        def guest_reads(n):
+            words = g.run(f'for i in $(seq 0 4 {n - 1}); do devmem $(({bar} + i)) 32; done')
+            return b''.join(struct.pack('<I', int(w, 16)) for w in words.split())[:n]
+
+        store = 'printf %s "$1" | dd of="$HVMEM_REGION_PATH" conv=notrunc status=none'
+        load = 'head -c "$1" "$HVMEM_REGION_PATH"'
+        for _ in range(2):
+            marker = f'HV{uuid.uuid4().hex[:14]}'
+            pm.run('exec', writer, 'sh', '-c', store, 'sh', marker)
+            self.assertEqual(guest_reads(16), marker.encode())
+            self.assertEqual(pm.run('exec', reader, 'sh', '-c', load, 'sh', '16').stdout,
+                             marker)
+        # the guest's stores are dropped (a read-only memory backend)
+        g.run(f'devmem {bar} 32 0x41414141')
+        self.assertEqual(guest_reads(16), marker.encode())
+        self.assertEqual(pm.run('exec', reader, 'sh', '-c', load, 'sh', '16').stdout, marker)
+        # the reader cannot write either
+        r = pm.run('exec', reader, 'sh', '-c', store, 'sh', 'x', check=False)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn('Read-only file system', r.stderr)
+
+        name = self.container_name()
+        r = subprocess.run(B.podman_run_argv(self.broker.sock, 'shared', pm.argv(
+            'run', '--name', name, '--network', 'none', pm.image(), 'true'), rw=True),
+            capture_output=True, text=True, env=pm.env(), timeout=120)
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn(f'already has a read-write owner (pid {self.holders[0].pid})', r.stderr)
+        self.assertNotEqual(pm.run('container', 'exists', name, check=False).returncode, 0)
+
+        pm.run('kill', writer)
+        self.assertEqual(self.holders[0].wait(60), 137)
+        B.wait_for(lambda: not self.c.lookup('shared')['flags'] & B.LEASED, timeout=5,
+                   what='the lease to go with the writer')
+        self.assertEqual(guest_reads(16), marker.encode())     # the memory stays
+        g.shutdown()
