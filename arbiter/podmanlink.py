@@ -228,7 +228,7 @@ def inspect(command, ref, timeout):
         raise PodmanError(f'podman container inspect {ref} failed ({rc}): {msg or "no message"}')
     try:
         j = json.loads(out)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):
         raise PodmanError(f'podman container inspect {ref}: not JSON') from None
     if not isinstance(j, list) or len(j) != 1 or not isinstance(j[0], dict):
         raise PodmanError(f'podman container inspect {ref}: not a list of one container')
@@ -441,7 +441,7 @@ class Events(threading.Thread):
             name, cid = j.get('Name'), j.get('ID')
             if not isinstance(name, str) or not isinstance(cid, str):
                 raise ValueError
-        except (ValueError, AttributeError, UnicodeDecodeError):
+        except (ValueError, AttributeError, RecursionError):
             with self.lock:
                 self.skipped += 1
             return
@@ -477,13 +477,13 @@ class Events(threading.Thread):
                         else:
                             out += d
                             *lines, rest = out.split(b'\n')
-                            if len(rest) > self.MAX_LINE:
+                            if max(map(len, lines + [rest])) > self.MAX_LINE:
                                 return f'a line of more than {self.MAX_LINE} bytes'
                             out = bytearray(rest)
                             for ln in lines:
                                 if ln.strip():
                                     self._state('running')
-                                    self.line(bytes(ln[:self.MAX_LINE]))
+                                    self.line(bytes(ln))
         finally:
             try:
                 os.killpg(p.pid, signal.SIGKILL)
@@ -499,7 +499,10 @@ class Events(threading.Thread):
         backoff = 1.0
         while not self.stop_ev.is_set():
             self.ran = 0.0
-            why = self.stream()
+            try:
+                why = self.stream()
+            except Exception as e:      # a bug here must not end the events for good
+                why = f'podman-events bug: {type(e).__name__}: {e}'[:500]
             if self.stop_ev.is_set():
                 break
             with self.lock:
