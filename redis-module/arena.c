@@ -744,9 +744,39 @@ uint64_t arenaDropDeferred(ColdArena *a, uint64_t *items,
     return dropMappings(a, items, maps, nmaps);
 }
 
-void arenaUnmap(ArenaMapping *maps, size_t nmaps) {
-    for (size_t i = 0; i < nmaps; i++) munmap(maps[i].addr, maps[i].len);
+static uint64_t nowUs(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+uint64_t arenaUnmapPaced(ArenaMapping *maps, size_t nmaps, size_t piece, unsigned rest,
+                         unsigned rest_max_us) {
+    uint64_t work = 0;
+    for (size_t i = 0; i < nmaps; i++) {
+        char *p = maps[i].addr;
+        size_t left = maps[i].len;
+        while (left) {
+            size_t len = piece && left > piece ? piece : left;
+            uint64_t t = nowUs();
+            munmap(p, len);
+            t = nowUs() - t;
+            work += t;
+            p += len;
+            left -= len;
+            if (rest && (left || i + 1 < nmaps)) {
+                uint64_t us = t * rest < rest_max_us ? t * rest : rest_max_us;
+                struct timespec ts = {0, (long)us * 1000};
+                nanosleep(&ts, NULL);
+            }
+        }
+    }
     free(maps);
+    return work;
+}
+
+void arenaUnmap(ArenaMapping *maps, size_t nmaps) {
+    arenaUnmapPaced(maps, nmaps, 0, 0, 0);
 }
 
 void arenaFree(ColdArena *a) {

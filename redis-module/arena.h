@@ -153,6 +153,12 @@ uint64_t arenaDropDeferred(ColdArena *a, uint64_t *items,
                            ArenaMapping **maps, size_t *nmaps);
 /* munmap() every mapping of the list and free the list. */
 void arenaUnmap(ArenaMapping *maps, size_t nmaps);
+/* The same, @piece bytes at a time (0: each mapping whole), resting @rest
+ * times as long as each munmap() took (at most @rest_max_us) before the
+ * next: for a background thread whose unmapping must not hold up the
+ * server. Returns the microseconds spent inside munmap(). */
+uint64_t arenaUnmapPaced(ArenaMapping *maps, size_t nmaps, size_t piece, unsigned rest,
+                         unsigned rest_max_us);
 
 /* Write in-memory chunks to 'path', flush them to disk, drop them from the
  * page cache and unmap them. Stops early when 'deadline_us'

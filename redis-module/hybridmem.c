@@ -214,6 +214,8 @@ static void infoFunc(RedisModuleInfoCtx *ctx, int for_crash_report) {
                                      __atomic_load_n(&hm.mig.last_clear_us, __ATOMIC_RELAXED));
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_unmap_us",
                                      __atomic_load_n(&hm.mig.last_unmap_us, __ATOMIC_RELAXED));
+    RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_unmap_wall_us",
+                                     __atomic_load_n(&hm.mig.last_unmap_wall_us, __ATOMIC_RELAXED));
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_page_runs", hm.mig.last_page_runs);
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_page_frames", hm.mig.last_page_frames);
     RedisModule_InfoAddFieldLongLong(ctx, "last_prepare_page_unlisted", hm.mig.last_page_unlisted);

@@ -33,7 +33,7 @@
  *   - All background work runs in time-bounded slices (appassist.slice-us).
  *   - Everything runs on Redis's main thread, except the lazy drop's unmap
  *     thread (migrate.c), which shares only hm.mig.last_clear_us,
- *     last_unmap_us and last_clear_idle (atomics).
+ *     last_unmap_us, last_unmap_wall_us and last_clear_idle (atomics).
  */
 #ifndef HYBRIDMEM_H
 #define HYBRIDMEM_H
@@ -252,7 +252,7 @@ typedef struct HmMigration {            /* migrate.c */
     uint64_t arenas_checked_us;     /* last look for new allocator arenas */
     long long dropped_items;
     /* Wall time of the last drop's clear and unmap (written by the thread). */
-    long long last_clear_us, last_unmap_us;
+    long long last_clear_us, last_unmap_us, last_unmap_wall_us;
     /* 1 if the last lazy drop's thread ran at SCHED_IDLE (atomic too). */
     int last_clear_idle;
     /* The dropped arena kept mapped for the host's page list (migrate.c):

@@ -96,16 +96,32 @@ typedef struct UnmapJob {
     int zero;                   /* clear the pages before unmapping */
 } UnmapJob;
 
-static void unmapJob(UnmapJob *job) {
+/* Unmapping is kernel work that this kernel (voluntary preemption) gives
+ * up only between page-table batches, SCHED_IDLE or not: a request that
+ * arrives while the thread is inside munmap() waits for it. So the thread
+ * unmaps RELEASE_PIECE at a time and rests RELEASE_REST times as long as
+ * each piece took: at most a quarter of the vCPU, and a request waits for
+ * one piece at most. Measured at 5 M items (1.2 GiB of arena, 3 GiB TCG
+ * guest): unmapped in one go, 1.1 s in which Redis served 0.69x of its
+ * rate before the migration; paced, the same work spread over ~4 s. */
+#define RELEASE_PIECE   (256u << 10)
+#define RELEASE_REST    3
+#define RELEASE_REST_MAX_US 5000
+
+/* paced: from the idle thread (see above); else as fast as it goes */
+static void unmapJob(UnmapJob *job, int paced) {
     uint64_t t0 = hmNowUs();
     int zero = job->zero;
     for (size_t i = 0; zero && i < job->n; i++)
         zeroResident(job->maps[i].addr, job->maps[i].len);
     uint64_t t1 = hmNowUs();
-    arenaUnmap(job->maps, job->n);
+    uint64_t work = paced ? arenaUnmapPaced(job->maps, job->n, RELEASE_PIECE, RELEASE_REST,
+                                            RELEASE_REST_MAX_US)
+                          : arenaUnmapPaced(job->maps, job->n, 0, 0, 0);
     free(job);
     __atomic_store_n(&hm.mig.last_clear_us, zero ? (long long)(t1 - t0) : 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&hm.mig.last_unmap_us, (long long)(hmNowUs() - t1), __ATOMIC_RELAXED);
+    __atomic_store_n(&hm.mig.last_unmap_us, (long long)work, __ATOMIC_RELAXED);
+    __atomic_store_n(&hm.mig.last_unmap_wall_us, (long long)(hmNowUs() - t1), __ATOMIC_RELAXED);
 }
 
 /* The thread clears and unmaps at SCHED_IDLE: it only gets the CPU time
@@ -120,7 +136,7 @@ static void *unmapThread(void *arg) {
     int idle = pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp) == 0;
     __atomic_store_n(&hm.mig.last_clear_idle, idle, __ATOMIC_RELAXED);
     pthread_setname_np(pthread_self(), "appassist-drop");
-    unmapJob(arg);
+    unmapJob(arg, 1);
     return NULL;
 }
 
@@ -134,7 +150,7 @@ static int releaseLazily(UnmapJob *job) {
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     started = pthread_create(&t, &attr, unmapThread, job) == 0;
     pthread_attr_destroy(&attr);
-    if (!started) unmapJob(job);
+    if (!started) unmapJob(job, 0);
     return started;
 }
 
@@ -273,7 +289,7 @@ static uint64_t dropArena(uint64_t *items, int *lazy, int *zeroed, int *listed,
     *zeroed = kernel || zero;
     uint64_t freed = arenaDropDeferred(hm.arena, items, &job->maps, &job->n);
     if (!want_lazy || job->n == 0) {
-        unmapJob(job);
+        unmapJob(job, 0);
         return freed;
     }
     *lazy = 1;
