@@ -29,15 +29,36 @@ check-long: guest
 bench: guest
 	@./scripts/bench.sh
 
+# make install: the tree the Debian packages hold (make deb builds them from
+# it, PREFIX=/usr), for hosts that are not Debian.  Programs and libraries go
+# under PREFIX (default /usr/local); configuration, state and sockets have one
+# place whatever PREFIX is (/etc/hybridvm, /var/lib, /run: the units, the
+# docs and the examples name them).  A configuration file that exists is
+# left alone.  The tree must be built first (make).  docs/deploy.md.
+PREFIX ?= /usr/local
+SYSCONFDIR ?= /etc
+BINDIR = $(PREFIX)/bin
+LIB_DIR = $(PREFIX)/lib/hybridvm/python
+MAN_DIR = $(PREFIX)/share/man
+REDIS_MODULE_DIR ?= $(PREFIX)/lib/redis/modules
+UNIT_DIR ?= $(PREFIX)/lib/systemd/system
+CONF_DIR = $(DESTDIR)$(SYSCONFDIR)/hybridvm
+QEMU_PROGRAMS = qemu-system-x86_64 qemu-img qemu-io qemu-nbd qemu-storage-daemon
+MAN_PAGES = hvmemd.8 hvmem.1 hvarbiter.8 hvcache.8
 # The libvirt hook, in libvirt's qemu.d/ layout (libvirt >= 6.5 runs every
 # executable there), and its configuration unless one exists.  Our host
 # library (python/hvqmp.py) goes to $(LIB_DIR), and the hook's marked line
-# is rewritten to look there.
-HOOKS_DIR ?= $(DESTDIR)/etc/libvirt/hooks
-PREFIX ?= /usr/local
-LIB_DIR = $(PREFIX)/lib/hybridvm/python
+# is rewritten to look there.  install-hook installs only these two.
+HOOKS_DIR ?= $(DESTDIR)$(SYSCONFDIR)/libvirt/hooks
 HOOK_LIB_LINE = LIB_DIR = '$(LIB_DIR)'  \# make install
-install:
+BUILT = $(addprefix $(BUILD)/bin/,$(QEMU_PROGRAMS)) $(BUILD)/broker/hvmemd $(BUILD)/broker/hvmem \
+	$(BUILD)/redis-module/hybridmem.so
+
+.PHONY: install-hook install-built deb
+install: install-hook install-built
+	@echo "installed; restart libvirtd so that it notices new hooks"
+
+install-hook:
 	install -D -m 0644 python/hvqmp.py $(DESTDIR)$(LIB_DIR)/hvqmp.py
 	install -d $(HOOKS_DIR)/qemu.d
 	sed "s|^LIB_DIR = .*  # make install\$$|$(HOOK_LIB_LINE)|" libvirt-hooks/qemu \
@@ -49,7 +70,37 @@ install:
 	mv -f $(HOOKS_DIR)/.50-hybridvm.tmp $(HOOKS_DIR)/qemu.d/50-hybridvm
 	test -e $(HOOKS_DIR)/hybridvm.conf || \
 		install -m 0644 libvirt-hooks/hybridvm.conf.example $(HOOKS_DIR)/hybridvm.conf
-	@echo "installed; restart libvirtd so that it notices new hooks"
+
+# QEMU, the broker, the Redis module (where Debian's redis-server packages
+# keep theirs), the arbiter and hvcache (Python, beside hvqmp), the units
+# (ExecStart= names BINDIR), configuration examples, man pages.
+install-built:
+	@for f in $(BUILT); do test -e $$f || \
+		{ echo "install: $$f is missing: build first (make)" >&2; exit 1; }; done
+	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIB_DIR)/arbiter $(DESTDIR)$(REDIS_MODULE_DIR) \
+		$(DESTDIR)$(UNIT_DIR) $(CONF_DIR)/clone-cache \
+		$(DESTDIR)$(MAN_DIR)/man1 $(DESTDIR)$(MAN_DIR)/man8
+	install -m 0755 $(addprefix $(BUILD)/bin/,$(QEMU_PROGRAMS)) \
+		$(BUILD)/broker/hvmemd $(BUILD)/broker/hvmem $(DESTDIR)$(BINDIR)/
+	install -m 0755 $(BUILD)/redis-module/hybridmem.so $(DESTDIR)$(REDIS_MODULE_DIR)/
+	install -m 0644 $$(ls arbiter/*.py) $(DESTDIR)$(LIB_DIR)/arbiter/
+	install -m 0755 arbiter/hvarbiter $(DESTDIR)$(LIB_DIR)/arbiter/hvarbiter
+	ln -sfn $(LIB_DIR)/arbiter/hvarbiter $(DESTDIR)$(BINDIR)/hvarbiter
+	install -m 0755 clone-cache/hvcache $(DESTDIR)$(BINDIR)/hvcache
+	for u in hvmemd.service hvarbiter.service hvcache@.service; do \
+		sed 's|@BINDIR@|$(BINDIR)|g' packaging/$$u.in >$(DESTDIR)$(UNIT_DIR)/.$$u.tmp && \
+		chmod 0644 $(DESTDIR)$(UNIT_DIR)/.$$u.tmp && \
+		mv -f $(DESTDIR)$(UNIT_DIR)/.$$u.tmp $(DESTDIR)$(UNIT_DIR)/$$u || exit 1; done
+	set -e; for c in broker/broker.conf.example:broker.conf arbiter/arbiter.conf.example:arbiter.conf \
+		clone-cache/gold.conf.example:clone-cache/gold.conf; do \
+		test -e $(CONF_DIR)/$${c#*:} || install -m 0644 $${c%%:*} $(CONF_DIR)/$${c#*:}; done
+	set -e; for m in $(MAN_PAGES); do \
+		rst2man --halt=warning docs/man/$$m.rst | gzip -9n >$(DESTDIR)$(MAN_DIR)/man$${m##*.}/$$m.gz; \
+		chmod 0644 $(DESTDIR)$(MAN_DIR)/man$${m##*.}/$$m.gz; done
+
+# Debian packages from the built tree (scripts/build-debs.sh; docs/deploy.md).
+deb: all
+	@./scripts/build-debs.sh
 
 clean:
 	rm -rf $(BUILD)/qemu-build $(BUILD)/guest $(BUILD)/meson-* $(BUILD)/build.ninja

@@ -261,17 +261,19 @@ class HookTest(HookCase):
 
 
 def make_install(*args, umask=0o022):
-    """`make install` with these variables."""
-    r = subprocess.run(['make', '-s', '-C', REPO, 'install', *args], capture_output=True,
+    """`make install-hook` (the hook and its library: the part of `make
+    install` these tests are about) with these variables."""
+    r = subprocess.run(['make', '-s', '-C', REPO, 'install-hook', *args], capture_output=True,
                        text=True, timeout=60, preexec_fn=lambda: os.umask(umask))
     if r.returncode != 0:
-        raise AssertionError(f'make install failed: {r.stdout}{r.stderr}')
+        raise AssertionError(f'make install-hook failed: {r.stdout}{r.stderr}')
 
 
 class InstallTest(unittest.TestCase):
-    """`make install` stages the hook and its QMP client (python/hvqmp.py)
-    under DESTDIR; the installed hook names the library's directory as it
-    will be once installed."""
+    """`make install-hook` stages the hook and its QMP client
+    (python/hvqmp.py) under DESTDIR; the installed hook names the library's
+    directory as it will be once installed.  (`make install` installs these
+    and the rest: tests/packaging/test_install.py.)"""
 
     def setUp(self):
         self.root = tempfile.mkdtemp(prefix='hook-install-')

@@ -94,13 +94,13 @@ def random_ports():
 
 def make_hooks_dir(parent, reserve, conf='', layout='plain'):
     """A new hooks directory under `parent`, for LibvirtHost's hooks_dir: our
-    hook as `make install` installs it (its library in a new prefix under
+    hook as `make install-hook` installs it (its library in a new prefix under
     `parent`), as /etc/libvirt/hooks/qemu ('plain') or as `make install` lays
     it out ('qemu.d': hooks/qemu.d/50-hybridvm), and its hybridvm.conf:
     [memory] reserve = `reserve`, then `conf` (more sections, as text)."""
     d = tempfile.mkdtemp(prefix='hooks-', dir=parent)
     prefix = tempfile.mkdtemp(prefix='prefix-', dir=parent)
-    subprocess.run(['make', '-s', '-C', REPO, 'install', f'HOOKS_DIR={d}', f'PREFIX={prefix}'],
+    subprocess.run(['make', '-s', '-C', REPO, 'install-hook', f'HOOKS_DIR={d}', f'PREFIX={prefix}'],
                    check=True, capture_output=True)
     if layout == 'plain':
         os.rename(os.path.join(d, 'qemu.d', '50-hybridvm'), os.path.join(d, 'qemu'))
