@@ -3,7 +3,8 @@
 A hybrid image (docs/hybrid.md) served by its own qemu-storage-daemon,
 exported as a block device, formatted on first use and mounted; and the
 reverse without losing a byte.  The library (volume.hvvol.Volumes) is what
-the `hvvol` command and, later, podman's volume plugin both drive.
+the `hvvol` command and podman's volume plugin (plugin.py, `hvvol plugin`) both
+drive.
 """
 
 import os

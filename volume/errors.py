@@ -2,7 +2,7 @@
 
 Every message names the volume and the value at fault and, where there is
 one, the remedy.  The `hvvol` command prints the message and exits 1 (2 for
-BadInput); the podman volume plugin will return it as the request's Err.
+BadInput); the podman volume plugin (plugin.py) returns it as the request's Err.
 """
 
 
