@@ -3,20 +3,29 @@
 Every ```sh block of the document is a command a reader may type; they
 run here in order as one script (sh -eu), unless the line before the block
 is an HTML comment `<!-- not run: REASON -->`.  The script runs in a private
-mount namespace with /srv on a tmpfs (the document's paths), with the
-document's environment variables pointing at this test's directories and
-broker, hvvol and the build's qemu-img on PATH.  Afterwards no volume is
-left and no daemon runs."""
+mount namespace with /srv, /run/hybridvm and /run/containers on tmpfs (the
+document's paths), with the document's environment variables pointing at
+this test's directories and broker, hvvol and the build's qemu-img on PATH.
+Podman runs with the document's containers.conf snippet (the toml block
+that names the volume plugin) merged into this project's podman settings
+(tests/hvlib/podman.py), a storage of the test's own (CONTAINERS_STORAGE_CONF)
+and the offline-made test image imported there under the name the document
+uses.  Afterwards no volume is left and no daemon runs."""
 
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import tomllib
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import privatens                            # noqa: E402
 from vollib import TOP, VolumeTest          # noqa: E402
 from volume import host                     # noqa: E402
+from hvlib import podman as hvpodman        # noqa: E402
 
 sys.path.insert(0, os.path.join(TOP, 'broker', 'tests'))
 import brokerlib as B                       # noqa: E402
@@ -24,6 +33,7 @@ import brokerlib as B                       # noqa: E402
 DOC = os.path.join(TOP, 'docs', 'containers.md')
 FENCE_RE = re.compile(r'^```(\w*)\n(.*?)^```$', re.MULTILINE | re.DOTALL)
 NOT_RUN_RE = re.compile(r'<!-- not run: (.+?) -->\s*\Z', re.DOTALL)
+DOC_IMAGE = 'docker.io/library/debian:bookworm'
 
 
 def blocks(text):
@@ -36,6 +46,28 @@ def blocks(text):
     return out
 
 
+def toml_text(table, prefix=''):
+    """A TOML document of nested tables of strings, numbers, booleans and
+    lists (what containers.conf holds)."""
+    out = [f'[{prefix}]'] if prefix else []
+    subs = []
+    for key, val in table.items():
+        if isinstance(val, dict):
+            subs.append((key, val))
+        else:
+            out.append(f'{key} = {json.dumps(val)}')
+    for key, val in subs:
+        out.append(toml_text(val, f'{prefix}.{key}' if prefix else key))
+    return '\n'.join(out) + '\n'
+
+
+def merged(base, extra):
+    out = dict(base)
+    for key, val in extra.items():
+        out[key] = merged(out.get(key, {}), val) if isinstance(val, dict) else val
+    return out
+
+
 class DocTest(VolumeTest):
 
     def test_blocks_are_marked(self):
@@ -45,35 +77,90 @@ class DocTest(VolumeTest):
         sh = [b for b in found if b[0] == 'sh']
         self.assertGreaterEqual(len([b for b in sh if b[2] is None]), 5)
         for lang, body, reason in found:
-            self.assertIn(lang, ('sh', 'text'), f'a block in {lang!r}: {body[:60]!r}')
+            self.assertIn(lang, ('sh', 'text', 'toml'), f'a block in {lang!r}: {body[:60]!r}')
+            if lang == 'toml':
+                tomllib.loads(body)
             if reason is not None:
                 self.assertGreater(len(reason), 20, 'a reason, not a word')
 
+    def podman_env(self, found):
+        """CONTAINERS_CONF: the project's podman settings with the document's
+        containers.conf snippet merged in; CONTAINERS_STORAGE_CONF: a storage
+        of this test's own holding the test image as DOC_IMAGE."""
+        snippets = [body for lang, body, _ in found
+                    if lang == 'toml' and 'volume_plugins' in body]
+        self.assertEqual(len(snippets), 1, 'one containers.conf snippet')
+        conf = merged(tomllib.loads(hvpodman._conf_text()), tomllib.loads(snippets[0]))
+        conf_path = os.path.join(self.tmp, 'containers.conf')
+        with open(conf_path, 'w') as f:
+            f.write(toml_text(conf))
+        storage = os.path.join(self.tmp, 'podman')
+        storage_conf = os.path.join(self.tmp, 'storage.conf')
+        with open(storage_conf, 'w') as f:
+            f.write(toml_text({'storage': {'driver': 'overlay',
+                                           'graphroot': os.path.join(storage, 'root'),
+                                           'runroot': os.path.join(storage, 'run')}}))
+        env = dict(CONTAINERS_CONF=conf_path, CONTAINERS_STORAGE_CONF=storage_conf)
+        try:
+            tar = hvpodman.build_image_tar()
+        except hvpodman.PodmanMissing as exc:
+            self.skipTest(str(exc))
+        p = subprocess.run(['podman', 'import', '--change', 'CMD=["/bin/sh"]', tar, DOC_IMAGE],
+                           env=dict(os.environ, **env), capture_output=True, text=True,
+                           timeout=600)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        return env
+
     def test_commands_run_as_written(self):
         with open(DOC) as f:
-            script = '\n'.join(body for lang, body, reason in blocks(f.read())
-                               if lang == 'sh' and reason is None)
+            found = blocks(f.read())
+        script = '\n'.join(body for lang, body, reason in found
+                           if lang == 'sh' and reason is None)
+        try:
+            hvpodman.Podman()
+        except hvpodman.PodmanMissing as exc:
+            self.skipTest(str(exc))
+        privatens.enter()       # podman's mounts of the import stay in it
+        podman_env = self.podman_env(found)
         pool = os.path.join('/dev/shm', os.path.basename(self.tmp) + '-pool')
         broker = B.Broker(self.tmp, pool)
         broker.start()
         try:
             env = dict(os.environ, HVVOL_DIR=self.conf, HVVOL_RUN_DIR=self.run_dir,
-                       HVMEM_SOCKET=broker.sock,
+                       HVMEM_SOCKET=broker.sock, **podman_env,
                        PATH=os.pathsep.join([os.path.join(TOP, 'volume'),
                                              os.path.dirname(self.vols.tools.qemu_img),
                                              os.environ.get('PATH', '/usr/bin:/bin')]))
             path = os.path.join(self.tmp, 'doc.sh')
             with open(path, 'w') as f:
                 f.write(script)
-            p = subprocess.run(['unshare', '-m', '--propagation', 'private', 'sh', '-c',
-                                'mount -t tmpfs -o size=2G tmpfs /srv && exec sh -eux "$0"',
-                                path], env=env, capture_output=True, text=True, timeout=600)
+            # its own session: whatever the script leaves running (the
+            # plugin, if it fails half-way) is killed with it
+            proc = subprocess.Popen(
+                ['unshare', '-m', '--propagation', 'private', 'sh', '-c',
+                 'mount -t tmpfs -o size=2G tmpfs /srv && mkdir -p /run/hybridvm /run/containers '
+                 '&& mount -t tmpfs -o mode=0755 tmpfs /run/hybridvm '
+                 '&& mount -t tmpfs -o mode=0700 tmpfs /run/containers '
+                 '&& exec sh -eux "$0"', path],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                start_new_session=True)
+            try:
+                out, err = proc.communicate(timeout=900)
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+            p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
             self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
             self.assertIn('<h1>hello</h1>', p.stdout)
+            self.assertIn('hello from a container\nstopped\n', p.stdout)
+            self.assertIn('a container on a hybrid volume', p.stdout)
             self.assertIn(f'"mountpoint": "{self.run_dir}/www/mnt"', p.stdout)
             self.assertIn('"reused": false', p.stdout)     # a new region, bound at mount
             self.assertEqual(self.vols.names(), [])
-            for name in ('www', 'db', 'old'):
+            for name in ('www', 'db', 'old', 'web', 'containers'):
                 self.assertIsNone(self.vols._state(name))
             self.assertFalse([m for m in host.mountinfo() if m['target'].startswith(self.tmp)])
         finally:
