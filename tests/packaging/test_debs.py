@@ -1,0 +1,441 @@
+"""The Debian packages (make deb, docs/deploy.md "Packages") in a clean
+Debian 12 root (issue 38, item 2).
+
+One run, in order: build the packages twice (Debian revisions 1 and 2, the
+"previous" and the current version) with scripts/build-debs.sh, the script
+`make deb` runs; lintian on them; a minbase bookworm root from mmdebstrap
+(cached in build/pkgtest, a day at most) into which apt installs revision 1
+with --no-install-recommends (so whatever the programs need must be a declared
+dependency: nothing comes from the build host); then, inside the root:
+every daemon's man page against its --help, systemd-analyze verify of the
+units, `qemu-img create -f hybrid`, redis-server loading the installed module,
+`hvarbiter check` on the installed configuration, and the broker and a clone
+cache started from their units' ExecStart= (with the unit's directories,
+umask, capability bounding set, no_new_privs, read-only system and private
+/tmp applied as systemd would, so a daemon that writes where its unit does
+not let it fails here); the commands docs/deploy.md shows for a host;
+the upgrade to revision 2 keeps a changed conffile, a broker region with its
+data and the warm cache; purge removes configuration and state.
+
+Beyond our packages' Depends the root gets only what the checks use and our
+packages recommend or serve: redis-server (the module's host), podman (the
+installed arbiter configuration names a podman container), systemd (the units'
+init, for systemd-analyze).
+"""
+
+import glob
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import unittest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD = os.environ.get('HYBRIDVM_BUILD', os.path.join(REPO, 'build'))
+CACHE = os.path.join(BUILD, 'pkgtest')
+BASE_TAR = os.path.join(CACHE, 'bookworm-minbase.tar')
+BASE_MAX_AGE = 24 * 3600
+EXTRAS = ['redis-server', 'podman', 'systemd']
+UNITS = ['hvmemd.service', 'hvarbiter.service', 'hvcache@gold.service']
+DEPLOY = os.path.join(REPO, 'docs', 'deploy.md')
+
+
+def skip_reason():
+    if os.geteuid() != 0:
+        return 'a clean root needs root (chroot, mounts)'
+    for tool in ('mmdebstrap', 'dpkg-buildpackage', 'lintian', 'unshare', 'rst2man'):
+        if not shutil.which(tool):
+            return f'{tool} is not installed (scripts/setup-host.sh)'
+    if not os.path.exists(os.path.join(BUILD, 'qemu-src', 'VERSION')):
+        return 'the tree is not built'
+    return None
+
+
+def deploy_commands(section):
+    """The shell lines of the ```sh blocks under `## section` in docs/deploy.md
+    (comments and blank lines dropped, continuations joined)."""
+    with open(DEPLOY) as f:
+        text = f.read()
+    m = re.search(rf'^## {re.escape(section)}\n(.*?)(?=^## |\Z)', text, re.S | re.M)
+    assert m, f'docs/deploy.md has no section "{section}"'
+    lines = []
+    for block in re.findall(r'```sh\n(.*?)```', m.group(1), re.S):
+        for line in block.replace('\\\n', ' ').splitlines():
+            line = line.split('  # ')[0].strip()
+            if line and not line.startswith('#'):
+                lines.append(line)
+    return lines
+
+
+def base_root():
+    """The cached minbase tarball (apt lists kept), made again after a day."""
+    os.makedirs(CACHE, exist_ok=True)
+    if os.path.exists(BASE_TAR) and time.time() - os.path.getmtime(BASE_TAR) < BASE_MAX_AGE:
+        return BASE_TAR
+    tmp = BASE_TAR + '.tmp'
+    r = subprocess.run(['mmdebstrap', '--variant=minbase', '--skip=cleanup/apt/lists',
+                        'bookworm', tmp], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise AssertionError(f'mmdebstrap failed:\n{r.stderr[-3000:]}')
+    os.replace(tmp, BASE_TAR)
+    return BASE_TAR
+
+
+def parse_unit(path, instance=None):
+    """{key: [values]} of a unit's [Service] (and other) sections, %i expanded."""
+    keys = {}
+    with open(path) as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith(('#', ';', '[')) or '=' not in line:
+            continue
+        k, v = line.split('=', 1)
+        if instance is not None:
+            v = v.replace('%i', instance)
+        keys.setdefault(k.strip(), []).append(v.strip())
+    return keys
+
+
+@unittest.skipIf(skip_reason(), skip_reason())
+class DebianPackagesTest(unittest.TestCase):
+
+    def setUp(self):
+        os.makedirs(CACHE, exist_ok=True)
+        self.work = tempfile.mkdtemp(prefix='debs-', dir=CACHE)
+        self.root = os.path.join(self.work, 'root')
+        self.shm = os.path.join(self.work, 'shm')        # the root's /dev/shm
+        self.archives = os.path.join(CACHE, 'archives')  # apt's download cache
+        os.makedirs(os.path.join(self.archives, 'partial'), exist_ok=True)
+        os.makedirs(self.shm)
+        os.chmod(self.shm, 0o1777)
+        self.daemons = {}
+        self.t0 = time.monotonic()
+
+    def tearDown(self):
+        for name in list(self.daemons):
+            self.stop(name)
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    def log(self, what):
+        print(f'[{time.monotonic() - self.t0:6.1f} s] {what}', flush=True)
+
+    # -- the root ------------------------------------------------------------
+    def script(self, cmd, unit=None):
+        """A shell script that enters the root in a new mount namespace and
+        runs `cmd` there; with `unit` (parse_unit's dict), as its [Service]
+        says: directories made, ProtectSystem=strict (the root read-only but
+        for ReadWritePaths= and those directories), PrivateTmp=, UMask=,
+        NoNewPrivileges=, CapabilityBoundingSet=."""
+        r = shlex.quote(self.root)
+        pre = [f'R={r}']
+        inner = cmd
+        if unit:
+            rw = []
+            for key, base, mode_key in (('RuntimeDirectory', '/run', 'RuntimeDirectoryMode'),
+                                        ('StateDirectory', '/var/lib', 'StateDirectoryMode'),
+                                        ('LogsDirectory', '/var/log', 'LogsDirectoryMode')):
+                for d in unit.get(key, []):
+                    p = f'{base}/{d}'
+                    mode = unit.get(mode_key, ['0755'])[0]
+                    pre.append(f'mkdir -p "$R{p}" && chmod {mode} "$R{p}"')
+                    rw.append(p)
+            for p in ' '.join(unit.get('ReadWritePaths', [])).split():
+                optional = p.startswith('-')
+                p = p.lstrip('-')
+                if optional and not os.path.exists(self.root + p):
+                    continue
+                rw.append(p)
+            if unit.get('ProtectSystem') == ['strict']:
+                pre.append('mount --bind "$R" "$R"')
+                pre += [f'mount --bind "$R{p}" "$R{p}"' for p in rw]
+                pre.append('mount -o remount,bind,ro "$R" "$R"')
+            if unit.get('PrivateTmp') == ['yes']:
+                pre.append('mount -t tmpfs -o mode=1777 private-tmp "$R/tmp"')
+            caps = ' '.join(unit.get('CapabilityBoundingSet', [])).split()
+            priv = ['setpriv']
+            if caps:
+                priv.append('--bounding-set=-all,' + ','.join(
+                    '+' + c.lower().removeprefix('cap_') for c in caps))
+            if unit.get('NoNewPrivileges') == ['yes']:
+                priv.append('--no-new-privs')
+            umask = unit.get('UMask', ['0022'])[0]
+            inner = f'umask {umask}; exec {" ".join(priv)} -- {cmd}'
+        pre += ['mount -t proc proc "$R/proc"',
+                'mount -t sysfs sysfs "$R/sys"',
+                f'mount --bind {shlex.quote(self.shm)} "$R/dev/shm"',
+                f'mount --bind {shlex.quote(self.archives)} "$R/var/cache/apt/archives"',
+                f'exec chroot "$R" /bin/sh -c {shlex.quote(inner)}']
+        return ['unshare', '--mount', '--propagation', 'private', '--fork',
+                'sh', '-ec', '\n'.join(pre)]
+
+    def sh(self, cmd, check=True, timeout=300):
+        """Run `cmd` (sh) in the root; its output."""
+        r = subprocess.run(self.script(cmd), capture_output=True, text=True, timeout=timeout,
+                           env=dict(os.environ, DEBIAN_FRONTEND='noninteractive', LC_ALL='C',
+                                    PATH='/usr/sbin:/usr/bin:/sbin:/bin'))
+        if check and r.returncode != 0:
+            raise AssertionError(f'in the root: {cmd}\nexit {r.returncode}\n'
+                                 f'{r.stdout[-4000:]}\n{r.stderr[-4000:]}')
+        return r
+
+    def unit(self, name):
+        base, _, inst = name.partition('@')
+        inst = inst[:-len('.service')] if inst else None
+        path = os.path.join(self.root, 'lib/systemd/system',
+                            f'{base}@.service' if inst is not None else name)
+        return parse_unit(path, inst)
+
+    def start(self, name, ready, timeout=30):
+        """Start `name` from its unit's ExecStart= (unit's sandbox applied);
+        wait until the file `ready` (in the root) exists."""
+        u = self.unit(name)
+        [cmd] = u['ExecStart']
+        with open(os.path.join(self.work, f'{name}.log'), 'ab') as log:
+            proc = subprocess.Popen(self.script(cmd, unit=u), stdout=log, stderr=log,
+                                    env=dict(os.environ, LC_ALL='C',
+                                             PATH='/usr/sbin:/usr/bin:/sbin:/bin'))
+        deadline = time.monotonic() + timeout
+        path = self.root + ready
+        pid = None
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                self.fail(f'{name} exited {proc.returncode}: {self.daemon_log(name)}')
+            if pid is None:
+                pid = self.pid_of(proc)
+            if pid and os.path.exists(path):
+                self.daemons[name] = (proc, pid)
+                return
+            time.sleep(0.1)
+        proc.kill()
+        self.fail(f'{name}: no {ready} after {timeout} s: {self.daemon_log(name)}')
+
+    def pid_of(self, proc):
+        """The daemon's pid: the unshare's child, once it has exec'd."""
+        try:
+            with open(f'/proc/{proc.pid}/task/{proc.pid}/children') as f:
+                kids = f.read().split()
+        except OSError:
+            return None
+        return int(kids[0]) if kids else None
+
+    def daemon_log(self, name):
+        with open(os.path.join(self.work, f'{name}.log'), errors='replace') as f:
+            return f.read()[-3000:]
+
+    def stop(self, name):
+        """SIGTERM, as systemctl stop; wait for it."""
+        proc, pid = self.daemons.pop(name)
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            self.fail(f'{name} did not stop on SIGTERM')
+
+    def qmp(self, path, command):
+        """A QMP command in the root, through the installed hvqmp."""
+        code = ('import json, sys; sys.path.insert(0, "/usr/lib/hybridvm/python"); import hvqmp\n'
+                f'q = hvqmp.QMP({path!r}, timeout=10).connect()\n'
+                f'print(json.dumps(q.cmd({command!r})))')
+        return json.loads(self.sh(f'python3 -c {shlex.quote(code)}').stdout)
+
+    # -- the packages --------------------------------------------------------
+    def build(self, revision):
+        out = os.path.join(self.work, f'debs-{revision}')
+        r = subprocess.run([os.path.join(REPO, 'scripts', 'build-debs.sh'), out],
+                           capture_output=True, text=True, timeout=600,
+                           env=dict(os.environ, HYBRIDVM_DEB_REVISION=str(revision),
+                                    BUILD_DIR=BUILD))
+        if r.returncode != 0:
+            raise AssertionError(f'build-debs.sh failed:\n{r.stdout}{r.stderr}')
+        debs = sorted(glob.glob(os.path.join(out, '*.deb')))
+        version = re.search(r'hybridvm (\S+)', r.stdout).group(1)
+        return out, debs, version
+
+    def lintian(self, out):
+        """No errors; each warning's tag is one docs/deploy.md justifies."""
+        [changes] = glob.glob(os.path.join(out, '*.changes'))
+        r = subprocess.run(['lintian', '--tag-display-limit', '0', changes],
+                           capture_output=True, text=True, timeout=300)
+        tags = re.findall(r'^([EWX]): \S+: (\S+)', r.stdout, re.M)
+        errors = [t for k, t in tags if k in 'EX']
+        self.assertEqual(errors, [], r.stdout)
+        with open(DEPLOY) as f:
+            justified = set(re.findall(r'^\| `([a-z0-9-]+)` \|', f.read(), re.M))
+        self.assertEqual({t for k, t in tags if k == 'W'} - justified, set(),
+                         f'lintian warnings docs/deploy.md does not justify:\n{r.stdout}')
+
+    def install(self, debs):
+        for d in debs:
+            shutil.copy(d, os.path.join(self.root, 'tmp'))
+        names = ' '.join('/tmp/' + os.path.basename(d) for d in debs)
+        self.sh(f'apt-get install -y -q --no-install-recommends {names} && rm -f {names}',
+                timeout=600)
+
+    def versions(self):
+        """{package: version} of the installed hybridvm-* packages."""
+        out = self.sh("dpkg-query -W -f '${Package} ${Status} ${Version}\\n' 'hybridvm-*'",
+                      check=False).stdout
+        return {p[0]: p[-1] for p in map(str.split, out.splitlines())
+                if len(p) == 5 and p[3] == 'installed'}
+
+    # -- checks inside the root ------------------------------------------------
+    def check_man_pages_match_help(self):
+        """Each daemon's man page names every option and command its --help
+        (and each command's --help) names, and no option they do not."""
+        def opts(text):
+            return set(re.findall(r'(?<![\w-])(--[a-z][a-z-]+)', text.replace('\\-', '-')))
+
+        def man(page):
+            return self.sh(f'zcat /usr/share/man/man{page[-1]}/{page}.gz').stdout
+
+        self.assertEqual(opts(man('hvmemd.8')), opts(self.sh('hvmemd --help').stdout))
+        for prog, page in (('hvarbiter', 'hvarbiter.8'), ('hvcache', 'hvcache.8')):
+            text = man(page)
+            help_ = self.sh(f'{prog} --help').stdout
+            cmds = re.search(r'\{([a-z,]+)\}', help_).group(1).split(',')
+            named = opts(help_)
+            for c in cmds:
+                self.assertTrue(re.search(rf'(^\.B |{prog} ){c}\b', text, re.M),
+                                f'{page} lacks the command {c}')
+                named |= opts(self.sh(f'{prog} {c} --help').stdout)
+            self.assertEqual(opts(text), named, page)
+
+    def check_units(self):
+        r = self.sh('systemd-analyze verify --man=no ' + ' '.join(UNITS), check=False)
+        self.assertEqual((r.returncode, r.stdout + r.stderr), (0, ''))
+        for u in UNITS:
+            keys = self.unit(u)
+            for k, v in (('NoNewPrivileges', 'yes'), ('ProtectSystem', 'strict'),
+                         ('ProtectHome', 'yes'), ('PrivateTmp', 'yes')):
+                self.assertEqual(keys.get(k), [v], f'{u}: {k}')
+            self.assertIn('CapabilityBoundingSet', keys, u)
+            self.assertNotIn('StandardOutput', keys, f'{u}: logs go to the journal')
+            self.assertTrue(keys['ExecStart'][0].startswith('/usr/bin/'), u)
+
+    def check_tools(self):
+        out = self.sh('cd /tmp && qemu-img create -f hybrid -o ram-size=16M,mode=async d.hyb 64M'
+                      ' && qemu-img info d.hyb && command -v qemu-img').stdout
+        self.assertIn('file format: hybrid', out)
+        self.assertIn('/usr/bin/qemu-img', out)
+        # redis-server loads the installed module by its path, as redis.conf would
+        self.sh('cd /tmp && (redis-server --port 0 --unixsocket /tmp/r.sock --save "" '
+                '--loadmodule /usr/lib/redis/modules/hybridmem.so >r.log 2>&1 &) && '
+                'for i in $(seq 100); do [ -S /tmp/r.sock ] && break; sleep 0.1; done && '
+                'redis-cli -s /tmp/r.sock MODULE LIST >m.txt && redis-cli -s /tmp/r.sock '
+                'SHUTDOWN NOSAVE || true; cat m.txt; grep -qx appassist m.txt || '
+                '{ cat r.log; exit 1; }')
+        # the installed configuration, on a device of that name
+        self.sh('mknod /dev/nvme0n1 b 259 0 2>/dev/null || true')
+        r = self.sh('hvarbiter check /etc/hybridvm/arbiter.conf')
+        self.assertIn('device /dev/nvme0n1', r.stdout)
+        self.assertIn('[container db] podman db: waiting: podman: no such container db',
+                      r.stdout)
+
+    def write_region(self, name, data):
+        self.sh(f'hvmem map {name} --rw -- sh -c \'printf {data} | dd of=/proc/self/fd/$HVMEM_FD '
+                'conv=notrunc status=none\'')
+
+    def read_region(self, name, n):
+        return self.sh(f'hvmem map {name} -- sh -c \'head -c {n} /proc/self/fd/$HVMEM_FD\'').stdout
+
+    def cache_used(self):
+        [c] = self.qmp('/run/hybridvm/clone-cache/gold.qmp', 'query-clone-cache')
+        return c['used']
+
+    def read_through_cache(self):
+        out = self.sh("cd /tmp && rm -f vm1.qcow2 && qemu-img create -f qcow2 -F raw -b "
+                      "'nbd+unix:///gold?socket=/run/hybridvm/clone-cache/gold.sock' vm1.qcow2 "
+                      ">/dev/null && qemu-io -r -c 'read -v 0 16' vm1.qcow2").stdout
+        self.assertIn('goldbasedata', out)
+
+    # -- the test ---------------------------------------------------------------
+    def test_install_upgrade_purge(self):
+        prev_dir, prev, v1 = self.build(1)
+        cur_dir, cur, v2 = self.build(2)
+        self.log(f'built {v1} and {v2}: {", ".join(os.path.basename(d) for d in cur)}')
+        self.assertEqual(len(cur), 7)
+        self.lintian(cur_dir)
+        self.log('lintian: no errors, warnings as docs/deploy.md says')
+
+        os.makedirs(self.root)
+        subprocess.run(['tar', '-C', self.root, '-xf', base_root()], check=True, timeout=300)
+        self.install(prev)
+        self.sh('apt-get install -y -q --no-install-recommends ' + ' '.join(EXTRAS), timeout=600)
+        self.assertEqual(set(self.versions().values()), {v1})
+        self.log(f'installed {v1} into a clean root')
+
+        self.check_man_pages_match_help()
+        self.check_units()
+        self.check_tools()
+        self.log('man pages, units, qemu-img, redis-server, hvarbiter, docs/deploy.md')
+
+        # the broker, from its unit: only root may connect
+        self.start('hvmemd.service', '/run/hybridvm-broker.sock')
+        st = os.stat(self.root + '/run/hybridvm-broker.sock')
+        self.assertEqual(st.st_mode & 0o777, 0o600)
+        self.assertEqual(os.stat(self.shm + '/hybridvm-broker').st_mode & 0o777, 0o700)
+        self.sh('hvmem create kept 4M --mode 0600')
+        self.write_region('kept', 'persisted')
+        self.assertIn('kept', self.sh('hvmem list').stdout)
+        # the commands docs/deploy.md shows for an installed host
+        for line in deploy_commands('Checking an installed host'):
+            self.sh(line)
+        # the admin's change to a conffile: a provisioned region
+        with open(self.root + '/etc/hybridvm/broker.conf', 'a') as f:
+            f.write('\n[region provisioned]\nsize=2M\n')
+
+        # a clone cache from its unit and the shipped gold.conf
+        self.sh('mkdir -p /var/lib/hybridvm/bases && '
+                'qemu-img create -f raw /var/lib/hybridvm/bases/gold.img 16M >/dev/null && '
+                'printf goldbasedata | dd of=/var/lib/hybridvm/bases/gold.img conv=notrunc '
+                'status=none && hvcache check /etc/hybridvm/clone-cache/gold.conf >/dev/null')
+        self.start('hvcache@gold.service', '/run/hybridvm/clone-cache/gold.qmp')
+        self.read_through_cache()
+        deadline = time.monotonic() + 20
+        while self.cache_used() == 0:
+            self.assertLess(time.monotonic(), deadline, 'the cache was never filled')
+            time.sleep(0.2)
+        self.log('broker: region created, mapped, listed; clone cache filled')
+
+        # the upgrade (systemd would stop and start the daemons around it)
+        self.stop('hvmemd.service')
+        self.stop('hvcache@gold.service')
+        self.install(cur)
+        self.assertEqual(set(self.versions().values()), {v2})
+        self.assertIn('[region provisioned]', open(self.root + '/etc/hybridvm/broker.conf').read())
+        self.assertEqual(glob.glob(self.root + '/etc/hybridvm/**/*.dpkg-*', recursive=True), [])
+        self.start('hvmemd.service', '/run/hybridvm-broker.sock')
+        listing = self.sh('hvmem list').stdout
+        self.assertIn('kept', listing)
+        self.assertIn('provisioned', listing)
+        self.assertEqual(self.read_region('kept', 9), 'persisted')
+        self.start('hvcache@gold.service', '/run/hybridvm/clone-cache/gold.qmp')
+        self.assertGreater(self.cache_used(), 0, 'the cache is cold after the upgrade')
+        self.read_through_cache()
+        self.log(f'upgraded to {v2}: conffile, region and its data, warm cache kept')
+
+        # purge: configuration and state go
+        self.stop('hvmemd.service')
+        self.stop('hvcache@gold.service')
+        self.sh('apt-get purge -y -q ' + ' '.join(self.versions()))
+        self.assertEqual(self.versions(), {})
+        for p in ('/etc/hybridvm', '/var/lib/hybridvm/clone-cache', '/run/hybridvm/clone-cache',
+                  '/etc/libvirt/hooks/qemu.d/50-hybridvm', '/usr/lib/hybridvm'):
+            self.assertFalse(os.path.lexists(self.root + p), p)
+        self.assertFalse(os.path.lexists(self.shm + '/hybridvm-broker'))
+        self.log('purged: configuration and state removed')
+
+
+if __name__ == '__main__':
+    unittest.main()
