@@ -34,7 +34,7 @@ aa = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(aa)
 
 import charts  # noqa: E402
-from app_assist_pooled import setup_share  # noqa: E402
+import app_assist_pooled as pooled  # noqa: E402
 from pooled_stats import mean_ci, ratio_ci, verdict  # noqa: E402
 
 # (column of a run's row, what, goal of ours / baseline or None)
@@ -69,15 +69,8 @@ def shape_key(s):
     return f"{s['items']}:{s['mem']}:{s['hot']:g}"
 
 
-def value(run, col):
-    v = setup_share(run) if col == 'setup share (%)' else run.get(col)
-    return None if v is None else float(v)
-
-
 def samples(runs, shape, label, col):
-    return [v for r in runs
-            if r.get('shape') == shape and r.get('config') == label and 'failed' not in r
-            for v in [value(r, col)] if v is not None]
+    return pooled.samples([r for r in runs if r.get('shape') == shape], label, col)
 
 
 def analyse(runs, shapes, labels, baseline):
@@ -216,15 +209,9 @@ def main():
     ap.add_argument('--name', default='app-assist-shapes')
     ap.add_argument('--logdir', default=None)
     ap.add_argument('--report-only', default=None, metavar='JSON')
-    args = ap.parse_args()
-    args.cmdline = ' '.join(sys.argv[1:])
-    args.started = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
+    args = aa.parse_args(ap)
     if args.report_only:
-        with open(args.report_only) as f:
-            saved = json.load(f)
-        for k, v in saved['args'].items():
-            if k not in ('out', 'report_only', 'name'):
-                setattr(args, k, v)
+        saved = aa.load_saved(args, keep=('out', 'report_only', 'name'))
         write_report(saved['runs'], args, saved['shapes'], saved['labels'])
         return
     shapes = parse_shapes(args.shapes, args.hot)
@@ -255,7 +242,6 @@ def main():
                 except Exception as exc:  # noqa: BLE001 -- a failed run is reported, not pooled
                     aa.log(f'FAILED: {exc!r}')
                     row = {'failed': str(exc)[:200]}
-                row.pop('load timeline', None)
                 row.update(config=label, round=rnd, shape=shape_key(s))
                 runs.append(row)
                 write_report(runs, args, shapes, labels)
