@@ -84,6 +84,7 @@ install-built:
 		$(BUILD)/broker/hvmemd $(BUILD)/broker/hvmem $(DESTDIR)$(BINDIR)/
 	install -m 0755 $(BUILD)/redis-module/hybridmem.so $(DESTDIR)$(REDIS_MODULE_DIR)/
 	install -m 0644 $$(ls arbiter/*.py) $(DESTDIR)$(LIB_DIR)/arbiter/
+	install -m 0644 python/hvfiles.py $(DESTDIR)$(LIB_DIR)/hvfiles.py
 	install -m 0755 arbiter/hvarbiter $(DESTDIR)$(LIB_DIR)/arbiter/hvarbiter
 	ln -sfn $(LIB_DIR)/arbiter/hvarbiter $(DESTDIR)$(BINDIR)/hvarbiter
 	install -m 0755 clone-cache/hvcache $(DESTDIR)$(BINDIR)/hvcache

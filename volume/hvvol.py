@@ -42,7 +42,6 @@ import shutil
 import signal
 import stat
 import subprocess
-import tempfile
 import time
 
 from . import host, transport
@@ -51,6 +50,7 @@ from .errors import (AlreadyMounted, BadInput, Busy, DaemonError, Exists, FlushF
 from .validate import (MiB, GiB, check_mountpoint, check_name, check_path, human,
                        parse_create_options, shown)
 
+import hvfiles
 import hvqmp
 
 CONFIG_DIR = '/var/lib/hybridvm/volumes'
@@ -155,32 +155,9 @@ def secure_dir(path, what):
 
 
 def write_json(path, obj):
-    """Replace path with obj as JSON: a fresh file beside it, synced, then
-    renamed over it (which replaces a link there, never follows it), then
-    the directory synced."""
-    d = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix='.' + os.path.basename(path) + '.')
-    try:
-        with os.fdopen(fd, 'w') as f:
-            os.fchmod(f.fileno(), 0o600)
-            json.dump(obj, f, indent=1, sort_keys=True)
-            f.write('\n')
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass    # the rename is made; a directory sync error is not a rollback
-    finally:
-        os.close(dfd)
+    """Replace path with obj as JSON, root-only, durably (hvfiles)."""
+    hvfiles.replace_file(path, json.dumps(obj, indent=1, sort_keys=True) + '\n', mode=0o600,
+                         durable=True)
 
 
 def read_json(path, what, limit=1 << 20):
