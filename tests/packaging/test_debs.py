@@ -9,8 +9,10 @@ with --no-install-recommends (so whatever the programs need must be a declared
 dependency: nothing comes from the build host); then, inside the root:
 every daemon's man page against its --help, systemd-analyze verify of the
 units, `qemu-img create -f hybrid`, redis-server loading the installed module,
-`hvarbiter check` on the installed configuration, and the broker and a clone
-cache started from their units' ExecStart= (with the unit's directories,
+`hvarbiter check` on the installed configuration, the installed libvirt hook
+admitting a domain, the maintainer scripts stopping the daemons on removal,
+and the arbiter (on a loop device), the broker and a clone cache started
+from their units' ExecStart= (with the unit's directories,
 umask, capability bounding set, no_new_privs, read-only system and private
 /tmp applied as systemd would, so a daemon that writes where its unit does
 not let it fails here); the commands docs/deploy.md shows for a host;
@@ -342,6 +344,52 @@ class DebianPackagesTest(unittest.TestCase):
         self.assertIn('[container db] podman db: waiting: podman: no such container db',
                       r.stdout)
 
+    def check_hook(self):
+        """The installed hook admits a plain domain (its library from
+        hybridvm-common, its configuration from the package) and forgets it."""
+        xml = ("<domain type='qemu'><name>g1</name><memory unit='MiB'>64</memory><devices>"
+               "<emulator>/usr/bin/qemu-system-x86_64</emulator></devices></domain>")
+        hook = '/etc/libvirt/hooks/qemu.d/50-hybridvm'
+        self.sh(f'echo "{xml}" | {hook} g1 prepare begin - && test -f /run/libvirt/hybridvm/g1.json'
+                f' && echo "{xml}" | {hook} g1 release end - && ! test -e '
+                '/run/libvirt/hybridvm/g1.json')
+
+    def check_arbiter(self):
+        """hvarbiter from its unit, on the installed configuration, with a
+        loop device as its /dev/nvme0n1: the probe measures, the watchdog
+        runs, the VM it names is absent (no QEMU), status answers."""
+        img = os.path.join(self.work, 'nvme0n1.img')
+        with open(img, 'wb') as f:
+            f.truncate(64 << 20)
+        loop = subprocess.run(['losetup', '--find', '--show', '--direct-io=on', img],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        self.addCleanup(subprocess.run, ['losetup', '-d', loop])
+        rdev = os.stat(loop).st_rdev
+        self.sh(f'rm -f /dev/nvme0n1 && mknod /dev/nvme0n1 b {os.major(rdev)} {os.minor(rdev)}')
+        self.start('hvarbiter.service', '/run/hvarbiter/arbiter.sock')
+        deadline = time.monotonic() + 30
+        while True:
+            s = json.loads(self.sh('hvarbiter status /etc/hybridvm/arbiter.conf').stdout)
+            if s.get('container', {}).get('probe_samples') and \
+                    s['watchdog']['state'] == 'running':
+                break
+            self.assertLess(time.monotonic(), deadline, s)
+            time.sleep(0.5)
+        self.assertEqual(s['vm_state']['web1']['state'], 'absent')
+        self.assertEqual(os.stat(self.root + '/run/hvarbiter').st_mode & 0o777, 0o700)
+        self.stop('hvarbiter.service')
+
+    def check_removal_stops(self):
+        """Removal stops the daemons (systemd is not running in the root: the
+        maintainer scripts say it)."""
+        info = self.root + '/var/lib/dpkg/info/'
+        for pkg, unit in (('hybridvm-broker', "'hvmemd.service'"),
+                          ('hybridvm-arbiter', "'hvarbiter.service'"),
+                          ('hybridvm-clone-cache', "'hvcache@*.service'")):
+            with open(info + pkg + '.prerm') as f:
+                self.assertRegex(f.read(), r'(deb-systemd-invoke|systemctl) stop ' +
+                                 re.escape(unit), pkg)
+
     def write_region(self, name, data):
         self.sh(f'hvmem map {name} --rw -- sh -c \'printf {data} | dd of=/proc/self/fd/$HVMEM_FD '
                 'conv=notrunc status=none\'')
@@ -378,7 +426,10 @@ class DebianPackagesTest(unittest.TestCase):
         self.check_man_pages_match_help()
         self.check_units()
         self.check_tools()
-        self.log('man pages, units, qemu-img, redis-server, hvarbiter, docs/deploy.md')
+        self.check_hook()
+        self.check_arbiter()
+        self.check_removal_stops()
+        self.log('man pages, units, qemu-img, redis-server, hook, hvarbiter (from its unit)')
 
         # the broker, from its unit: only root may connect
         self.start('hvmemd.service', '/run/hybridvm-broker.sock')
