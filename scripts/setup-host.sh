@@ -43,7 +43,7 @@ $SUDO apt-get install -y -q --no-install-recommends \
     fio podman runc uidmap fuse-overlayfs mmdebstrap \
     debhelper dh-python lintian python3-docutils \
     ceph-mon ceph-osd ceph-common librbd-dev uuid-runtime \
-    libvirt-daemon-system libvirt-clients libvirt-daemon-driver-qemu python3-libvirt
+    libvirt-daemon-system libvirt-clients libvirt-daemon-driver-qemu python3-libvirt apparmor
 
 # Python venv with pinned packages: meson for QEMU's configure, avocado for the functional tests.
 venv=$build/venv
