@@ -73,6 +73,13 @@ def samples(runs, shape, label, col):
     return pooled.samples([r for r in runs if r.get('shape') == shape], label, col)
 
 
+def baseline_samples(runs, shape, labels, baseline, col):
+    """The baseline's samples and its A/A twins' together: the same
+    configuration, so the best estimate of it that the run has."""
+    return [x for label in labels if label.split('@')[0] == baseline
+            for x in samples(runs, shape, label, col)]
+
+
 def analyse(runs, shapes, labels, baseline):
     """{shape: {'stats': {label: {col: (mean, ci, n)}}, 'ratios': {label:
     {col: ratio dict}}}} for the shapes that have runs."""
@@ -90,10 +97,15 @@ def analyse(runs, shapes, labels, baseline):
             if label == baseline:
                 continue
             rt[label] = {}
+            # The A/A twin against the baseline alone (the noise); any other
+            # configuration against every run of the baseline's configuration.
+            aa_twin = label.split('@')[0] == baseline
             for col, _, _ in FIGURES:
                 if col == 'setup share (%)':
                     continue
-                a, b = samples(runs, key, label, col), samples(runs, key, baseline, col)
+                a = samples(runs, key, label, col)
+                b = (samples(runs, key, baseline, col) if aa_twin else
+                     baseline_samples(runs, key, labels, baseline, col))
                 if len(a) >= 2 and len(b) >= 2 and sum(b) > 0:
                     p, lo, hi = ratio_ci(a, b)
                     rt[label][col] = {'ratio': p, 'lo': lo, 'hi': hi}
@@ -120,7 +132,9 @@ def write_report(runs, args, shapes, labels):
              f'{args.repeat} rounds, each running every configuration once (every other round in '
              "reverse order, so the shared machine's drift falls on all alike); "
              f'`{args.baseline}@aa` is the baseline run again under another name, the A/A '
-             'control: its ratios are the noise.  Mean ± half-width of the 95 % interval '
+             'control: its ratios (against the baseline alone) are the noise; the other '
+             "configurations' ratios are against every run of the baseline's configuration "
+             '(its A/A twin included).  Mean ± half-width of the 95 % interval '
              '(Student t); ratios of means with a percentile bootstrap 95 % interval.', '',
              f'Runs: {len(runs)} ({len(failed)} failed'
              + (': ' + '; '.join(f'{r["shape"]} {r["config"]} round {r["round"]}: '
@@ -144,7 +158,8 @@ def write_report(runs, args, shapes, labels):
             for col, _, goal in FIGURES:
                 q = rs.get(col)
                 cells.append('' if not q else f'{q["ratio"]:.2f}x [{q["lo"]:.2f}, {q["hi"]:.2f}]')
-            lines.append(f'| {label} / {args.baseline} | | ' + ' | '.join(cells) + ' |')
+            against = args.baseline if '@' in label else f'{args.baseline} (all its runs)'
+            lines.append(f'| {label} / {against} | | ' + ' | '.join(cells) + ' |')
         lines.append('')
         for label, rs in r['ratios'].items():
             if '@' in label:
@@ -209,6 +224,9 @@ def main():
     ap.add_argument('--name', default='app-assist-shapes')
     ap.add_argument('--logdir', default=None)
     ap.add_argument('--report-only', default=None, metavar='JSON')
+    ap.add_argument('--add-to', default=None, metavar='JSON',
+                    help="a previous sweep's JSON: keep its runs and add rounds to each shape "
+                         'until it has --repeat (the same configurations)')
     args = aa.parse_args(ap)
     if args.report_only:
         saved = aa.load_saved(args, keep=('out', 'report_only', 'name'))
@@ -226,13 +244,22 @@ def main():
                                          time.strftime('app-assist-shapes-%Y%m%d-%H%M%S'))
     aa.log(f'logs in {logdir}')
     runs = []
+    if args.add_to:
+        with open(args.add_to) as f:
+            saved = json.load(f)
+        if saved['labels'] != labels:
+            ap.error(f'--add-to: its configurations are {saved["labels"]}, not {labels}')
+        runs = saved['runs']
+        shapes = saved['shapes'] + [s for s in shapes if shape_key(s) not in
+                                    {shape_key(t) for t in saved['shapes']}]
     for s in shapes:
         # app-assist.py's run_config reads the shape from its args.
         run_args = argparse.Namespace(mem=s['mem'], items=s['items'], size=args.size,
                                       hot=s['hot'], bandwidth=args.bandwidth,
                                       precopy_seconds=None, timeout=args.timeout, trace=None,
                                       dest_thp='on', started=args.started)
-        for rnd in range(args.repeat):
+        done = max((r['round'] for r in runs if r.get('shape') == shape_key(s)), default=-1)
+        for rnd in range(done + 1, args.repeat):
             for label in (labels if rnd % 2 == 0 else labels[::-1]):
                 aa.log(f'shape {shape_key(s)} round {rnd}: {label}')
                 try:
