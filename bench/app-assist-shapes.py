@@ -225,8 +225,8 @@ def main():
     ap.add_argument('--logdir', default=None)
     ap.add_argument('--report-only', default=None, metavar='JSON')
     ap.add_argument('--add-to', default=None, metavar='JSON',
-                    help="a previous sweep's JSON: keep its runs and add rounds to each shape "
-                         'until it has --repeat (the same configurations)')
+                    help="a previous sweep's JSON: keep its runs (and its shapes in the report) "
+                         'and add rounds to each of --shapes until it has --repeat')
     args = aa.parse_args(ap)
     if args.report_only:
         saved = aa.load_saved(args, keep=('out', 'report_only', 'name'))
@@ -250,8 +250,10 @@ def main():
         if saved['labels'] != labels:
             ap.error(f'--add-to: its configurations are {saved["labels"]}, not {labels}')
         runs = saved['runs']
-        shapes = saved['shapes'] + [s for s in shapes if shape_key(s) not in
-                                    {shape_key(t) for t in saved['shapes']}]
+    # The report covers the saved shapes too; rounds are added to --shapes'.
+    report_shapes = (saved['shapes'] if args.add_to else []) + [
+        s for s in shapes if not args.add_to or
+        shape_key(s) not in {shape_key(t) for t in saved['shapes']}]
     for s in shapes:
         # app-assist.py's run_config reads the shape from its args.
         run_args = argparse.Namespace(mem=s['mem'], items=s['items'], size=args.size,
@@ -271,7 +273,7 @@ def main():
                     row = {'failed': str(exc)[:200]}
                 row.update(config=label, round=rnd, shape=shape_key(s))
                 runs.append(row)
-                write_report(runs, args, shapes, labels)
+                write_report(runs, args, report_shapes, labels)
     aa.log(f'report in {args.out}/{args.name}.md')
 
 
