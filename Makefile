@@ -73,7 +73,8 @@ install-hook:
 
 # QEMU, the broker, the Redis module (where Debian's redis-server packages
 # keep theirs), the arbiter and hvcache (Python, beside hvqmp), the units
-# (ExecStart= names BINDIR), configuration examples, man pages.
+# (ExecStart= names BINDIR), the AppArmor abstraction for the guests' QEMU
+# (libvirt-hooks/apparmor), configuration examples, man pages.
 install-built:
 	@for f in $(BUILT); do test -e $$f || \
 		{ echo "install: $$f is missing: build first (make)" >&2; exit 1; }; done
@@ -88,6 +89,8 @@ install-built:
 	install -m 0755 arbiter/hvarbiter $(DESTDIR)$(LIB_DIR)/arbiter/hvarbiter
 	ln -sfn $(LIB_DIR)/arbiter/hvarbiter $(DESTDIR)$(BINDIR)/hvarbiter
 	install -m 0755 clone-cache/hvcache $(DESTDIR)$(BINDIR)/hvcache
+	install -D -m 0644 libvirt-hooks/apparmor/hybridvm-qemu \
+		$(DESTDIR)$(SYSCONFDIR)/apparmor.d/abstractions/hybridvm-qemu
 	for u in hvmemd.service hvarbiter.service hvcache@.service; do \
 		sed 's|@BINDIR@|$(BINDIR)|g' packaging/$$u.in >$(DESTDIR)$(UNIT_DIR)/.$$u.tmp && \
 		chmod 0644 $(DESTDIR)$(UNIT_DIR)/.$$u.tmp && \
