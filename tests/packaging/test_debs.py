@@ -397,9 +397,9 @@ class DebianPackagesTest(unittest.TestCase):
     def read_region(self, name, n):
         return self.sh(f'hvmem map {name} -- sh -c \'head -c {n} /proc/self/fd/$HVMEM_FD\'').stdout
 
-    def cache_used(self):
+    def cache(self):
         [c] = self.qmp('/run/hybridvm/clone-cache/gold.qmp', 'query-clone-cache')
-        return c['used']
+        return c
 
     def read_through_cache(self):
         out = self.sh("cd /tmp && rm -f vm1.qcow2 && qemu-img create -f qcow2 -F raw -b "
@@ -454,7 +454,10 @@ class DebianPackagesTest(unittest.TestCase):
         self.start('hvcache@gold.service', '/run/hybridvm/clone-cache/gold.qmp')
         self.read_through_cache()
         deadline = time.monotonic() + 20
-        while self.cache_used() == 0:
+        while True:     # filled, and no fill in flight (`used` counts those too)
+            c = self.cache()
+            if c['fill-pending'] == 0 and sum(b['fills'] for b in c['bases']) > 0:
+                break
             self.assertLess(time.monotonic(), deadline, 'the cache was never filled')
             time.sleep(0.2)
         self.log('broker: region created, mapped, listed; clone cache filled')
@@ -472,7 +475,7 @@ class DebianPackagesTest(unittest.TestCase):
         self.assertIn('provisioned', listing)
         self.assertEqual(self.read_region('kept', 9), 'persisted')
         self.start('hvcache@gold.service', '/run/hybridvm/clone-cache/gold.qmp')
-        self.assertGreater(self.cache_used(), 0, 'the cache is cold after the upgrade')
+        self.assertGreater(self.cache()['used'], 0, 'the cache is cold after the upgrade')
         self.read_through_cache()
         self.log(f'upgraded to {v2}: conffile, region and its data, warm cache kept')
 
