@@ -41,7 +41,7 @@ $SUDO apt-get install -y -q --no-install-recommends \
     busybox-static cpio e2fsprogs kmod xz-utils zstd \
     redis-server redis-tools libhiredis-dev tcl \
     fio podman runc uidmap fuse-overlayfs mmdebstrap \
-    debhelper dh-python lintian python3-docutils \
+    debhelper dh-python lintian python3-docutils systemd-container \
     ceph-mon ceph-osd ceph-common librbd-dev uuid-runtime \
     libvirt-daemon-system libvirt-clients libvirt-daemon-driver-qemu python3-libvirt apparmor
 
