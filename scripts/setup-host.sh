@@ -45,6 +45,13 @@ $SUDO apt-get install -y -q --no-install-recommends \
     ceph-mon ceph-osd ceph-common librbd-dev uuid-runtime \
     libvirt-daemon-system libvirt-clients libvirt-daemon-driver-qemu python3-libvirt apparmor
 
+# Post-copy migration with QEMU as libvirt-qemu (libvirt's default) needs
+# userfaultfd for unprivileged processes: libvirt's own sysctl file, which
+# upstream installs and Debian 12 ships only as an example.
+$SUDO install -m 0644 /usr/share/doc/libvirt-daemon-system/examples/qemu-postcopy-migration.sysctl \
+    /etc/sysctl.d/60-qemu-postcopy-migration.conf
+$SUDO sysctl -q -p /etc/sysctl.d/60-qemu-postcopy-migration.conf
+
 # Python venv with pinned packages: meson for QEMU's configure, avocado for the functional tests.
 venv=$build/venv
 if [ ! -x "$venv/bin/python3" ]; then
