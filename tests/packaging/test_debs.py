@@ -6,23 +6,29 @@ One run, in order: build the packages twice (Debian revisions 1 and 2, the
 `make deb` runs; lintian on them; a minbase bookworm root from mmdebstrap
 (cached in build/pkgtest, a day at most) into which apt installs revision 1
 with --no-install-recommends (so whatever the programs need must be a declared
-dependency: nothing comes from the build host); then, inside the root:
-every daemon's man page against its --help, systemd-analyze verify of the
-units, `qemu-img create -f hybrid`, redis-server loading the installed module,
-`hvarbiter check` on the installed configuration, the installed libvirt hook
-admitting a domain, the maintainer scripts stopping the daemons on removal,
-and the arbiter (on a loop device), the broker and a clone cache started
-from their units' ExecStart= (with the unit's directories,
-umask, capability bounding set, no_new_privs, read-only system and private
-/tmp applied as systemd would, so a daemon that writes where its unit does
-not let it fails here); the commands docs/deploy.md shows for a host;
-the upgrade to revision 2 keeps a changed conffile, a broker region with its
-data and the warm cache; purge removes configuration and state.
+dependency: nothing comes from the build host).
+
+Then, in the root (chroot): every daemon's man page against its --help,
+systemd-analyze verify of the units, `qemu-img create -f hybrid`,
+redis-server loading the installed module, `hvarbiter check` on the installed
+configuration, the installed libvirt hook admitting a domain, and hvarbiter
+(on a loop device as its device) and hvmemd started from their units'
+ExecStart= with the unit's directories, umask, capability bounding set,
+no_new_privs, read-only system and private /tmp applied as systemd would; the
+commands docs/deploy.md shows for a host.
+
+Then the root boots with systemd as PID 1 (systemd-nspawn): hvmemd runs
+under its real unit, enabled by the package (create, map, list; its log in
+the journal), hvcache@gold is started with systemctl and serves the shipped
+gold.conf's base; apt upgrades to revision 2 there, and the maintainer
+scripts restart both: a changed conffile, a broker region with its data and
+the warm cache are kept; apt remove stops them; purge removes configuration
+and state.
 
 Beyond our packages' Depends the root gets only what the checks use and our
 packages recommend or serve: redis-server (the module's host), podman (the
 installed arbiter configuration names a podman container), systemd (the units'
-init, for systemd-analyze).
+init).
 """
 
 import glob
@@ -50,9 +56,10 @@ DEPLOY = os.path.join(REPO, 'docs', 'deploy.md')
 def skip_reason():
     if os.geteuid() != 0:
         return 'a clean root needs root (chroot, mounts)'
-    for tool in ('mmdebstrap', 'dpkg-buildpackage', 'lintian', 'unshare', 'rst2man'):
+    for tool in ('mmdebstrap', 'dpkg-buildpackage', 'lintian', 'unshare', 'rst2man',
+                 'systemd-nspawn', 'nsenter', 'losetup'):
         if not shutil.which(tool):
-            return f'{tool} is not installed (scripts/setup-host.sh)'
+            return f'{tool} is not installed (scripts/setup-host.sh: systemd-container, ...)'
     if not os.path.exists(os.path.join(BUILD, 'qemu-src', 'VERSION')):
         return 'the tree is not built'
     return None
@@ -117,12 +124,74 @@ class DebianPackagesTest(unittest.TestCase):
         os.makedirs(self.shm)
         os.chmod(self.shm, 0o1777)
         self.daemons = {}
+        self.leader = None      # the booted root's PID 1 (boot())
+        self.nspawn = None
         self.t0 = time.monotonic()
 
     def tearDown(self):
         for name in list(self.daemons):
             self.stop(name)
+        self.poweroff()
         shutil.rmtree(self.work, ignore_errors=True)
+
+    # -- the root, booted ------------------------------------------------------
+    def boot(self):
+        """Boot the root with systemd as PID 1 (systemd-nspawn; the host has
+        no systemd of its own to register with) and wait until it is up."""
+        log = open(os.path.join(self.work, 'boot.log'), 'wb')
+        self.nspawn = subprocess.Popen(
+            ['systemd-nspawn', '-q', '-D', self.root, '--register=no', '--keep-unit',
+             f'--bind={self.archives}:/var/cache/apt/archives', '/lib/systemd/systemd', '--system'],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        deadline = time.monotonic() + 60
+        while self.leader is None:
+            self.assertIsNone(self.nspawn.poll(), self.boot_log())
+            self.assertLess(time.monotonic(), deadline, self.boot_log())
+            self.leader = self.container_init()
+            time.sleep(0.1)
+        while True:
+            state = self.sh('systemctl is-system-running --wait', check=False).stdout.strip()
+            if state in ('running', 'degraded'):
+                return
+            self.assertLess(time.monotonic(), deadline, f'{state}\n{self.boot_log()}')
+            time.sleep(0.2)
+
+    def container_init(self):
+        """The pid of the container's systemd, below systemd-nspawn."""
+        todo = [self.nspawn.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                with open(f'/proc/{pid}/comm') as f:
+                    if f.read().strip() == 'systemd':
+                        return pid
+                for t in os.listdir(f'/proc/{pid}/task'):
+                    with open(f'/proc/{pid}/task/{t}/children') as f:
+                        todo += [int(x) for x in f.read().split()]
+            except OSError:
+                pass
+        return None
+
+    def boot_log(self):
+        with open(os.path.join(self.work, 'boot.log'), errors='replace') as f:
+            return f.read()[-3000:]
+
+    def poweroff(self):
+        if self.nspawn is None:
+            return
+        if self.leader is not None:
+            self.sh('systemctl poweroff --no-block', check=False)
+        self.leader = None
+        try:
+            self.nspawn.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.nspawn.kill()
+            self.nspawn.wait()
+        self.nspawn = None
+
+    def main_pid(self, unit):
+        return int(self.sh(f'systemctl show -P MainPID {unit}').stdout)
 
     def log(self, what):
         print(f'[{time.monotonic() - self.t0:6.1f} s] {what}', flush=True)
@@ -177,8 +246,12 @@ class DebianPackagesTest(unittest.TestCase):
                 'sh', '-ec', '\n'.join(pre)]
 
     def sh(self, cmd, check=True, timeout=300):
-        """Run `cmd` (sh) in the root; its output."""
-        r = subprocess.run(self.script(cmd), capture_output=True, text=True, timeout=timeout,
+        """Run `cmd` (sh) in the root (in the booted system once boot() ran);
+        its output."""
+        argv = self.script(cmd) if self.leader is None else \
+            ['nsenter', '-t', str(self.leader), '-m', '-u', '-i', '-n', '-p', '-r', '-w',
+             '/bin/sh', '-c', cmd]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
                            env=dict(os.environ, DEBIAN_FRONTEND='noninteractive', LC_ALL='C',
                                     PATH='/usr/sbin:/usr/bin:/sbin:/bin'))
         if check and r.returncode != 0:
@@ -379,17 +452,6 @@ class DebianPackagesTest(unittest.TestCase):
         self.assertEqual(os.stat(self.root + '/run/hvarbiter').st_mode & 0o777, 0o700)
         self.stop('hvarbiter.service')
 
-    def check_removal_stops(self):
-        """Removal stops the daemons (systemd is not running in the root: the
-        maintainer scripts say it)."""
-        info = self.root + '/var/lib/dpkg/info/'
-        for pkg, unit in (('hybridvm-broker', "'hvmemd.service'"),
-                          ('hybridvm-arbiter', "'hvarbiter.service'"),
-                          ('hybridvm-clone-cache', "'hvcache@*.service'")):
-            with open(info + pkg + '.prerm') as f:
-                self.assertRegex(f.read(), r'(deb-systemd-invoke|systemctl) stop ' +
-                                 re.escape(unit), pkg)
-
     def write_region(self, name, data):
         self.sh(f'hvmem map {name} --rw -- sh -c \'printf {data} | dd of=/proc/self/fd/$HVMEM_FD '
                 'conv=notrunc status=none\'')
@@ -428,30 +490,36 @@ class DebianPackagesTest(unittest.TestCase):
         self.check_tools()
         self.check_hook()
         self.check_arbiter()
-        self.check_removal_stops()
         self.log('man pages, units, qemu-img, redis-server, hook, hvarbiter (from its unit)')
 
-        # the broker, from its unit: only root may connect
+        # the broker from its unit's ExecStart=, sandboxed as the unit says,
+        # for the commands docs/deploy.md shows for an installed host
         self.start('hvmemd.service', '/run/hybridvm-broker.sock')
-        st = os.stat(self.root + '/run/hybridvm-broker.sock')
-        self.assertEqual(st.st_mode & 0o777, 0o600)
-        self.assertEqual(os.stat(self.shm + '/hybridvm-broker').st_mode & 0o777, 0o700)
-        self.sh('hvmem create kept 4M --mode 0600')
-        self.write_region('kept', 'persisted')
-        self.assertIn('kept', self.sh('hvmem list').stdout)
-        # the commands docs/deploy.md shows for an installed host
         for line in deploy_commands('Checking an installed host'):
             self.sh(line)
+        self.stop('hvmemd.service')
+        self.log('docs/deploy.md commands, with hvmemd from its unit')
+
+        # the root, booted: the package enabled hvmemd, systemd started it
+        self.boot()
+        self.assertEqual(self.sh('systemctl is-active hvmemd').stdout.strip(), 'active')
+        self.assertIn('ready: socket /run/hybridvm-broker.sock',
+                      self.sh('journalctl -u hvmemd -o cat --no-pager').stdout)
+        self.assertEqual(self.sh('stat -c %a /run/hybridvm-broker.sock /dev/shm/hybridvm-broker')
+                         .stdout.split(), ['600', '700'])
+        self.sh('hvmem create kept 4M --mode 0600')
+        self.write_region('kept', 'persisted')
+        self.assertIn('name=kept ', self.sh('hvmem list').stdout)
         # the admin's change to a conffile: a provisioned region
         with open(self.root + '/etc/hybridvm/broker.conf', 'a') as f:
             f.write('\n[region provisioned]\nsize=2M\n')
-
-        # a clone cache from its unit and the shipped gold.conf
+        # a clone cache: the shipped gold.conf, its base made here
         self.sh('mkdir -p /var/lib/hybridvm/bases && '
                 'qemu-img create -f raw /var/lib/hybridvm/bases/gold.img 16M >/dev/null && '
                 'printf goldbasedata | dd of=/var/lib/hybridvm/bases/gold.img conv=notrunc '
-                'status=none && hvcache check /etc/hybridvm/clone-cache/gold.conf >/dev/null')
-        self.start('hvcache@gold.service', '/run/hybridvm/clone-cache/gold.qmp')
+                'status=none && systemctl start hvcache@gold && '
+                'for i in $(seq 100); do [ -S /run/hybridvm/clone-cache/gold.qmp ] && break; '
+                'sleep 0.1; done')
         self.read_through_cache()
         deadline = time.monotonic() + 20
         while True:     # filled, and no fill in flight (`used` counts those too)
@@ -460,35 +528,50 @@ class DebianPackagesTest(unittest.TestCase):
                 break
             self.assertLess(time.monotonic(), deadline, 'the cache was never filled')
             time.sleep(0.2)
-        self.log('broker: region created, mapped, listed; clone cache filled')
+        self.assertIn('exporting gold on /run/hybridvm/clone-cache/gold.sock',
+                      self.sh('journalctl -u hvcache@gold -o cat --no-pager').stdout)
+        self.log('booted: hvmemd (create, map, list), hvcache@gold filled, under systemd')
 
-        # the upgrade (systemd would stop and start the daemons around it)
-        self.stop('hvmemd.service')
-        self.stop('hvcache@gold.service')
-        self.install(cur)
+        # the upgrade, by apt in the booted system: the maintainer scripts
+        # restart both daemons
+        pids = {u: self.main_pid(u) for u in ('hvmemd', 'hvcache@gold')}
+        os.makedirs(self.root + '/var/tmp/debs')
+        for d in cur:
+            shutil.copy(d, self.root + '/var/tmp/debs')
+        self.sh('apt-get install -y -q --no-install-recommends /var/tmp/debs/*.deb', timeout=600)
         self.assertEqual(set(self.versions().values()), {v2})
-        self.assertIn('[region provisioned]', open(self.root + '/etc/hybridvm/broker.conf').read())
+        for u, pid in pids.items():
+            self.assertEqual(self.sh(f'systemctl is-active {u}').stdout.strip(), 'active', u)
+            self.assertNotEqual(self.main_pid(u), pid, f'{u} was not restarted')
+        with open(self.root + '/etc/hybridvm/broker.conf') as f:
+            self.assertIn('[region provisioned]', f.read())
         self.assertEqual(glob.glob(self.root + '/etc/hybridvm/**/*.dpkg-*', recursive=True), [])
-        self.start('hvmemd.service', '/run/hybridvm-broker.sock')
         listing = self.sh('hvmem list').stdout
-        self.assertIn('kept', listing)
-        self.assertIn('provisioned', listing)
+        self.assertIn('name=kept ', listing)
+        self.assertIn('name=provisioned ', listing)
         self.assertEqual(self.read_region('kept', 9), 'persisted')
-        self.start('hvcache@gold.service', '/run/hybridvm/clone-cache/gold.qmp')
+        self.sh('for i in $(seq 100); do [ -S /run/hybridvm/clone-cache/gold.qmp ] && break; '
+                'sleep 0.1; done')
         self.assertGreater(self.cache()['used'], 0, 'the cache is cold after the upgrade')
         self.read_through_cache()
-        self.log(f'upgraded to {v2}: conffile, region and its data, warm cache kept')
+        self.log(f'upgraded to {v2} under systemd: daemons restarted; conffile, region and '
+                 'its data, warm cache kept')
 
-        # purge: configuration and state go
-        self.stop('hvmemd.service')
-        self.stop('hvcache@gold.service')
-        self.sh('apt-get purge -y -q ' + ' '.join(self.versions()))
+        # removal stops them; purge removes configuration and state
+        self.sh('apt-get remove -y -q ' + ' '.join(self.versions()))
+        for u in ('hvmemd', 'hvcache@gold'):
+            self.assertEqual(self.sh(f'systemctl is-active {u}', check=False).stdout.strip(),
+                             'inactive', u)
+        self.assertTrue(os.path.exists(self.root + '/etc/hybridvm/broker.conf'))
+        self.assertEqual(self.sh('ls /dev/shm/hybridvm-broker /var/lib/hybridvm/clone-cache',
+                                 check=False).returncode, 0)
+        self.sh('apt-get purge -y -q ' + ' '.join(
+            p for p in self.sh("dpkg-query -W -f '${Package}\\n' 'hybridvm-*'").stdout.split()))
         self.assertEqual(self.versions(), {})
         for p in ('/etc/hybridvm', '/var/lib/hybridvm/clone-cache', '/run/hybridvm/clone-cache',
-                  '/etc/libvirt/hooks/qemu.d/50-hybridvm', '/usr/lib/hybridvm'):
-            self.assertFalse(os.path.lexists(self.root + p), p)
-        self.assertFalse(os.path.lexists(self.shm + '/hybridvm-broker'))
-        self.log('purged: configuration and state removed')
+                  '/etc/libvirt/hooks/qemu.d/50-hybridvm', '/usr/lib/hybridvm', '/dev/shm/hybridvm-broker'):
+            self.assertEqual(self.sh(f'test -e {p} || test -L {p}', check=False).returncode, 1, p)
+        self.log('removed: daemons stopped, state kept; purged: configuration and state gone')
 
 
 if __name__ == '__main__':
