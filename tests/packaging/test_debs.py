@@ -569,7 +569,8 @@ class DebianPackagesTest(unittest.TestCase):
             p for p in self.sh("dpkg-query -W -f '${Package}\\n' 'hybridvm-*'").stdout.split()))
         self.assertEqual(self.versions(), {})
         for p in ('/etc/hybridvm', '/var/lib/hybridvm/clone-cache', '/run/hybridvm/clone-cache',
-                  '/etc/libvirt/hooks/qemu.d/50-hybridvm', '/usr/lib/hybridvm', '/dev/shm/hybridvm-broker'):
+                  '/etc/libvirt/hooks/qemu.d/50-hybridvm', '/usr/lib/hybridvm',
+                  '/dev/shm/hybridvm-broker'):
             self.assertEqual(self.sh(f'test -e {p} || test -L {p}', check=False).returncode, 1, p)
         self.log('removed: daemons stopped, state kept; purged: configuration and state gone')
 
