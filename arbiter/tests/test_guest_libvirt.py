@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -22,7 +21,7 @@ import arblib as A   # noqa: E402
 from arblib import H   # noqa: E402
 import hvlib   # noqa: E402
 from hvlib.libvirt import (LibvirtHost, domain_xml, libvirt_available,   # noqa: E402
-                           serial_console)
+                           qemu_dir, serial_console)
 
 # The arbiter as installed runs under the system's python3, where Debian's
 # python3-libvirt is (the tests' venv does not see it).
@@ -59,14 +58,14 @@ class LibvirtArbiterTest(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = H.TempDir()
         cls.loop = A.Loop(cls.tmp.path, 128)
-        cls.root = tempfile.mkdtemp(prefix='hv-lv-')     # short: unix socket paths
+        cls.root = qemu_dir()     # short (unix socket paths); QEMU (libvirt-qemu) boots from it
         cls.host = LibvirtHost('arb', os.path.join(cls.root, 'a'))
         try:
             cls.host.start()
             con, console_args = serial_console(DOM, cls.root, cls.tmp.path)
             cls.host.define(domain_xml(DOM, hvlib.BuildPaths(), mem_mib=256, append='',
                                        redis_port=hvlib.free_port(), **console_args,
-                                       block_disks=[cls.loop.dev]))
+                                       block_disks=[cls.loop.dev], boot_dir=cls.root))
             cls.host.virsh('start', DOM)
             cls.con = con
             cls.con.wait(r'HV-BOOTED', timeout=240)

@@ -3,13 +3,12 @@ private libvirtd instances, always stopped."""
 import os
 import shutil
 import sys
-import tempfile
 
 from avocado import Test
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 import hvlib  # noqa: E402  pylint: disable=wrong-import-position
-from hvlib.libvirt import LibvirtHost, libvirt_available  # noqa: E402  pylint: disable=wrong-import-position
+from hvlib.libvirt import LibvirtHost, libvirt_available, qemu_dir  # noqa: E402  pylint: disable=wrong-import-position
 
 
 class HybridVMTest(Test):
@@ -42,7 +41,10 @@ class HybridVMTest(Test):
 class LibvirtTest(HybridVMTest):
     """A test with private libvirtd instances (hvlib.libvirt), cancelled where
     they cannot run.  `root` is a short temporary directory (unix socket
-    paths must stay under 108 bytes), removed in tearDown; start_host()
+    paths must stay under 108 bytes) that libvirt's QEMU, running as
+    libvirt-qemu, can reach files in (hvlib.libvirt.qemu_dir(): keep the
+    images and sockets a domain uses there, not in the test's workdir under
+    /root), removed in tearDown; start_host()
     starts one instance, `host`, there, which stop_host() stops (tearDown at
     the latest: a subclass calls it first when the guests or the hook use
     daemons of its own)."""
@@ -54,7 +56,7 @@ class LibvirtTest(HybridVMTest):
         reason = libvirt_available()
         if reason:
             self.cancel(reason)
-        self.root = tempfile.mkdtemp(prefix='hv-lv-')
+        self.root = qemu_dir()
 
     def start_host(self, name, hooks_dir=None):
         self.host = LibvirtHost(name, os.path.join(self.root, 'lv'), hooks_dir=hooks_dir)

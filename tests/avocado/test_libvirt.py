@@ -9,6 +9,14 @@ from hvtest import LibvirtTest
 
 class VirshPostcopy(LibvirtTest):
 
+    def postcopy(self):
+        """Cancel the test where the destination's QEMU (libvirt-qemu) could
+        not take a post-copy migration."""
+        from hvlib.libvirt import postcopy_unavailable
+        why = postcopy_unavailable()
+        if why:
+            self.cancel(why)
+
     def define_sides(self, pair, **xml_args):
         """Write src.xml and dst.xml for the same guest (each side with its own
         Redis port and a typed-into serial console), define it on pair.src.
@@ -21,7 +29,7 @@ class VirshPostcopy(LibvirtTest):
             consoles[side], console_args = serial_console(side, pair.root, self.logdir)
             with open(os.path.join(pair.root, f'{side}.xml'), 'w') as f:
                 f.write(domain_xml('hvguest', self.paths, redis_port=ports[side],
-                                   **console_args, **xml_args))
+                                   boot_dir=pair.root, **console_args, **xml_args))
         pair.src.virsh('define', os.path.join(pair.root, 'src.xml'))
         return ports, consoles
 
@@ -62,13 +70,18 @@ class VirshPostcopy(LibvirtTest):
         guest flushed on the source, Redis values are intact, and after a clean
         shutdown `qemu-img check` finds the image consistent.  The destination
         reaches the shared storage under another directory: its hook (installed
-        in the qemu.d layout) rewrites the image path, and QEMU there opens it."""
+        in the qemu.d layout) rewrites the image path, and QEMU there opens it.
+        QEMU runs as libvirt-qemu on both sides: the hooks give it the image
+        (libvirt does not know the format) and the last to let go of it, the
+        destination's, gives it back to root."""
         import hvlib
-        from hvlib.libvirt import LibvirtPair, make_hooks_dir
+        from hvlib.libvirt import LibvirtPair, make_hooks_dir, qemu_ids
 
+        self.postcopy()
         qemu_img = self.paths.binary('qemu-img')
-        storage_src = os.path.join(self.workdir, 'storage-on-src')
-        storage_dst = os.path.join(self.workdir, 'storage-on-dst')  # same storage, other path
+        # Where QEMU (libvirt-qemu) can reach it: not the test's workdir under /root.
+        storage_src = os.path.join(self.root, 'storage-on-src')
+        storage_dst = os.path.join(self.root, 'storage-on-dst')  # same storage, other path
         os.makedirs(storage_src)
         os.symlink(storage_src, storage_dst)
         image = os.path.join(storage_src, 'root.hybrid')
@@ -108,8 +121,13 @@ class VirshPostcopy(LibvirtTest):
                                    '{"execute": "query-hybrid"}').stdout
             self.log.info('query-hybrid on the destination:\n%s', stats)
             self.assertIn('"mode": "async"', stats)
+            st = os.stat(image)
+            self.assertEqual((st.st_uid, st.st_gid), qemu_ids(), 'the image is QEMU\'s while it runs')
             con.run('sync; mount -o remount,ro /')
             pair.dst.virsh('destroy', 'hvguest')
+        st = os.stat(image)
+        self.assertEqual((st.st_uid, st.st_gid), (0, 0), 'the image is given back')
+        self.assertEqual([x for x in os.listxattr(image) if 'hybridvm' in x], [])
 
         with open(os.path.join(self.logdir, 'libvirt-dst', 'hybridvm-hook.log')) as f:
             self.assertIn(f'hvguest: migrate: admitted (guest 512 MiB; hybrid {storage_dst}/root.hybrid '
@@ -131,8 +149,9 @@ class VirshPostcopy(LibvirtTest):
         import hvlib
         from hvlib.libvirt import LibvirtPair, make_hooks_dir
 
+        self.postcopy()
         qemu_img = self.paths.binary('qemu-img')
-        image = os.path.join(self.workdir, 'root.hybrid')
+        image = os.path.join(self.root, 'root.hybrid')
         subprocess.run([qemu_img, 'convert', '-O', 'hybrid', '-o', 'mode=sync,ram-size=64M',
                         self.paths.guest_file('rootfs.ext4'), image], check=True)
         aa_args = ['-device', 'virtio-serial-pci,id=aaserial,bus=pci.0,addr=0x1d',
@@ -181,3 +200,51 @@ class VirshPostcopy(LibvirtTest):
                 time.sleep(0.5)
             self.assertEqual(consoles['dst'].run('cat /root/marker', timeout=120).strip(),
                              'on-the-hybrid-disk')
+
+
+class VirshDefaults(LibvirtTest):
+    """libvirt's default security settings: QEMU as libvirt-qemu under the
+    DAC driver (no AppArmor/SELinux on this kernel), not root."""
+
+    def test_vnc_domain_boots_as_libvirt_qemu(self):
+        """A domain with <graphics type='vnc' port='-1' listen='127.0.0.1'/>
+        boots; `virsh domdisplay` names the display and it answers with the
+        RFB banner.  Its QEMU runs as libvirt-qemu, the kernel and initrd it
+        boots are QEMU's (libvirt's DAC labelling) while it runs and root's
+        again after."""
+        import socket
+        import hvlib
+        from hvlib.libvirt import domain_xml, qemu_ids, serial_console
+
+        self.start_host('vnc')
+        con, console_args = serial_console('hvvnc', self.root, self.logdir)
+        self.host.define(domain_xml('hvvnc', self.paths, mem_mib=256, append='',
+                                    redis_port=hvlib.free_port(), boot_dir=self.root,
+                                    vnc=True, **console_args))
+        self.host.virsh('start', 'hvvnc')
+        con.wait(r'HV-BOOTED', timeout=240)
+
+        [pid] = self.host.qemu_pids()
+        with open(f'/proc/{pid}/status') as f:
+            ids = dict(line.split(':', 1) for line in f if line.startswith(('Uid', 'Gid')))
+        uid, gid = qemu_ids()
+        self.assertEqual(ids['Uid'].split(), [str(uid)] * 4)
+        self.assertEqual(ids['Gid'].split(), [str(gid)] * 4)
+        kernel = os.path.join(self.root, 'vmlinuz')
+        self.assertEqual((os.stat(kernel).st_uid, os.stat(kernel).st_gid), (uid, gid))
+
+        display = self.host.virsh('domdisplay', 'hvvnc').stdout.strip()
+        self.log.info('virsh domdisplay: %s', display)
+        self.assertRegex(display, r'^vnc://127\.0\.0\.1:\d+$')
+        port = 5900 + int(display.rsplit(':', 1)[1])
+        with socket.create_connection(('127.0.0.1', port), timeout=30) as s:
+            banner = b''
+            while len(banner) < 12:
+                chunk = s.recv(12 - len(banner))
+                if not chunk:
+                    break
+                banner += chunk
+        self.assertTrue(banner.startswith(b'RFB 003.00'), banner)
+
+        self.host.virsh('destroy', 'hvvnc')
+        self.assertEqual((os.stat(kernel).st_uid, os.stat(kernel).st_gid), (0, 0))

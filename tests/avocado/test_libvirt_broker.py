@@ -41,7 +41,8 @@ class VirshBroker(LibvirtTest):
             self.root, '64M', f'[broker]\nsocket = {self.broker.sock}\nhvmem = {B.HVMEM}\n'))
         c = self.broker.client()
         self.host.define(with_broker_regions(
-            domain_xml('hvb1', self.paths, mem_mib=256, redis_port=hvlib.free_port(), append=''),
+            domain_xml('hvb1', self.paths, mem_mib=256, redis_port=hvlib.free_port(), append='',
+                       boot_dir=self.root),
             [dict(name='hvb1-scratch', size='32M', lifetime='domain'),
              dict(name='hvb1-tier', size='16M', lifetime='persistent')]))
         self.host.virsh('start', 'hvb1')
@@ -49,7 +50,8 @@ class VirshBroker(LibvirtTest):
                          ['hvb1-scratch', 'hvb1-tier'])
         # a second domain asking for more than the pool has left is refused
         self.host.define(with_broker_regions(
-            domain_xml('hvb2', self.paths, mem_mib=256, redis_port=hvlib.free_port(), append=''),
+            domain_xml('hvb2', self.paths, mem_mib=256, redis_port=hvlib.free_port(), append='',
+                       boot_dir=self.root),
             [dict(name='hvb2-ram', size='96M', lifetime='domain')]))
         r = self.host.virsh('start', 'hvb2', check=False)
         self.assertNotEqual(r.returncode, 0)

@@ -5,7 +5,10 @@ qcow2 overlay with an NBD <backingStore> on the daemon's socket: the hook
 adds the export of the base at prepare begin, the guest boots through it
 (misses fill the cache), and a second domain, a linked clone of the same
 base, boots from the cache: it reads far less from the base than the first.
-Both guests' writes stay in their overlays; the base is unchanged."""
+Both guests' writes stay in their overlays; the base is unchanged.
+QEMU runs as libvirt-qemu: libvirt gives it the overlays; the daemon's NBD
+socket lets group kvm connect, as hvcache@.service with Group=kvm makes it."""
+import grp
 import hashlib
 import json
 import os
@@ -38,6 +41,11 @@ class VirshCloneCache(LibvirtTest):
         self.nbd = self.tmp('cc.sock')
         self.hook_qmp = self.tmp('hook.qmp')
         self.qsd = H.clone_cache_daemon(self.tmp, '512M')
+        # QEMU runs as libvirt-qemu, whose primary group kvm it keeps: the socket lets
+        # that group connect (hvcache@.service: Group=kvm, UMask=0007).  Its
+        # QMP monitor stays root's: only the hook (root) uses it.
+        os.chown(self.nbd, 0, grp.getgrnam('kvm').gr_gid)
+        os.chmod(self.nbd, 0o660)
 
     def tearDown(self):
         self.stop_host()        # first: its guests read from the daemon
@@ -59,7 +67,7 @@ class VirshCloneCache(LibvirtTest):
         self.host.define(with_backing(domain_xml(name, self.paths, mem_mib=256,
                                                  redis_port=hvlib.free_port(),
                                                  append='hv.root=/dev/vda', **console_args,
-                                                 disks=[(overlay, 'qcow2')]),
+                                                 disks=[(overlay, 'qcow2')], boot_dir=self.root),
                                       self.nbd))
         t0 = time.monotonic()
         self.host.virsh('start', name)

@@ -6,10 +6,17 @@ a distinct host UUID and its own migration port range (see PLATFORM.md).  The
 mounts exist only inside the namespace, so they vanish with its last process;
 stop() destroys the instance's domains, then its daemons, and kills any QEMU
 left behind, so nothing outlives a test.
+
+Each instance runs with libvirt's default security settings: QEMU as
+libvirt-qemu under the DAC driver (no AppArmor/SELinux on this kernel), so
+what QEMU opens by path must be reachable by that user: qemu_dir() makes the
+directories the tests keep such files in (docs/libvirt.rst, "Security: DAC").
 """
 import glob
+import grp
 import json
 import os
+import pwd
 import random
 import re
 import shutil
@@ -72,8 +79,31 @@ BIND_DIRS = {  # system path -> name of the private copy
 }
 
 
+# QEMU's DAC label under libvirt's defaults: Debian builds libvirt with
+# qemu_user and qemu_group libvirt-qemu (the user's primary group is kvm,
+# which QEMU keeps as a supplementary group).
+QEMU_USER = 'libvirt-qemu'
+QEMU_GROUP = 'libvirt-qemu'
+
+
 class LibvirtError(Exception):
     pass
+
+
+def qemu_ids():
+    """(uid, gid) QEMU runs as under libvirt's defaults."""
+    return pwd.getpwnam(QEMU_USER).pw_uid, grp.getgrnam(QEMU_GROUP).gr_gid
+
+
+def qemu_dir(prefix='hv-lv-', parent=None):
+    """A new directory (mkdtemp) that libvirt's QEMU may reach files in:
+    root's, mode 0710, group QEMU_GROUP.  QEMU can pass through it but not
+    list it, write in it or reach anything the files in it do not allow
+    (what libvirt's DAC driver or our hook gives QEMU's user, it opens)."""
+    d = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    os.chown(d, 0, qemu_ids()[1])
+    os.chmod(d, 0o710)
+    return d
 
 
 def libvirt_available():
@@ -83,7 +113,27 @@ def libvirt_available():
             return f'{tool} is not installed'
     if os.geteuid() != 0:
         return 'private libvirtd instances need root (mount namespaces)'
+    try:
+        qemu_ids()
+    except KeyError:
+        return f'no user and group {QEMU_USER} for libvirt\'s QEMU (libvirt-daemon-system)'
     return None
+
+
+def postcopy_unavailable():
+    """None when QEMU as libvirt-qemu can take a post-copy migration, else
+    why not: the destination needs userfaultfd, which an unprivileged process
+    gets with vm.unprivileged_userfaultfd = 1 (libvirt's
+    qemu-postcopy-migration.sysctl; libvirt 9.0 gives QEMU no
+    /dev/userfaultfd)."""
+    try:
+        with open('/proc/sys/vm/unprivileged_userfaultfd') as f:
+            if f.read().strip() == '1':
+                return None
+    except OSError:
+        return None  # a kernel without the knob lets everyone use it
+    return ('post-copy with QEMU as libvirt-qemu needs vm.unprivileged_userfaultfd = 1 '
+            '(scripts/setup-host.sh installs libvirt\'s qemu-postcopy-migration.sysctl)')
 
 
 def random_ports():
@@ -132,6 +182,9 @@ class LibvirtHost:
 
     def _configure(self):
         os.makedirs(self.root, exist_ok=True)
+        # The instance's own state (its /etc/libvirt above all): QEMU sees it
+        # through the bind mounts, where libvirt lays it out for QEMU's user.
+        os.chmod(self.root, 0o700)
         for src, key in BIND_DIRS.items():
             dst = self._dir(key)
             shutil.rmtree(dst, ignore_errors=True)
@@ -144,11 +197,14 @@ class LibvirtHost:
             f.write(f'auth_unix_rw = "none"\nauth_unix_ro = "none"\n'
                     f'unix_sock_group = "root"\nhost_uuid = "{self.host_uuid}"\n'
                     f'log_outputs = "3:file:/var/log/libvirt/libvirtd.log"\n')
+        # libvirt's defaults otherwise: QEMU as libvirt-qemu, the DAC security
+        # driver relabelling what it knows (remember_owner restores it), QEMU's
+        # output through virtlogd (into the log/qemu/NAME.log the tests read).
+        # The migration ports are what an instance needs of its own: two of
+        # them (and other tests' pairs) on one host.
         lo, hi = self.migration_ports
         with open(os.path.join(etc, 'qemu.conf'), 'w') as f:
-            f.write('user = "root"\ngroup = "root"\nclear_emulator_capabilities = 0\n'
-                    'security_driver = "none"\nstdio_handler = "file"\n'
-                    f'migration_port_min = {lo}\nmigration_port_max = {hi}\n')
+            f.write(f'migration_port_min = {lo}\nmigration_port_max = {hi}\n')
         hooks = os.path.join(etc, 'hooks')
         shutil.rmtree(hooks, ignore_errors=True)
         if self.hooks_dir:
@@ -274,8 +330,8 @@ class LibvirtPair:
 
     def __init__(self, log_dir=None, hooks_dir=None, dst_hooks_dir=None):
         """hooks_dir: copied to both instances' /etc/libvirt/hooks (the destination
-        takes dst_hooks_dir instead when given)."""
-        self.root = tempfile.mkdtemp(prefix='hv-lv-')
+        takes dst_hooks_dir instead when given).  `root` is a qemu_dir()."""
+        self.root = qemu_dir()
         self.log_dir = log_dir
         # Distinct migration port ranges per instance, and per pair: tests and
         # CI jobs may run pairs side by side.
@@ -415,9 +471,28 @@ def with_broker_regions(xml, regions):
                        '</metadata><devices>', 1)
 
 
+def boot_files(paths, boot_dir):
+    """The guest's kernel and initrd as copies in `boot_dir` (made once):
+    (kernel, initrd).  libvirt's DAC driver gives the files a domain boots
+    to QEMU's user while it runs and gives them back when it stops, keeping
+    their owner in trusted.libvirt.security.* attributes; on copies, a
+    libvirtd killed before it could give them back leaves the build's own
+    files (which other tests read) as they were."""
+    out = []
+    for name in ('vmlinuz', 'initrd.img'):
+        dst = os.path.join(boot_dir, name)
+        if not os.path.exists(dst):
+            tmp = dst + '.tmp'
+            shutil.copyfile(paths.guest_file(name), tmp)
+            os.chmod(tmp, 0o644)
+            os.rename(tmp, dst)
+        out.append(dst)
+    return tuple(out)
+
+
 def domain_xml(name, paths, mem_mib=512, redis_port=6379, console_log=None,
                console_sock=None, append='hv.redis=1', qemu_args=(), disks=(),
-               hybrid_root=None, hybrid_opts='', block_disks=()):
+               hybrid_root=None, hybrid_opts='', block_disks=(), boot_dir=None, vnc=False):
     """Domain XML for the test guest under TCG with our QEMU as the emulator.
 
     libvirt 9.0 cannot express a slirp host forward for virtio-net with our
@@ -428,10 +503,15 @@ def domain_xml(name, paths, mem_mib=512, redis_port=6379, console_log=None,
     (/dev/vda: it takes the first virtio-blk slot), with extra -blockdev
     options in `hybrid_opts` (e.g. 'mode=async').  With `console_sock` the
     serial console is a unix socket to type into, logged to `console_log`
-    (see hvlib.Console); otherwise it is only logged.
+    (see hvlib.Console); otherwise it is only logged.  With `boot_dir`
+    (a qemu_dir()) the kernel and initrd are copies there (boot_files());
+    with `vnc` the domain has a VNC display on 127.0.0.1 (port='-1': libvirt
+    picks it; `virsh domdisplay` says which).
     """
-    kernel = paths.guest_file('vmlinuz')
-    initrd = paths.guest_file('initrd.img')
+    if boot_dir:
+        kernel, initrd = boot_files(paths, boot_dir)
+    else:
+        kernel, initrd = paths.guest_file('vmlinuz'), paths.guest_file('initrd.img')
     cmdline = f'console=ttyS0 panic=-1 quiet loglevel=3 {append}'.strip()
     args = ['-L', '/usr/share/seabios', '-L', '/usr/share/qemu',
             '-netdev', f'user,id=hn0,hostfwd=tcp:127.0.0.1:{redis_port}-:6379',
@@ -469,6 +549,8 @@ def domain_xml(name, paths, mem_mib=512, redis_port=6379, console_log=None,
         serial = f"""    <serial type='file'><source path={quoteattr(console_log)}/></serial>"""
     else:
         serial = "    <serial type='pty'/>"
+    if vnc:
+        serial += "\n    <graphics type='vnc' port='-1' listen='127.0.0.1'/>"
     return f"""<domain type='qemu' xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'>
   <name>{escape(name)}</name>
   <uuid>{uuid.uuid5(uuid.NAMESPACE_URL, 'hybridvm:' + name)}</uuid>
