@@ -142,8 +142,14 @@ def write_report(runs, args, shapes, labels):
              + ').', '']
     for key, r in res.items():
         s = r['shape']
+        loads = [r['host load avg'] for r in runs
+                 if r.get('shape') == key and 'host load avg' in r]
         lines += [f'## {s["items"]:,} items, {s["mem"]} guest, {int(round(100 * s["hot"]))} % hot',
-                  '', '| config | n | ' + ' | '.join(w for _, w, _ in FIGURES) + ' |',
+                  '']
+        if loads:
+            lines += [f'Host load average (1 min, 2 cores) when the migrations started: '
+                      f'{min(loads):.1f}-{max(loads):.1f}.', '']
+        lines += ['| config | n | ' + ' | '.join(w for _, w, _ in FIGURES) + ' |',
                   '|---|---:|' + '---:|' * len(FIGURES)]
         for label in labels:
             st = r['stats'].get(label) or {}
@@ -179,27 +185,36 @@ def write_report(runs, args, shapes, labels):
     lines += [f'![shapes]({args.name}.png)', '']
     with open(os.path.join(args.out, f'{args.name}.md'), 'w') as f:
         f.write('\n'.join(lines))
-    chart(res, labels, args)
+    chart(res, runs, labels, args)
 
 
-def chart(res, labels, args):
+def chart(res, runs, labels, args):
     """NAME.png: a panel per figure, the item count on the x axis (log), a
-    line per configuration with its 95 % interval as error bars."""
+    line per configuration through its means, every run as a dot, and the
+    95 % interval as error bars where a shape has 3 runs or more (with two,
+    Student's t makes the bar 12.7 standard errors: it says nothing the two
+    dots do not)."""
     plt = charts.pyplot()
     if not plt or not res:
         return
     cols = [(c, w) for c, w, _ in FIGURES if c != 'load during: failed']
     fig, axes = plt.subplots(2, (len(cols) + 1) // 2, figsize=(4.2 * ((len(cols) + 1) // 2), 7))
     for ax, (col, what) in zip(axes.flat, cols):
-        for label in labels:
+        for i, label in enumerate(labels):
+            color = f'C{i}'
             pts = sorted((r['shape']['items'], r['stats'][label][col])
                          for r in res.values() if col in (r['stats'].get(label) or {}))
             if not pts:
                 continue
             ax.errorbar([x for x, _ in pts], [v['mean'] for _, v in pts],
-                        yerr=[0 if math.isnan(v['ci95']) else v['ci95'] for _, v in pts],
-                        marker='o', capsize=3, label=label,
+                        yerr=[0 if v['n'] < 3 or math.isnan(v['ci95']) else v['ci95']
+                              for _, v in pts],
+                        marker='o', capsize=3, label=label, color=color,
                         linestyle='--' if '@' in label else '-')
+            dots = [(r['shape']['items'], x) for key, r in res.items()
+                    for x in samples(runs, key, label, col)]
+            ax.scatter([x for x, _ in dots], [y for _, y in dots], s=10, alpha=0.4,
+                       color=color)
         ax.set_xscale('log')
         ax.set_xlabel('Redis items')
         ax.set_title(what, fontsize=9)
