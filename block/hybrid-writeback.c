@@ -15,6 +15,7 @@
 #include "qemu/main-loop.h"
 #include "qapi/error.h"
 #include "qemu/units.h"
+#include "qemu/timer.h"
 #include "block/block-io.h"
 #include "block/block_int.h"
 #include "hybrid.h"
@@ -224,8 +225,16 @@ static bool hybrid_flusher_should_run(BDRVHybridState *s)
         return true;
     }
     if (s->dirty_bytes >= s->dirty_limit / 2) {
+        if (!s->writeback_burst) {
+            trace_hybrid_writeback_burst(s, true, s->dirty_bytes,
+                qemu_clock_get_ns(QEMU_CLOCK_REALTIME) / SCALE_MS);
+        }
         s->writeback_burst = true;
     } else if (s->dirty_bytes < s->dirty_limit / 4) {
+        if (s->writeback_burst) {
+            trace_hybrid_writeback_burst(s, false, s->dirty_bytes,
+                qemu_clock_get_ns(QEMU_CLOCK_REALTIME) / SCALE_MS);
+        }
         s->writeback_burst = false;
     }
     return s->writeback_burst;
@@ -439,14 +448,23 @@ static uint32_t hybrid_dirty_growth(HybridSlot *slot, uint32_t lo, uint32_t hi)
 bool coroutine_fn hybrid_may_defer_write(BDRVHybridState *s, HybridSlot *slot,
                                          uint32_t lo, uint32_t hi)
 {
+    int64_t t0 = 0;
+
     if (s->mode == HYBRID_MODE_SYNC) {
         return false;
     }
     while (!s->flush_error && s->dirty_bytes >= s->dirty_limit &&
            hybrid_dirty_growth(slot, lo, hi) > 0) {
         trace_hybrid_dirty_wait(s, s->dirty_bytes);
+        if (!t0) {
+            t0 = qemu_clock_get_ns(QEMU_CLOCK_REALTIME);
+        }
         hybrid_flusher_kick(s);
         qemu_co_queue_wait(&s->dirty_queue, NULL);
+    }
+    if (t0) {
+        trace_hybrid_dirty_waited(s, qemu_clock_get_ns(QEMU_CLOCK_REALTIME) -
+                                  t0, s->dirty_bytes);
     }
     if (s->flush_error) {
         trace_hybrid_write_through_on_error(s, s->flush_error);

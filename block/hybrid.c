@@ -267,8 +267,15 @@ hybrid_write_ram_block(BDRVHybridState *s, uint64_t idx, uint32_t boff,
      */
     if (sync || (slot->flags & (HYBRID_SLOT_BUSY | HYBRID_SLOT_LOADED)) !=
                 HYBRID_SLOT_LOADED) {
+        int64_t t0 = (slot->flags & HYBRID_SLOT_BUSY) ?
+                     qemu_clock_get_ns(QEMU_CLOCK_REALTIME) : 0;
+
         hybrid_slot_lock(s, slot);
         locked = true;
+        if (t0) {
+            trace_hybrid_busy_waited(s, idx, qemu_clock_get_ns(
+                                     QEMU_CLOCK_REALTIME) - t0);
+        }
     }
     /*
      * A block the image does not hold is never LOADED (restore skips it),
