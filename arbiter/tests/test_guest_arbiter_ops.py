@@ -120,9 +120,12 @@ class ArbiterTest(unittest.TestCase):
         # counters count from the period the arbiter gives the group its
         # accounting rule
         # (a period whose VM sample came late, under CI's load, has no VM
-        # in it and cuts nothing: take one that has)
-        c = max((r for r in recs if r.get('action') == 'cut' and 'vm0' in r.get('vms', {})),
-                key=lambda r: r['container']['iops'])
+        # in it and cuts nothing, and once the VM sits at its floor a
+        # period may see none of its I/O: take one that saw the VM's I/O)
+        seen = [r for r in recs if r.get('action') == 'cut' and
+                (r.get('vms', {}).get('vm0') or {}).get('iops', 0) > 0]
+        self.assertTrue(seen, 'no cut saw the VM do I/O')
+        c = max(seen, key=lambda r: r['container']['iops'])
         # every decision carries its inputs
         for k in ('iops', 'lat_ms', 'p99_ms', 'probe_samples'):
             self.assertIn(k, c['container'])
@@ -130,7 +133,6 @@ class ArbiterTest(unittest.TestCase):
         if os.path.exists('/sys/fs/cgroup/unified/cgroup.controllers'):
             # the container's io.pressure (its v2 cgroup) is read each period
             self.assertIsNotNone(c['container']['pressure'])
-        self.assertGreater(c['vms']['vm0']['iops'], 0)
         # and the VM's latency, from the histogram the daemon set on its disk
         self.assertTrue(st['vm_state']['vm0']['histogram'])
         self.assertTrue([r for r in recs if r.get('action') and
