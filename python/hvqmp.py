@@ -1,7 +1,7 @@
 """hvqmp: the QMP client of our host programs, for a peer that may be hostile.
 
-The arbiter (arbiter/qmp.py) and the libvirt hook (libvirt-hooks/qemu) both
-use this one module; the tests' own QEMU drivers (tests/hvlib, block/tests)
+The arbiter (arbiter/qmp.py), the libvirt hook (libvirt-hooks/qemu) and hvvol
+(volume/hvvol.py) use this one module; the tests' own QEMU drivers (tests/hvlib, block/tests)
 use QEMU's qemu.qmp instead.  Why not qemu.qmp here too:
 - These programs run on the host's system Python (/usr/bin/python3), which
   has no qemu.qmp (Debian 12 does not package it) and no venv: `make
