@@ -21,7 +21,7 @@
 #include "hybrid.h"
 #include "trace.h"
 
-/* Concurrent write-back requests */
+/* Concurrent write-back requests, at most */
 #define HYBRID_FLUSH_WORKERS        8
 
 /* Record that [lo, hi) of @slot's block must reach the child. */
@@ -254,6 +254,33 @@ static HybridSlot *hybrid_flusher_pick(BDRVHybridState *s)
     return NULL;
 }
 
+/*
+ * How many write-back requests may be in flight now.  One, as long as it
+ * keeps up: each request is handed to the persistent tier's driver (for a
+ * file, a thread of the pool), and on a host short of CPU eight at once
+ * took the CPU from the writers in bursts (their requests wait for the
+ * loop that serves them) and stalled that loop in the pool's wake-ups;
+ * see docs/bench/hybrid-tail.md.  Past the high watermark the tier is
+ * falling behind (a disk, a network): one more request in flight for each
+ * eighth of the way to dirty-limit, all of them at the limit, when writers
+ * wait, in sync mode and while draining.
+ */
+static int hybrid_flusher_allowed(BDRVHybridState *s)
+{
+    uint64_t hi = s->dirty_limit / 2;
+
+    if (!qemu_co_queue_empty(&s->dirty_queue) ||
+        s->mode == HYBRID_MODE_SYNC || s->writeback_drain ||
+        s->dirty_bytes >= s->dirty_limit) {
+        return HYBRID_FLUSH_WORKERS;
+    }
+    if (s->dirty_bytes <= hi) {
+        return 1;
+    }
+    return 1 + (s->dirty_bytes - hi) * (HYBRID_FLUSH_WORKERS - 1) /
+               (s->dirty_limit - hi);
+}
+
 static void coroutine_fn hybrid_flusher_entry(void *opaque)
 {
     BDRVHybridState *s = opaque;
@@ -262,7 +289,8 @@ static void coroutine_fn hybrid_flusher_entry(void *opaque)
 
     GRAPH_RDLOCK_GUARD();
 
-    while (hybrid_flusher_should_run(s) &&
+    while (s->flush_workers <= hybrid_flusher_allowed(s) &&
+           hybrid_flusher_should_run(s) &&
            (slot = hybrid_flusher_pick(s)) != NULL) {
         int ret;
 
@@ -342,7 +370,9 @@ void hybrid_writeback_cleanup(BDRVHybridState *s)
 
 void hybrid_flusher_kick(BDRVHybridState *s)
 {
-    while (s->flush_workers < HYBRID_FLUSH_WORKERS &&
+    int max = hybrid_flusher_allowed(s);
+
+    while (s->flush_workers < max &&
            s->flush_workers < s->dirty_bytes / s->block_size + 1 &&
            hybrid_flusher_should_run(s)) {
         Coroutine *co = qemu_coroutine_create(hybrid_flusher_entry, s);

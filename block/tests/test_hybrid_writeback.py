@@ -148,6 +148,62 @@ class DirtyLimitTest(unittest.TestCase):
 
 
 @unittest.skipUnless(H.have_binaries(), f'QEMU tools not built in {H.BIN}')
+class FlusherConcurrencyTest(unittest.TestCase):
+    """Past the high watermark (half of dirty-limit) one write-back request
+    is in flight while the tier keeps up; more only as dirty data keeps
+    growing towards the limit.  Eight at once took the CPU from the writers
+    in bursts and stalled the loop serving them (docs/bench/hybrid-tail.md).
+    The tier is throttled to 4 KiB/s: after the first request, a 64 KiB
+    write-back takes 16 s, so a block taken by the flusher stays in flight
+    for the length of the test, and dirty-bytes says how many it took."""
+
+    LIMIT = 16 * BLOCK
+
+    def setUp(self):
+        self.tmp = H.TempDir()
+        img = self.tmp('conc.hyb')
+        H.qemu_img('create', '-q', '-f', 'hybrid', '-o', 'ram-size=4M', img, '4M')
+        sock = self.tmp('nbd.sock')
+        self.qsd = H.StorageDaemon(
+            self.tmp, '--object', 'throttle-group,id=tg0,x-bps-write=4096',
+            '--blockdev', f'driver=hybrid,node-name=h,mode=async,'
+            f'dirty-limit={self.LIMIT},file.driver=throttle,'
+            f'file.throttle-group=tg0,file.file.driver=file,'
+            f'file.file.filename={img}',
+            '--nbd-server', f'addr.type=unix,addr.path={sock}',
+            '--export', 'type=nbd,id=e,node-name=h,name=h,writable=on')
+        self.io = H.QemuIo(f'driver=nbd,server.type=unix,server.path={sock},export=h')
+
+    def tearDown(self):
+        # a clean close would write back at 4 KiB/s
+        self.io.kill()
+        self.qsd.kill()
+        self.tmp.cleanup()
+
+    def dirty_blocks(self):
+        time.sleep(0.5)     # the flusher's requests go out
+        info = self.qsd.cmd('query-hybrid', **{'node-name': 'h'})[0]
+        return info['dirty-bytes'] // BLOCK
+
+    def write_blocks(self, first, n):
+        # not adjacent: one write-back request each
+        for i in range(first, first + n):
+            out = self.io.cmd(f'write -P {i + 1} {2 * i * BLOCK} 64k', timeout=10)
+            self.assertIn('wrote 65536/65536', out)
+
+    def test_one_request_until_the_tier_falls_behind(self):
+        # Half the limit: the burst starts with one request in flight (the
+        # first may pass the throttle at once, then the next is taken)
+        self.write_blocks(0, 8)
+        self.assertIn(self.dirty_blocks(), (6, 7))
+        # Towards the limit: more requests, but not one per dirty block
+        self.write_blocks(8, 7)
+        dirty = self.dirty_blocks()
+        self.assertGreaterEqual(dirty, 10)
+        self.assertLess(dirty, 15 - 1)
+
+
+@unittest.skipUnless(H.have_binaries(), f'QEMU tools not built in {H.BIN}')
 class StableDuringWritebackTest(unittest.TestCase):
     """Write-back is made from RAM itself: a write to a block whose
     write-back is in flight waits for it to complete, so the persistent
