@@ -86,7 +86,7 @@ def base_root():
     os.makedirs(CACHE, exist_ok=True)
     if os.path.exists(BASE_TAR) and time.time() - os.path.getmtime(BASE_TAR) < BASE_MAX_AGE:
         return BASE_TAR
-    tmp = BASE_TAR + '.tmp'
+    tmp = BASE_TAR[:-len('.tar')] + '.tmp.tar'    # mmdebstrap picks its output by the suffix
     r = subprocess.run(['mmdebstrap', '--variant=minbase', '--skip=cleanup/apt/lists',
                         'bookworm', tmp], capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
