@@ -93,21 +93,25 @@ class WritebackRunTest(unittest.TestCase):
         self.assert_reads((1, MiB, 512 * KiB))
 
 
-@unittest.skipUnless(H.have_binaries(), f'QEMU tools not built in {H.BIN}')
-class DirtyLimitTest(unittest.TestCase):
-    """A persistent tier throttled to 4 KiB/s: a 64 KiB write-back takes 16 s,
-    so what is dirty stays dirty for the length of the test."""
+class ThrottledTierCase(unittest.TestCase):
+    """A hybrid node (async, dirty-limit LIMIT) in a qemu-storage-daemon,
+    exported over NBD to a qemu-io, its persistent tier throttled to
+    4 KiB/s: a 64 KiB write-back takes 16 s, so what is dirty stays dirty
+    for the length of a test."""
+
+    LIMIT = BLOCK
 
     def setUp(self):
         self.tmp = H.TempDir()
-        img = self.tmp('lim.hyb')
+        img = self.tmp('tier.hyb')
         H.qemu_img('create', '-q', '-f', 'hybrid', '-o', 'ram-size=4M', img, '4M')
         sock = self.tmp('nbd.sock')
         self.qsd = H.StorageDaemon(
             self.tmp, '--object', 'throttle-group,id=tg0,x-bps-write=4096',
-            '--blockdev', f'driver=hybrid,node-name=h,mode=async,dirty-limit=64k,'
-            f'file.driver=throttle,file.throttle-group=tg0,'
-            f'file.file.driver=file,file.file.filename={img}',
+            '--blockdev', f'driver=hybrid,node-name=h,mode=async,'
+            f'dirty-limit={self.LIMIT},file.driver=throttle,'
+            f'file.throttle-group=tg0,file.file.driver=file,'
+            f'file.file.filename={img}',
             '--nbd-server', f'addr.type=unix,addr.path={sock}',
             '--export', 'type=nbd,id=e,node-name=h,name=h,writable=on')
         self.io = H.QemuIo(f'driver=nbd,server.type=unix,server.path={sock},export=h')
@@ -120,6 +124,11 @@ class DirtyLimitTest(unittest.TestCase):
 
     def info(self):
         return self.qsd.cmd('query-hybrid', **{'node-name': 'h'})[0]
+
+
+@unittest.skipUnless(H.have_binaries(), f'QEMU tools not built in {H.BIN}')
+class DirtyLimitTest(ThrottledTierCase):
+    """dirty-limit 64 KiB on the throttled tier."""
 
     def test_rewrite_of_dirty_data_does_not_wait(self):
         # New blocks, not adjacent (one write-back each), until dirty-limit
@@ -148,7 +157,7 @@ class DirtyLimitTest(unittest.TestCase):
 
 
 @unittest.skipUnless(H.have_binaries(), f'QEMU tools not built in {H.BIN}')
-class FlusherConcurrencyTest(unittest.TestCase):
+class FlusherConcurrencyTest(ThrottledTierCase):
     """Past the high watermark (half of dirty-limit) one write-back request
     is in flight while the tier keeps up; more only as dirty data keeps
     growing towards the limit.  Eight at once took the CPU from the writers
@@ -159,31 +168,9 @@ class FlusherConcurrencyTest(unittest.TestCase):
 
     LIMIT = 16 * BLOCK
 
-    def setUp(self):
-        self.tmp = H.TempDir()
-        img = self.tmp('conc.hyb')
-        H.qemu_img('create', '-q', '-f', 'hybrid', '-o', 'ram-size=4M', img, '4M')
-        sock = self.tmp('nbd.sock')
-        self.qsd = H.StorageDaemon(
-            self.tmp, '--object', 'throttle-group,id=tg0,x-bps-write=4096',
-            '--blockdev', f'driver=hybrid,node-name=h,mode=async,'
-            f'dirty-limit={self.LIMIT},file.driver=throttle,'
-            f'file.throttle-group=tg0,file.file.driver=file,'
-            f'file.file.filename={img}',
-            '--nbd-server', f'addr.type=unix,addr.path={sock}',
-            '--export', 'type=nbd,id=e,node-name=h,name=h,writable=on')
-        self.io = H.QemuIo(f'driver=nbd,server.type=unix,server.path={sock},export=h')
-
-    def tearDown(self):
-        # a clean close would write back at 4 KiB/s
-        self.io.kill()
-        self.qsd.kill()
-        self.tmp.cleanup()
-
     def dirty_blocks(self):
         time.sleep(0.5)     # the flusher's requests go out
-        info = self.qsd.cmd('query-hybrid', **{'node-name': 'h'})[0]
-        return info['dirty-bytes'] // BLOCK
+        return self.info()['dirty-bytes'] // BLOCK
 
     def write_blocks(self, first, n):
         # not adjacent: one write-back request each
