@@ -217,6 +217,19 @@ def podman_run_argv(sock, region, podman_argv, rw=False, hvmem_args=()):
         list(hvmem_args) + ['--'] + list(podman_argv)
 
 
+def stop_podman_runs(procs, pm, names):
+    """Tear down `hvmem podman-run` holders: kill those still running (the
+    guard of each removes its container), remove the named containers should
+    a guard not have, and reap the holders."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    if names:
+        pm.rm(*names)
+    for p in procs:
+        p.communicate(timeout=60)
+
+
 def wait_container_running(pm, name, proc, timeout=60):
     """Wait until podman (a hvlib.podman.Podman) says container `name`
     runs; fail at once if proc, the hvmem podman-run that starts it, exits."""

@@ -63,13 +63,7 @@ class PodmanRegionTest(unittest.TestCase):
         self.c = self.broker.client()
 
     def tearDown(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()             # its guard removes the container
-        if self.names:
-            self.pm.rm(*self.names)  # should the guard not have
-        for p in self.procs:
-            p.communicate(timeout=60)
+        B.stop_podman_runs(self.procs, self.pm, self.names)
         self.c.close()
         self.broker.stop()
         shutil.rmtree(self.pool, ignore_errors=True)

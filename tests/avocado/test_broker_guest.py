@@ -66,13 +66,7 @@ class GuestRamInRegion(HybridVMTest):
         return name
 
     def tearDown(self):
-        for p in self.holders:
-            if p.poll() is None:
-                p.kill()         # its guard removes the container
-        if self.containers:
-            self.pm.rm(*self.containers)     # should the guard not have
-        for p in self.holders:
-            p.communicate(timeout=60)
+        B.stop_podman_runs(self.holders, self.pm, self.containers)
         super().tearDown()
         if self.c:
             self.c.close()
