@@ -12,14 +12,15 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOP = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, TOP)
 sys.path.insert(0, os.path.join(TOP, 'tests'))
+sys.path.insert(0, os.path.join(TOP, 'broker', 'tests'))
 
+from brokerlib import wait_for                           # noqa: E402
 from volume import host                                  # noqa: E402
 from volume import hvvol as hvvol_mod                    # noqa: E402
 from volume.hvvol import Tools, Volumes                  # noqa: E402
@@ -46,17 +47,6 @@ def missing_tools():
     if "does not accept value 'fuse'" in p.stderr:
         return 'qemu-storage-daemon was built without FUSE exports (--enable-fuse)'
     return None
-
-
-def wait_for(pred, timeout=30, what='condition'):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f'timed out waiting for {what}')
-        time.sleep(0.02)
 
 
 def write_files(root, n, rnd, max_size=256 * 1024):
