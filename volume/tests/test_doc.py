@@ -14,7 +14,6 @@ uses.  Afterwards no volume is left and no daemon runs."""
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -26,24 +25,13 @@ import privatens                            # noqa: E402
 from vollib import TOP, VolumeTest          # noqa: E402
 from volume import host                     # noqa: E402
 from hvlib import podman as hvpodman        # noqa: E402
+from hvlib.docblocks import blocks          # noqa: E402
 
 sys.path.insert(0, os.path.join(TOP, 'broker', 'tests'))
 import brokerlib as B                       # noqa: E402
 
 DOC = os.path.join(TOP, 'docs', 'containers.md')
-FENCE_RE = re.compile(r'^```(\w*)\n(.*?)^```$', re.MULTILINE | re.DOTALL)
-NOT_RUN_RE = re.compile(r'<!-- not run: (.+?) -->\s*\Z', re.DOTALL)
 DOC_IMAGE = 'docker.io/library/debian:bookworm'
-
-
-def blocks(text):
-    """[(language, body, reason it is not run or None)] in document order."""
-    out = []
-    for m in FENCE_RE.finditer(text):
-        before = text[:m.start()].rstrip('\n').rsplit('\n', 1)[-1]
-        skip = NOT_RUN_RE.search(before)
-        out.append((m.group(1), m.group(2), skip.group(1).strip() if skip else None))
-    return out
 
 
 def toml_text(table, prefix=''):
@@ -72,11 +60,10 @@ class DocTest(VolumeTest):
 
     def test_blocks_are_marked(self):
         """Each sh block runs, or says why not; there are blocks to run."""
-        with open(DOC) as f:
-            found = blocks(f.read())
-        sh = [b for b in found if b[0] == 'sh']
-        self.assertGreaterEqual(len([b for b in sh if b[2] is None]), 5)
-        for lang, body, reason in found:
+        found = blocks(DOC)
+        sh = [b for b in found if b.lang == 'sh']
+        self.assertGreaterEqual(len([b for b in sh if b.not_run_reason is None]), 5)
+        for lang, body, _, reason in found:
             self.assertIn(lang, ('sh', 'text', 'toml'), f'a block in {lang!r}: {body[:60]!r}')
             if lang == 'toml':
                 tomllib.loads(body)
@@ -87,8 +74,8 @@ class DocTest(VolumeTest):
         """CONTAINERS_CONF: the project's podman settings with the document's
         containers.conf snippet merged in; CONTAINERS_STORAGE_CONF: a storage
         of this test's own holding the test image as DOC_IMAGE."""
-        snippets = [body for lang, body, _ in found
-                    if lang == 'toml' and 'volume_plugins' in body]
+        snippets = [b.body for b in found
+                    if b.lang == 'toml' and 'volume_plugins' in b.body]
         self.assertEqual(len(snippets), 1, 'one containers.conf snippet')
         conf = merged(tomllib.loads(hvpodman._conf_text()), tomllib.loads(snippets[0]))
         conf_path = os.path.join(self.tmp, 'containers.conf')
@@ -112,10 +99,9 @@ class DocTest(VolumeTest):
         return env
 
     def test_commands_run_as_written(self):
-        with open(DOC) as f:
-            found = blocks(f.read())
-        script = '\n'.join(body for lang, body, reason in found
-                           if lang == 'sh' and reason is None)
+        found = blocks(DOC)
+        script = '\n'.join(b.body for b in found
+                           if b.lang == 'sh' and b.not_run_reason is None)
         try:
             hvpodman.Podman()
         except hvpodman.PodmanMissing as exc:
