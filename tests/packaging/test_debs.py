@@ -41,28 +41,16 @@ import signal
 import subprocess
 import tempfile
 import time
+import sys
 import unittest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BUILD = os.environ.get('HYBRIDVM_BUILD', os.path.join(REPO, 'build'))
-CACHE = os.path.join(BUILD, 'pkgtest')
-BASE_TAR = os.path.join(CACHE, 'bookworm-minbase.tar')
-BASE_MAX_AGE = 24 * 3600
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pkgroot                                                   # noqa: E402
+from pkgroot import REPO, Root, build_debs, parse_unit, skip_reason  # noqa: E402
+
 EXTRAS = ['redis-server', 'podman', 'systemd']
 UNITS = ['hvmemd.service', 'hvarbiter.service', 'hvcache@gold.service']
 DEPLOY = os.path.join(REPO, 'docs', 'deploy.md')
-
-
-def skip_reason():
-    if os.geteuid() != 0:
-        return 'a clean root needs root (chroot, mounts)'
-    for tool in ('mmdebstrap', 'dpkg-buildpackage', 'lintian', 'unshare', 'rst2man',
-                 'systemd-nspawn', 'nsenter', 'losetup'):
-        if not shutil.which(tool):
-            return f'{tool} is not installed (scripts/setup-host.sh: systemd-container, ...)'
-    if not os.path.exists(os.path.join(BUILD, 'qemu-src', 'VERSION')):
-        return 'the tree is not built'
-    return None
 
 
 def deploy_commands(section):
@@ -81,183 +69,26 @@ def deploy_commands(section):
     return lines
 
 
-def base_root():
-    """The cached minbase tarball (apt lists kept), made again after a day."""
-    os.makedirs(CACHE, exist_ok=True)
-    if os.path.exists(BASE_TAR) and time.time() - os.path.getmtime(BASE_TAR) < BASE_MAX_AGE:
-        return BASE_TAR
-    tmp = BASE_TAR[:-len('.tar')] + '.tmp.tar'    # mmdebstrap picks its output by the suffix
-    r = subprocess.run(['mmdebstrap', '--variant=minbase', '--skip=cleanup/apt/lists',
-                        'bookworm', tmp], capture_output=True, text=True, timeout=600)
-    if r.returncode != 0:
-        raise AssertionError(f'mmdebstrap failed:\n{r.stderr[-3000:]}')
-    os.replace(tmp, BASE_TAR)
-    return BASE_TAR
-
-
-def parse_unit(path, instance=None):
-    """{key: [values]} of a unit's [Service] (and other) sections, %i expanded."""
-    keys = {}
-    with open(path) as f:
-        lines = f.read().splitlines()
-    for line in lines:
-        line = line.strip()
-        if not line or line.startswith(('#', ';', '[')) or '=' not in line:
-            continue
-        k, v = line.split('=', 1)
-        if instance is not None:
-            v = v.replace('%i', instance)
-        keys.setdefault(k.strip(), []).append(v.strip())
-    return keys
-
-
 @unittest.skipIf(skip_reason(), skip_reason())
 class DebianPackagesTest(unittest.TestCase):
 
     def setUp(self):
-        os.makedirs(CACHE, exist_ok=True)
-        self.work = tempfile.mkdtemp(prefix='debs-', dir=CACHE)
-        self.root = os.path.join(self.work, 'root')
-        self.shm = os.path.join(self.work, 'shm')        # the root's /dev/shm
-        self.archives = os.path.join(CACHE, 'archives')  # apt's download cache
-        os.makedirs(os.path.join(self.archives, 'partial'), exist_ok=True)
-        os.makedirs(self.shm)
-        os.chmod(self.shm, 0o1777)
+        os.makedirs(pkgroot.CACHE, exist_ok=True)
+        self.work = tempfile.mkdtemp(prefix='debs-', dir=pkgroot.CACHE)
+        self.box = Root(self.work)
+        self.root = self.box.path
+        self.sh = self.box.sh
         self.daemons = {}
-        self.leader = None      # the booted root's PID 1 (boot())
-        self.nspawn = None
         self.t0 = time.monotonic()
 
     def tearDown(self):
         for name in list(self.daemons):
             self.stop(name)
-        self.poweroff()
+        self.box.poweroff()
         shutil.rmtree(self.work, ignore_errors=True)
-
-    # -- the root, booted ------------------------------------------------------
-    def boot(self):
-        """Boot the root with systemd as PID 1 (systemd-nspawn; the host has
-        no systemd of its own to register with) and wait until it is up."""
-        log = open(os.path.join(self.work, 'boot.log'), 'wb')
-        self.nspawn = subprocess.Popen(
-            ['systemd-nspawn', '-q', '-D', self.root, '--register=no', '--keep-unit',
-             f'--bind={self.archives}:/var/cache/apt/archives', '/lib/systemd/systemd', '--system'],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        log.close()
-        deadline = time.monotonic() + 60
-        while self.leader is None:
-            self.assertIsNone(self.nspawn.poll(), self.boot_log())
-            self.assertLess(time.monotonic(), deadline, self.boot_log())
-            self.leader = self.container_init()
-            time.sleep(0.1)
-        while True:
-            state = self.sh('systemctl is-system-running --wait', check=False).stdout.strip()
-            if state in ('running', 'degraded'):
-                return
-            self.assertLess(time.monotonic(), deadline, f'{state}\n{self.boot_log()}')
-            time.sleep(0.2)
-
-    def container_init(self):
-        """The pid of the container's systemd, below systemd-nspawn."""
-        todo = [self.nspawn.pid]
-        while todo:
-            pid = todo.pop()
-            try:
-                with open(f'/proc/{pid}/comm') as f:
-                    if f.read().strip() == 'systemd':
-                        return pid
-                for t in os.listdir(f'/proc/{pid}/task'):
-                    with open(f'/proc/{pid}/task/{t}/children') as f:
-                        todo += [int(x) for x in f.read().split()]
-            except OSError:
-                pass
-        return None
-
-    def boot_log(self):
-        with open(os.path.join(self.work, 'boot.log'), errors='replace') as f:
-            return f.read()[-3000:]
-
-    def poweroff(self):
-        if self.nspawn is None:
-            return
-        if self.leader is not None:
-            self.sh('systemctl poweroff --no-block', check=False)
-        self.leader = None
-        try:
-            self.nspawn.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.nspawn.kill()
-            self.nspawn.wait()
-        self.nspawn = None
-
-    def main_pid(self, unit):
-        return int(self.sh(f'systemctl show -P MainPID {unit}').stdout)
 
     def log(self, what):
         print(f'[{time.monotonic() - self.t0:6.1f} s] {what}', flush=True)
-
-    # -- the root ------------------------------------------------------------
-    def script(self, cmd, unit=None):
-        """A shell script that enters the root in a new mount namespace and
-        runs `cmd` there; with `unit` (parse_unit's dict), as its [Service]
-        says: directories made, ProtectSystem=strict (the root read-only but
-        for ReadWritePaths= and those directories), PrivateTmp=, UMask=,
-        NoNewPrivileges=, CapabilityBoundingSet=."""
-        r = shlex.quote(self.root)
-        pre = [f'R={r}']
-        inner = cmd
-        if unit:
-            rw = []
-            for key, base, mode_key in (('RuntimeDirectory', '/run', 'RuntimeDirectoryMode'),
-                                        ('StateDirectory', '/var/lib', 'StateDirectoryMode'),
-                                        ('LogsDirectory', '/var/log', 'LogsDirectoryMode')):
-                for d in unit.get(key, []):
-                    p = f'{base}/{d}'
-                    mode = unit.get(mode_key, ['0755'])[0]
-                    pre.append(f'mkdir -p "$R{p}" && chmod {mode} "$R{p}"')
-                    rw.append(p)
-            for p in ' '.join(unit.get('ReadWritePaths', [])).split():
-                optional = p.startswith('-')
-                p = p.lstrip('-')
-                if optional and not os.path.exists(self.root + p):
-                    continue
-                rw.append(p)
-            if unit.get('ProtectSystem') == ['strict']:
-                pre.append('mount --bind "$R" "$R"')
-                pre += [f'mount --bind "$R{p}" "$R{p}"' for p in rw]
-                pre.append('mount -o remount,bind,ro "$R" "$R"')
-            if unit.get('PrivateTmp') == ['yes']:
-                pre.append('mount -t tmpfs -o mode=1777 private-tmp "$R/tmp"')
-            caps = ' '.join(unit.get('CapabilityBoundingSet', [])).split()
-            priv = ['setpriv']
-            if caps:
-                priv.append('--bounding-set=-all,' + ','.join(
-                    '+' + c.lower().removeprefix('cap_') for c in caps))
-            if unit.get('NoNewPrivileges') == ['yes']:
-                priv.append('--no-new-privs')
-            umask = unit.get('UMask', ['0022'])[0]
-            inner = f'umask {umask}; exec {" ".join(priv)} -- {cmd}'
-        pre += ['mount -t proc proc "$R/proc"',
-                'mount -t sysfs sysfs "$R/sys"',
-                f'mount --bind {shlex.quote(self.shm)} "$R/dev/shm"',
-                f'mount --bind {shlex.quote(self.archives)} "$R/var/cache/apt/archives"',
-                f'exec chroot "$R" /bin/sh -c {shlex.quote(inner)}']
-        return ['unshare', '--mount', '--propagation', 'private', '--fork',
-                'sh', '-ec', '\n'.join(pre)]
-
-    def sh(self, cmd, check=True, timeout=300):
-        """Run `cmd` (sh) in the root (in the booted system once boot() ran);
-        its output."""
-        argv = self.script(cmd) if self.leader is None else \
-            ['nsenter', '-t', str(self.leader), '-m', '-u', '-i', '-n', '-p', '-r', '-w',
-             '/bin/sh', '-c', cmd]
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                           env=dict(os.environ, DEBIAN_FRONTEND='noninteractive', LC_ALL='C',
-                                    PATH='/usr/sbin:/usr/bin:/sbin:/bin'))
-        if check and r.returncode != 0:
-            raise AssertionError(f'in the root: {cmd}\nexit {r.returncode}\n'
-                                 f'{r.stdout[-4000:]}\n{r.stderr[-4000:]}')
-        return r
 
     def unit(self, name):
         base, _, inst = name.partition('@')
@@ -272,7 +103,7 @@ class DebianPackagesTest(unittest.TestCase):
         u = self.unit(name)
         [cmd] = u['ExecStart']
         with open(os.path.join(self.work, f'{name}.log'), 'ab') as log:
-            proc = subprocess.Popen(self.script(cmd, unit=u), stdout=log, stderr=log,
+            proc = subprocess.Popen(self.box.script(cmd, unit=u), stdout=log, stderr=log,
                                     env=dict(os.environ, LC_ALL='C',
                                              PATH='/usr/sbin:/usr/bin:/sbin:/bin'))
         deadline = time.monotonic() + timeout
@@ -327,15 +158,7 @@ class DebianPackagesTest(unittest.TestCase):
     # -- the packages --------------------------------------------------------
     def build(self, revision):
         out = os.path.join(self.work, f'debs-{revision}')
-        r = subprocess.run([os.path.join(REPO, 'scripts', 'build-debs.sh'), out],
-                           capture_output=True, text=True, timeout=600,
-                           env=dict(os.environ, HYBRIDVM_DEB_REVISION=str(revision),
-                                    BUILD_DIR=BUILD))
-        if r.returncode != 0:
-            raise AssertionError(f'build-debs.sh failed:\n{r.stdout}{r.stderr}')
-        debs = sorted(glob.glob(os.path.join(out, '*.deb')))
-        version = re.search(r'hybridvm (\S+)', r.stdout).group(1)
-        return out, debs, version
+        return (out,) + build_debs(out, revision)
 
     def lintian(self, out):
         """No errors; each warning's tag is one docs/deploy.md justifies."""
@@ -349,13 +172,6 @@ class DebianPackagesTest(unittest.TestCase):
             justified = set(re.findall(r'^\| `([a-z0-9-]+)` \|', f.read(), re.M))
         self.assertEqual({t for k, t in tags if k == 'W'} - justified, set(),
                          f'lintian warnings docs/deploy.md does not justify:\n{r.stdout}')
-
-    def install(self, debs):
-        for d in debs:
-            shutil.copy(d, os.path.join(self.root, 'tmp'))
-        names = ' '.join('/tmp/' + os.path.basename(d) for d in debs)
-        self.sh(f'apt-get install -y -q --no-install-recommends {names} && rm -f {names}',
-                timeout=600)
 
     def versions(self):
         """{package: version} of the installed hybridvm-* packages."""
@@ -478,10 +294,8 @@ class DebianPackagesTest(unittest.TestCase):
         self.lintian(cur_dir)
         self.log('lintian: no errors, warnings as docs/deploy.md says')
 
-        os.makedirs(self.root)
-        subprocess.run(['tar', '-C', self.root, '-xf', base_root()], check=True, timeout=300)
-        self.install(prev)
-        self.sh('apt-get install -y -q --no-install-recommends ' + ' '.join(EXTRAS), timeout=600)
+        self.box.unpack()
+        self.box.install(prev, EXTRAS)
         self.assertEqual(set(self.versions().values()), {v1})
         self.log(f'installed {v1} into a clean root')
 
@@ -501,7 +315,7 @@ class DebianPackagesTest(unittest.TestCase):
         self.log('docs/deploy.md commands, with hvmemd from its unit')
 
         # the root, booted: the package enabled hvmemd, systemd started it
-        self.boot()
+        self.box.boot()
         self.assertEqual(self.sh('systemctl is-active hvmemd').stdout.strip(), 'active')
         self.assertIn('ready: socket /run/hybridvm-broker.sock',
                       self.sh('journalctl -u hvmemd -o cat --no-pager').stdout)
@@ -534,15 +348,12 @@ class DebianPackagesTest(unittest.TestCase):
 
         # the upgrade, by apt in the booted system: the maintainer scripts
         # restart both daemons
-        pids = {u: self.main_pid(u) for u in ('hvmemd', 'hvcache@gold')}
-        os.makedirs(self.root + '/var/tmp/debs')
-        for d in cur:
-            shutil.copy(d, self.root + '/var/tmp/debs')
-        self.sh('apt-get install -y -q --no-install-recommends /var/tmp/debs/*.deb', timeout=600)
+        pids = {u: self.box.main_pid(u) for u in ('hvmemd', 'hvcache@gold')}
+        self.box.install(cur)
         self.assertEqual(set(self.versions().values()), {v2})
         for u, pid in pids.items():
             self.assertEqual(self.sh(f'systemctl is-active {u}').stdout.strip(), 'active', u)
-            self.assertNotEqual(self.main_pid(u), pid, f'{u} was not restarted')
+            self.assertNotEqual(self.box.main_pid(u), pid, f'{u} was not restarted')
         with open(self.root + '/etc/hybridvm/broker.conf') as f:
             self.assertIn('[region provisioned]', f.read())
         self.assertEqual(glob.glob(self.root + '/etc/hybridvm/**/*.dpkg-*', recursive=True), [])
