@@ -136,15 +136,23 @@ class ConfigTest(HvcacheCase):
 class RunTest(HvcacheCase):
 
     def start(self, conf):
+        """hvcache run, and hvcache wait until it serves (as the unit does)."""
         p = subprocess.Popen([sys.executable, HVCACHE, 'run', conf], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT)
         self.procs.append(p)
-        deadline = time.monotonic() + 20
-        while not os.path.exists(f'{self.d}/run/gold.qmp'):
-            self.assertIsNone(p.poll(), p.stdout.read().decode() if p.poll() is not None else '')
-            self.assertLess(time.monotonic(), deadline)
-            time.sleep(0.05)
+        r = self.hvcache('wait', '--timeout', '20', conf)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIsNone(p.poll(), p.stdout.read().decode() if p.poll() is not None else '')
         return p
+
+    def test_wait_without_a_daemon_times_out(self):
+        """wait: a daemon that never serves is an error, after --timeout."""
+        t0 = time.monotonic()
+        r = self.hvcache('wait', '--timeout', '0.5', self.conf())
+        self.assertEqual(r.returncode, 1)
+        self.assertGreaterEqual(time.monotonic() - t0, 0.5)
+        self.assertIn(f'gold: the daemon does not serve on {self.d}/run/gold.sock after 0.5 s',
+                      r.stderr)
 
     def cache(self):
         q = hvqmp.QMP(f'{self.d}/run/gold.qmp', timeout=10).connect()
