@@ -40,15 +40,17 @@ SYSCONFDIR ?= /etc
 BINDIR = $(PREFIX)/bin
 LIB_DIR = $(PREFIX)/lib/hybridvm/python
 MAN_DIR = $(PREFIX)/share/man
+EXAMPLES_DIR = $(PREFIX)/share/hybridvm/examples
 REDIS_MODULE_DIR ?= $(PREFIX)/lib/redis/modules
 UNIT_DIR ?= $(PREFIX)/lib/systemd/system
 CONF_DIR = $(DESTDIR)$(SYSCONFDIR)/hybridvm
 QEMU_PROGRAMS = qemu-system-x86_64 qemu-img qemu-io qemu-nbd qemu-storage-daemon
 MAN_PAGES = hvmemd.8 hvmem.1 hvarbiter.8 hvcache.8
 # The libvirt hook, in libvirt's qemu.d/ layout (libvirt >= 6.5 runs every
-# executable there), and its configuration unless one exists.  Our host
-# library (python/hvqmp.py) goes to $(LIB_DIR), and the hook's marked line
-# is rewritten to look there.  install-hook installs only these two.
+# executable there), its configuration (/etc/hybridvm/libvirt-hook.conf)
+# unless one exists, and the example domains.  Our host library
+# (python/hvqmp.py) goes to $(LIB_DIR), and the hook's marked line is
+# rewritten to look there.  install-hook installs only these.
 HOOKS_DIR ?= $(DESTDIR)$(SYSCONFDIR)/libvirt/hooks
 HOOK_LIB_LINE = LIB_DIR = '$(LIB_DIR)'  \# make install
 BUILT = $(addprefix $(BUILD)/bin/,$(QEMU_PROGRAMS)) $(BUILD)/broker/hvmemd $(BUILD)/broker/hvmem \
@@ -68,8 +70,10 @@ install-hook:
 		  echo "install: the hook's LIB_DIR line was not rewritten" >&2; exit 1; }
 	chmod 0755 $(HOOKS_DIR)/.50-hybridvm.tmp
 	mv -f $(HOOKS_DIR)/.50-hybridvm.tmp $(HOOKS_DIR)/qemu.d/50-hybridvm
-	test -e $(HOOKS_DIR)/hybridvm.conf || \
-		install -m 0644 libvirt-hooks/hybridvm.conf.example $(HOOKS_DIR)/hybridvm.conf
+	test -e $(CONF_DIR)/libvirt-hook.conf || \
+		install -D -m 0644 libvirt-hooks/hybridvm.conf.example $(CONF_DIR)/libvirt-hook.conf
+	install -d $(DESTDIR)$(EXAMPLES_DIR)
+	install -m 0644 libvirt-hooks/examples/*.xml $(DESTDIR)$(EXAMPLES_DIR)/
 
 # QEMU, the broker, the Redis module (where Debian's redis-server packages
 # keep theirs), the arbiter and hvcache (Python, beside hvqmp), the units

@@ -290,9 +290,11 @@ class InstallTest(unittest.TestCase):
         lib = os.path.join(self.root, 'usr/local/lib/hybridvm/python/hvqmp.py')
         files = sorted(os.path.relpath(os.path.join(d, f), self.root)
                        for d, _, fs in os.walk(self.root) for f in fs)
-        self.assertEqual(files, ['etc/libvirt/hooks/hybridvm.conf',
+        self.assertEqual(files, ['etc/hybridvm/libvirt-hook.conf',
                                  'etc/libvirt/hooks/qemu.d/50-hybridvm',
-                                 'usr/local/lib/hybridvm/python/hvqmp.py'])
+                                 'usr/local/lib/hybridvm/python/hvqmp.py',
+                                 'usr/local/share/hybridvm/examples/hybridvm-clone.xml',
+                                 'usr/local/share/hybridvm/examples/hybridvm-redis.xml'])
         for d, _, fs in os.walk(self.root):
             for name in ([d] if d != self.root else []) + [os.path.join(d, f) for f in fs]:
                 self.assertFalse(os.stat(name).st_mode & 0o022, f'{name} is writable by others')

@@ -76,6 +76,7 @@ BIND_DIRS = {  # system path -> name of the private copy
     '/var/lib/libvirt': 'lib',
     '/var/cache/libvirt': 'cache',
     '/var/log/libvirt': 'log',
+    '/etc/hybridvm': 'hybridvm-etc',    # the hook's libvirt-hook.conf
 }
 
 
@@ -142,20 +143,25 @@ def random_ports():
     return random.randrange(20000, 60000, 100)
 
 
+HOOK_CONF = 'libvirt-hook.conf'
+
+
 def make_hooks_dir(parent, reserve, conf='', layout='plain'):
     """A new hooks directory under `parent`, for LibvirtHost's hooks_dir: our
     hook as `make install-hook` installs it (its library in a new prefix under
     `parent`), as /etc/libvirt/hooks/qemu ('plain') or as `make install` lays
-    it out ('qemu.d': hooks/qemu.d/50-hybridvm), and its hybridvm.conf:
-    [memory] reserve = `reserve`, then `conf` (more sections, as text)."""
+    it out ('qemu.d': hooks/qemu.d/50-hybridvm), and beside it the hook's
+    configuration, libvirt-hook.conf (LibvirtHost puts it in its private
+    /etc/hybridvm): [memory] reserve = `reserve`, then `conf` (more
+    sections, as text)."""
     d = tempfile.mkdtemp(prefix='hooks-', dir=parent)
     prefix = tempfile.mkdtemp(prefix='prefix-', dir=parent)
-    subprocess.run(['make', '-s', '-C', REPO, 'install-hook', f'HOOKS_DIR={d}', f'PREFIX={prefix}'],
-                   check=True, capture_output=True)
+    subprocess.run(['make', '-s', '-C', REPO, 'install-hook', f'HOOKS_DIR={d}', f'PREFIX={prefix}',
+                    f'SYSCONFDIR={prefix}/etc'], check=True, capture_output=True)
     if layout == 'plain':
         os.rename(os.path.join(d, 'qemu.d', '50-hybridvm'), os.path.join(d, 'qemu'))
         os.rmdir(os.path.join(d, 'qemu.d'))
-    with open(os.path.join(d, 'hybridvm.conf'), 'w') as f:
+    with open(os.path.join(d, HOOK_CONF), 'w') as f:
         f.write(f'[memory]\nreserve = {reserve}\n{conf}')
     return d
 
@@ -208,7 +214,11 @@ class LibvirtHost:
         hooks = os.path.join(etc, 'hooks')
         shutil.rmtree(hooks, ignore_errors=True)
         if self.hooks_dir:
-            shutil.copytree(self.hooks_dir, hooks, symlinks=True)
+            shutil.copytree(self.hooks_dir, hooks, symlinks=True,
+                            ignore=shutil.ignore_patterns(HOOK_CONF))
+            conf = os.path.join(self.hooks_dir, HOOK_CONF)
+            if os.path.exists(conf):
+                shutil.copy(conf, os.path.join(self._dir('hybridvm-etc'), HOOK_CONF))
         else:
             os.makedirs(hooks)
 

@@ -13,7 +13,8 @@ BUILD = os.environ.get('HYBRIDVM_BUILD', os.path.join(REPO, 'build'))
 
 EXPECTED = {
     'etc/hybridvm/arbiter.conf', 'etc/hybridvm/broker.conf', 'etc/hybridvm/clone-cache/gold.conf',
-    'etc/libvirt/hooks/hybridvm.conf', 'etc/libvirt/hooks/qemu.d/50-hybridvm',
+    'etc/hybridvm/libvirt-hook.conf', 'etc/libvirt/hooks/qemu.d/50-hybridvm',
+    'P/share/hybridvm/examples/hybridvm-clone.xml', 'P/share/hybridvm/examples/hybridvm-redis.xml',
     'P/bin/hvarbiter', 'P/bin/hvcache', 'P/bin/hvmem', 'P/bin/hvmemd',
     'P/bin/qemu-img', 'P/bin/qemu-io', 'P/bin/qemu-nbd', 'P/bin/qemu-storage-daemon',
     'P/bin/qemu-system-x86_64',
