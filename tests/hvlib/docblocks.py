@@ -106,7 +106,10 @@ def run(path, env=None, cwd=None, timeout=600, only=None, tmpfs=()):
             except ProcessLookupError:
                 pass
             proc.wait()
-        started = open(mark).read().split() if os.path.exists(mark) else []
+        started = []
+        if os.path.exists(mark):
+            with open(mark) as f:
+                started = f.read().split()
     if timed_out or proc.returncode != 0:
         at = int(started[-1]) if started else None
         block = next((b for b in found if b.line == at), None)
