@@ -66,7 +66,7 @@ mapfile -t guest_tests < <(cd "$top" && ls tests/avocado/test_*.py \
 mapfile -t host_tests < <(cd "$top" && ls block/tests/test_*.py redis-module/tests/test_*.py \
     migration/app-assist/tests/test_*.py libvirt-hooks/tests/test_*.py broker/tests/test_*.py \
     arbiter/tests/test_*.py volume/tests/test_*.py clone-cache/tests/test_*.py \
-    tests/packaging/test_*.py tests/docs/test_*.py 2>/dev/null |
+    tests/packaging/test_*.py tests/hvlib/test_*.py tests/docs/test_*.py 2>/dev/null |
     grep -v -x -F -f <(printf '%s\n' "${guest_tests[@]}"))
 
 # Whether any component registered meson unit tests.
