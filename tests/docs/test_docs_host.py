@@ -42,8 +42,10 @@ class DocsOnHost(unittest.TestCase):
             self.skipTest(f'not built: {", ".join(missing)}')
         self.tmp = tempfile.mkdtemp(prefix='docs-host-')
         self.addCleanup(shutil.rmtree, self.tmp, ignore_errors=True)
+        # absolute: the scripts run in another directory (HYBRIDVM_BUILD
+        # may be relative)
         self.env = dict(os.environ, PATH=os.pathsep.join(
-            [hybridlib.BIN, os.path.dirname(brokerlib.HVMEM),
+            [os.path.abspath(hybridlib.BIN), os.path.abspath(os.path.dirname(brokerlib.HVMEM)),
              os.environ.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')]))
         self.env.pop('HVMEM_SOCKET', None)
 
