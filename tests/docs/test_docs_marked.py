@@ -99,7 +99,8 @@ class DocsMarked(unittest.TestCase):
         for doc in docs:
             with self.subTest(doc=doc):
                 found = problems(doc)
-                self.assertFalse(found, '\n' + '\n'.join(found))
+                if found:
+                    self.fail('\n' + '\n'.join(found))
 
     def test_registered_tests_run_their_docs(self):
         """Each registered doc has blocks to run, and its test file exists,
