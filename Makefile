@@ -44,8 +44,10 @@ EXAMPLES_DIR = $(PREFIX)/share/hybridvm/examples
 REDIS_MODULE_DIR ?= $(PREFIX)/lib/redis/modules
 UNIT_DIR ?= $(PREFIX)/lib/systemd/system
 CONF_DIR = $(DESTDIR)$(SYSCONFDIR)/hybridvm
+# podman's drop-in naming hvvol's volume plugin (driver hybridvm)
+PODMAN_CONF = $(DESTDIR)$(SYSCONFDIR)/containers/containers.conf.d/50-hybridvm-volume.conf
 QEMU_PROGRAMS = qemu-system-x86_64 qemu-img qemu-io qemu-nbd qemu-storage-daemon
-MAN_PAGES = hvmemd.8 hvmem.1 hvarbiter.8 hvcache.8
+MAN_PAGES = hvmemd.8 hvmem.1 hvarbiter.8 hvcache.8 hvvol.8
 # The libvirt hook, in libvirt's qemu.d/ layout (libvirt >= 6.5 runs every
 # executable there), its configuration (/etc/hybridvm/libvirt-hook.conf)
 # unless one exists, and the example domains.  Our host library
@@ -76,13 +78,15 @@ install-hook:
 	install -m 0644 libvirt-hooks/examples/*.xml $(DESTDIR)$(EXAMPLES_DIR)/
 
 # QEMU, the broker, the Redis module (where Debian's redis-server packages
-# keep theirs), the arbiter and hvcache (Python, beside hvqmp), the units
-# (ExecStart= names BINDIR), the AppArmor abstraction for the guests' QEMU
-# (libvirt-hooks/apparmor), configuration examples, man pages.
+# keep theirs), the arbiter, hvvol and hvcache (Python, beside hvqmp), the
+# units (ExecStart= names BINDIR), the AppArmor abstraction for the guests'
+# QEMU (libvirt-hooks/apparmor), configuration examples (and podman's
+# drop-in for hvvol's plugin), man pages.
 install-built:
 	@for f in $(BUILT); do test -e $$f || \
 		{ echo "install: $$f is missing: build first (make)" >&2; exit 1; }; done
-	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIB_DIR)/arbiter $(DESTDIR)$(REDIS_MODULE_DIR) \
+	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIB_DIR)/arbiter $(DESTDIR)$(LIB_DIR)/volume \
+		$(DESTDIR)$(REDIS_MODULE_DIR) $(DESTDIR)$(SYSCONFDIR)/containers/containers.conf.d \
 		$(DESTDIR)$(UNIT_DIR) $(CONF_DIR)/clone-cache \
 		$(DESTDIR)$(MAN_DIR)/man1 $(DESTDIR)$(MAN_DIR)/man8
 	install -m 0755 $(addprefix $(BUILD)/bin/,$(QEMU_PROGRAMS)) \
@@ -93,15 +97,19 @@ install-built:
 	install -m 0755 arbiter/hvarbiter $(DESTDIR)$(LIB_DIR)/arbiter/hvarbiter
 	ln -sfn $(LIB_DIR)/arbiter/hvarbiter $(DESTDIR)$(BINDIR)/hvarbiter
 	install -m 0755 clone-cache/hvcache $(DESTDIR)$(BINDIR)/hvcache
+	install -m 0644 $$(ls volume/*.py) $(DESTDIR)$(LIB_DIR)/volume/
+	install -m 0755 volume/hvvol $(DESTDIR)$(LIB_DIR)/volume/hvvol
+	ln -sfn $(LIB_DIR)/volume/hvvol $(DESTDIR)$(BINDIR)/hvvol
 	install -D -m 0644 libvirt-hooks/apparmor/hybridvm-qemu \
 		$(DESTDIR)$(SYSCONFDIR)/apparmor.d/abstractions/hybridvm-qemu
-	for u in hvmemd.service hvarbiter.service hvcache@.service; do \
+	for u in hvmemd.service hvarbiter.service hvcache@.service hvvol-plugin.service; do \
 		sed 's|@BINDIR@|$(BINDIR)|g' packaging/$$u.in >$(DESTDIR)$(UNIT_DIR)/.$$u.tmp && \
 		chmod 0644 $(DESTDIR)$(UNIT_DIR)/.$$u.tmp && \
 		mv -f $(DESTDIR)$(UNIT_DIR)/.$$u.tmp $(DESTDIR)$(UNIT_DIR)/$$u || exit 1; done
 	set -e; for c in broker/broker.conf.example:broker.conf arbiter/arbiter.conf.example:arbiter.conf \
 		clone-cache/gold.conf.example:clone-cache/gold.conf; do \
 		test -e $(CONF_DIR)/$${c#*:} || install -m 0644 $${c%%:*} $(CONF_DIR)/$${c#*:}; done
+	test -e $(PODMAN_CONF) || install -m 0644 volume/containers.conf.example $(PODMAN_CONF)
 	set -e; for m in $(MAN_PAGES); do \
 		rst2man --halt=warning docs/man/$$m.rst | gzip -9n >$(DESTDIR)$(MAN_DIR)/man$${m##*.}/$$m.gz; \
 		chmod 0644 $(DESTDIR)$(MAN_DIR)/man$${m##*.}/$$m.gz; done

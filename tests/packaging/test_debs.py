@@ -49,7 +49,13 @@ import pkgroot                                                   # noqa: E402
 from pkgroot import REPO, Root, build_debs, parse_unit, skip_reason  # noqa: E402
 
 EXTRAS = ['redis-server', 'podman', 'systemd']
-UNITS = ['hvmemd.service', 'hvarbiter.service', 'hvcache@gold.service']
+UNITS = ['hvmemd.service', 'hvarbiter.service', 'hvcache@gold.service', 'hvvol-plugin.service']
+# Units whose daemon mounts for the host: no mount namespace of their own
+# (packaging/hvvol-plugin.service.in says why).
+HOST_MOUNTS = {'hvvol-plugin.service'}
+MOUNT_NAMESPACE_KEYS = ('ProtectSystem', 'ProtectHome', 'PrivateTmp', 'PrivateDevices',
+                        'ProtectKernelModules', 'ProtectKernelLogs', 'ProtectClock',
+                        'ReadWritePaths', 'ReadOnlyPaths', 'InaccessiblePaths', 'TemporaryFileSystem')
 DEPLOY = os.path.join(REPO, 'docs', 'deploy.md')
 
 
@@ -191,7 +197,8 @@ class DebianPackagesTest(unittest.TestCase):
             return self.sh(f'zcat /usr/share/man/man{page[-1]}/{page}.gz').stdout
 
         self.assertEqual(opts(man('hvmemd.8')), opts(self.sh('hvmemd --help').stdout))
-        for prog, page in (('hvarbiter', 'hvarbiter.8'), ('hvcache', 'hvcache.8')):
+        for prog, page in (('hvarbiter', 'hvarbiter.8'), ('hvcache', 'hvcache.8'),
+                           ('hvvol', 'hvvol.8')):
             text = man(page)
             help_ = self.sh(f'{prog} --help').stdout
             cmds = re.search(r'\{([a-z,]+)\}', help_).group(1).split(',')
@@ -207,9 +214,13 @@ class DebianPackagesTest(unittest.TestCase):
         self.assertEqual((r.returncode, r.stdout + r.stderr), (0, ''))
         for u in UNITS:
             keys = self.unit(u)
-            for k, v in (('NoNewPrivileges', 'yes'), ('ProtectSystem', 'strict'),
-                         ('ProtectHome', 'yes'), ('PrivateTmp', 'yes')):
-                self.assertEqual(keys.get(k), [v], f'{u}: {k}')
+            self.assertEqual(keys.get('NoNewPrivileges'), ['yes'], u)
+            if u in HOST_MOUNTS:
+                self.assertEqual([k for k in MOUNT_NAMESPACE_KEYS if k in keys], [], u)
+            else:
+                for k, v in (('ProtectSystem', 'strict'), ('ProtectHome', 'yes'),
+                             ('PrivateTmp', 'yes')):
+                    self.assertEqual(keys.get(k), [v], f'{u}: {k}')
             self.assertIn('CapabilityBoundingSet', keys, u)
             self.assertNotIn('StandardOutput', keys, f'{u}: logs go to the journal')
             self.assertTrue(keys['ExecStart'][0].startswith('/usr/bin/'), u)
@@ -285,12 +296,30 @@ class DebianPackagesTest(unittest.TestCase):
                       ">/dev/null && qemu-io -r -c 'read -v 0 16' vm1.qcow2").stdout
         self.assertIn('goldbasedata', out)
 
+    def check_volume_plugin(self):
+        """The package enabled hvvol-plugin and told podman of it: a volume
+        is created and removed through podman (making one only writes its
+        image; mounting needs FUSE and loop devices, which the root booted
+        here has not: volume/tests mount through podman on the host)."""
+        self.assertEqual(self.sh('systemctl is-active hvvol-plugin').stdout.strip(), 'active')
+        self.assertEqual(self.sh('stat -c %a /run/hybridvm/volume-plugin').stdout.strip(), '700')
+        self.sh('podman volume create --driver hybridvm -o size=64M -o ram-size=16M '
+                '-o mode=async web')
+        self.assertEqual(self.sh('hvvol list').stdout.split(), ['web'])
+        self.assertIn('hybridvm', self.sh('podman volume inspect web --format '
+                                          '"{{.Driver}}"').stdout)
+        r = self.sh('podman volume create --driver hybridvm -o size=1E big', check=False)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("size '1E' is not a size", r.stderr)
+        self.sh('podman volume rm web')
+        self.assertEqual(self.sh('hvvol list').stdout.split(), [])
+
     # -- the test ---------------------------------------------------------------
     def test_install_upgrade_purge(self):
         prev_dir, prev, v1 = self.build(1)
         cur_dir, cur, v2 = self.build(2)
         self.log(f'built {v1} and {v2}: {", ".join(os.path.basename(d) for d in cur)}')
-        self.assertEqual(len(cur), 7)
+        self.assertEqual(len(cur), 8)
         self.lintian(cur_dir)
         self.log('lintian: no errors, warnings as docs/deploy.md says')
 
@@ -344,7 +373,9 @@ class DebianPackagesTest(unittest.TestCase):
             time.sleep(0.2)
         self.assertIn('exporting gold on /run/hybridvm/clone-cache/gold.sock',
                       self.sh('journalctl -u hvcache@gold -o cat --no-pager').stdout)
-        self.log('booted: hvmemd (create, map, list), hvcache@gold filled, under systemd')
+        self.check_volume_plugin()
+        self.log('booted: hvmemd (create, map, list), hvcache@gold filled, podman volume '
+                 'through hvvol-plugin, under systemd')
 
         # the upgrade, by apt in the booted system: the maintainer scripts
         # restart both daemons
@@ -370,7 +401,7 @@ class DebianPackagesTest(unittest.TestCase):
 
         # removal stops them; purge removes configuration and state
         self.sh('apt-get remove -y -q ' + ' '.join(self.versions()))
-        for u in ('hvmemd', 'hvcache@gold'):
+        for u in ('hvmemd', 'hvcache@gold', 'hvvol-plugin'):
             self.assertEqual(self.sh(f'systemctl is-active {u}', check=False).stdout.strip(),
                              'inactive', u)
         self.assertTrue(os.path.exists(self.root + '/etc/hybridvm/broker.conf'))
@@ -381,7 +412,8 @@ class DebianPackagesTest(unittest.TestCase):
         self.assertEqual(self.versions(), {})
         for p in ('/etc/hybridvm', '/var/lib/hybridvm/clone-cache', '/run/hybridvm/clone-cache',
                   '/etc/libvirt/hooks/qemu.d/50-hybridvm', '/usr/lib/hybridvm',
-                  '/dev/shm/hybridvm-broker'):
+                  '/dev/shm/hybridvm-broker',
+                  '/etc/containers/containers.conf.d/50-hybridvm-volume.conf'):
             self.assertEqual(self.sh(f'test -e {p} || test -L {p}', check=False).returncode, 1, p)
         self.log('removed: daemons stopped, state kept; purged: configuration and state gone')
 

@@ -23,7 +23,9 @@ EXPECTED = {
     'P/lib/hybridvm/python/arbiter/hvarbiter',
     'P/lib/redis/modules/hybridmem.so',
     'P/lib/systemd/system/hvarbiter.service', 'P/lib/systemd/system/hvcache@.service',
-    'P/lib/systemd/system/hvmemd.service',
+    'P/lib/systemd/system/hvmemd.service', 'P/lib/systemd/system/hvvol-plugin.service',
+    'P/bin/hvvol', 'P/lib/hybridvm/python/volume/hvvol',
+    'etc/containers/containers.conf.d/50-hybridvm-volume.conf', 'P/share/man/man8/hvvol.8.gz',
     'P/share/man/man1/hvmem.1.gz', 'P/share/man/man8/hvarbiter.8.gz',
     'P/share/man/man8/hvcache.8.gz', 'P/share/man/man8/hvmemd.8.gz',
 }
@@ -69,10 +71,13 @@ class MakeInstallTest(unittest.TestCase):
         expected = {f.replace('P/', 'usr/local/') for f in EXPECTED}
         self.assertLessEqual(expected, files)
         extra = {f for f in files - expected
-                 if not f.startswith('usr/local/lib/hybridvm/python/arbiter/')}
+                 if not f.startswith(('usr/local/lib/hybridvm/python/arbiter/',
+                                      'usr/local/lib/hybridvm/python/volume/'))}
         self.assertEqual(extra, set())
         self.assertEqual(os.readlink(os.path.join(self.root, 'usr/local/bin/hvarbiter')),
                          '/usr/local/lib/hybridvm/python/arbiter/hvarbiter')
+        self.assertEqual(os.readlink(os.path.join(self.root, 'usr/local/bin/hvvol')),
+                         '/usr/local/lib/hybridvm/python/volume/hvvol')
         for d, dirs, fs in os.walk(self.root):
             for name in [os.path.join(d, x) for x in dirs + fs]:
                 if not os.path.islink(name):
@@ -103,13 +108,18 @@ class MakeInstallTest(unittest.TestCase):
         self.assertGreater(os.path.getsize(prog), 0)
 
     def test_installed_programs_run(self):
-        """The staged hvarbiter finds its modules and hvqmp through its
-        symbolic link; hvcache checks the installed example."""
+        """The staged hvarbiter and hvvol find their modules and hvqmp
+        through their symbolic links; hvcache checks the installed example."""
         self.install(f'PREFIX={self.root}/p', f'SYSCONFDIR={self.root}/etc', destdir=False)
         r = subprocess.run([os.path.join(self.root, 'p/bin/hvarbiter'), 'model', '/nonexistent'],
                            capture_output=True, text=True, timeout=30)
         self.assertEqual(r.returncode, 1)
         self.assertIn('/nonexistent', r.stderr)
+        self.assertNotIn('Traceback', r.stderr)
+        r = subprocess.run([os.path.join(self.root, 'p/bin/hvvol'), 'create', '../x',
+                            '--size', '1M'], capture_output=True, text=True, timeout=30)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("volume name '../x' is not a name", r.stderr)
         self.assertNotIn('Traceback', r.stderr)
         conf = os.path.join(self.root, 'etc/hybridvm/clone-cache/gold.conf')
         r = subprocess.run([os.path.join(self.root, 'p/bin/hvcache'), 'check', conf],
