@@ -70,8 +70,9 @@ def run(path, env=None, cwd=None, timeout=600, only=None, tmpfs=()):
     process's).  tmpfs: directories the doc names (/run/..., /srv) to cover
     with a fresh tmpfs in a mount namespace of the script's own, so it runs
     as written without touching the host's (needs root).  The script runs
-    in a session of its own that is killed afterwards, so a daemon a failed
-    script left behind does not outlive the test.  Returns the
+    in a session of its own that is killed as soon as the script ends, so a
+    daemon a failed script left behind does not outlive it (its output goes
+    to files, not pipes such a daemon could hold open).  Returns the
     CompletedProcess (text stdout and stderr); raises BlockFailed naming the
     block that failed or was running at the timeout."""
     found = runnable(path, only)
@@ -90,22 +91,24 @@ def run(path, env=None, cwd=None, timeout=600, only=None, tmpfs=()):
             cmd = ['unshare', '-m', '--propagation', 'private', 'sh', '-euc',
                    'for d in "$@"; do mkdir -p "$d"; mount -t tmpfs -o mode=0755 tmpfs "$d"; done; '
                    f'exec sh -eu {shlex.quote(sh)}', 'sh', *tmpfs]
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True)
-        timed_out = False
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-        finally:
+        outs = [open(os.path.join(tmp, name), 'w+') for name in ('out', 'err')]
+        with outs[0], outs[1]:
+            proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=outs[0], stderr=outs[1], start_new_session=True)
+            timed_out = False
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+            for f in outs:
+                f.seek(0)
+            out, err = outs[0].read(), outs[1].read()
         started = []
         if os.path.exists(mark):
             with open(mark) as f:
