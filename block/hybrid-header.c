@@ -270,7 +270,7 @@ int coroutine_fn GRAPH_RDLOCK hybrid_mark_dirty(BDRVHybridState *s)
     }
     WITH_QEMU_LOCK_GUARD(&s->header_lock) {
         if (!s->header_dirty_on_disk) {
-            if (s->region) {
+            if (s->region || s->mirror) {
                 /* Acknowledged writes may now exist only in the region */
                 s->header.incompat_features |= HYBRID_INCOMPAT_REGION;
             } else {

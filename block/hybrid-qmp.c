@@ -87,6 +87,23 @@ static HybridInfo *hybrid_get_info(BlockDriverState *bs)
         info->region->dirty_blocks_found = s->region_dirty_found;
         info->region->attach_us = s->region_attach_ns / SCALE_US;
     }
+    if (s->mirror) {
+        HybridMirrorInfo *m = g_new0(HybridMirrorInfo, 1);
+
+        m->node_name = g_strdup(bdrv_get_node_name(s->mirror->bs));
+        m->degraded = s->mirror_error != 0;
+        if (s->mirror_error) {
+            m->error = g_strdup(strerror(-s->mirror_error));
+        }
+        m->counted_blocks = s->mirror_counted;
+        m->recovered = s->mirror_recovered;
+        m->blocks_found = s->mirror_dirty_found;
+        m->writes = s->mirror_writes;
+        m->block_writes = s->mirror_block_writes;
+        m->bytes = s->mirror_bytes;
+        m->uncounted_blocks = s->mirror_uncounted;
+        info->mirror = m;
+    }
     if (s->flush_error) {
         info->error = g_strdup(strerror(-s->flush_error));
     } else if (s->restore_error) {

@@ -51,7 +51,6 @@
 
 #define HYBRID_REGION_MAGIC     "QHYBRAM\0"
 #define HYBRID_REGION_VERSION   1
-#define HYBRID_REGION_BITMAPS   4096        /* offset of the valid bitmap */
 #define HYBRID_REGION_ALIGN     (2 * MiB)   /* of the data: huge pages */
 
 typedef struct QEMU_PACKED HybridRegionHeader {
@@ -62,7 +61,7 @@ typedef struct QEMU_PACKED HybridRegionHeader {
     uint64_t virtual_size;      /* 24: of the image */
     uint64_t ram_blocks;        /* 32: blocks in the tier */
     uint32_t block_size;        /* 40 */
-    uint32_t reserved;          /* 44: zero */
+    uint32_t flags;             /* 44: HYBRID_REGION_F_* */
     uint64_t bitmap_offset;     /* 48: HYBRID_REGION_BITMAPS */
     uint64_t data_offset;       /* 56: of block 0 */
     uint32_t header_crc;        /* 64: crc32c of the header, this field 0 */
@@ -71,14 +70,15 @@ typedef struct QEMU_PACKED HybridRegionHeader {
 
 QEMU_BUILD_BUG_ON(sizeof(HybridRegionHeader) > HYBRID_REGION_BITMAPS);
 
-static uint64_t region_bitmap_bytes(uint64_t blocks)
+uint64_t hybrid_region_bitmap_bytes(uint64_t blocks)
 {
     return BITS_TO_LONGS(blocks) * sizeof(unsigned long);
 }
 
-static uint64_t region_data_offset(uint64_t blocks)
+uint64_t hybrid_region_data_offset(uint64_t blocks)
 {
-    return ROUND_UP(HYBRID_REGION_BITMAPS + 3 * region_bitmap_bytes(blocks),
+    return ROUND_UP(HYBRID_REGION_BITMAPS +
+                    3 * hybrid_region_bitmap_bytes(blocks),
                     HYBRID_REGION_ALIGN);
 }
 
@@ -91,16 +91,16 @@ static uint32_t region_header_crc(const HybridRegionHeader *le)
 }
 
 /*
- * The region's header, checked as untrusted input: whoever held the
+ * A region's header (@buf, the first sizeof(HybridRegionHeader) bytes of
+ * a region of @len bytes), checked as untrusted input: whoever held the
  * region before may have written anything.  Returns false when it is not
- * a region header this code wrote (never initialised, torn, foreign);
- * otherwise fills *@token, *@blocks (bounded by the region's length) and
- * whether the geometry is the one this open needs.
+ * a region header this code wrote (never initialised, torn, foreign,
+ * unknown flags); otherwise fills @r (its blocks bounded by @len).
  */
-static bool region_header_parse(BDRVHybridState *s, uint64_t *token,
-                                uint64_t *blocks, bool *same_geometry)
+bool hybrid_region_header_parse(BDRVHybridState *s, const void *buf,
+                                uint64_t len, HybridRegionLook *r)
 {
-    const HybridRegionHeader *h = (const HybridRegionHeader *)s->region;
+    const HybridRegionHeader *h = buf;
     uint64_t rb = le64_to_cpu(h->ram_blocks);
     uint32_t bsz = le32_to_cpu(h->block_size);
     uint64_t data = le64_to_cpu(h->data_offset);
@@ -110,20 +110,24 @@ static bool region_header_parse(BDRVHybridState *s, uint64_t *token,
         le32_to_cpu(h->header_size) != sizeof(*h) ||
         le32_to_cpu(h->header_crc) != region_header_crc(h) ||
         le64_to_cpu(h->bitmap_offset) != HYBRID_REGION_BITMAPS ||
+        (le32_to_cpu(h->flags) & ~HYBRID_REGION_F_MIRROR) ||
         rb > UINT32_MAX || bsz < HYBRID_MIN_BLOCK_SIZE ||
         bsz > HYBRID_MAX_BLOCK_SIZE || !is_power_of_2(bsz) ||
-        data != region_data_offset(rb) || data > s->region_len ||
-        rb > (s->region_len - data) / bsz) {
+        data != hybrid_region_data_offset(rb) || data > len ||
+        rb > (len - data) / bsz) {
         return false;
     }
-    *token = le64_to_cpu(h->token);
-    *blocks = rb;
-    *same_geometry = rb == s->ram_blocks && bsz == s->block_size &&
-                     le64_to_cpu(h->virtual_size) == s->size;
+    r->token = le64_to_cpu(h->token);
+    r->blocks = rb;
+    r->flags = le32_to_cpu(h->flags);
+    r->same_geometry = rb == s->ram_blocks && bsz == s->block_size &&
+                       le64_to_cpu(h->virtual_size) == s->size;
     return true;
 }
 
-static void region_header_write(BDRVHybridState *s, uint64_t token)
+/* The header of a region of this node's geometry into @buf */
+void hybrid_region_header_fill(BDRVHybridState *s, void *buf, uint64_t token,
+                               uint32_t flags)
 {
     HybridRegionHeader h = {
         .magic = HYBRID_REGION_MAGIC,
@@ -133,19 +137,27 @@ static void region_header_write(BDRVHybridState *s, uint64_t token)
         .virtual_size = cpu_to_le64(s->size),
         .ram_blocks = cpu_to_le64(s->ram_blocks),
         .block_size = cpu_to_le32(s->block_size),
+        .flags = cpu_to_le32(flags),
         .bitmap_offset = cpu_to_le64(HYBRID_REGION_BITMAPS),
-        .data_offset = cpu_to_le64(region_data_offset(s->ram_blocks)),
+        .data_offset = cpu_to_le64(hybrid_region_data_offset(s->ram_blocks)),
     };
 
     h.header_crc = cpu_to_le32(region_header_crc(&h));
-    memcpy(s->region, &h, sizeof(h));
+    memcpy(buf, &h, sizeof(h));
 }
 
-/* Blocks that are valid and dirty in a region laid out for @blocks. */
-static uint64_t region_count_dirty(BDRVHybridState *s, uint64_t blocks)
+static void region_header_write(BDRVHybridState *s, uint64_t token)
 {
-    const unsigned long *valid =
-        (const unsigned long *)(s->region + HYBRID_REGION_BITMAPS);
+    hybrid_region_header_fill(s, s->region, token, 0);
+}
+
+/*
+ * Blocks that are valid and dirty in a region laid out for @blocks, whose
+ * bitmaps (the valid one first) are at @bitmaps.
+ */
+uint64_t hybrid_region_count_dirty(const void *bitmaps, uint64_t blocks)
+{
+    const unsigned long *valid = bitmaps;
     const unsigned long *dirty = valid + BITS_TO_LONGS(blocks);
     uint64_t n = 0, i;
 
@@ -178,7 +190,7 @@ void hybrid_region_drop_pages(BDRVHybridState *s, uint8_t *p, uint64_t len)
 int hybrid_region_open(BDRVHybridState *s, const char *filename,
                        bool writable, Error **errp)
 {
-    uint64_t need = region_data_offset(s->ram_blocks);
+    uint64_t need = hybrid_region_data_offset(s->ram_blocks);
     struct stat st;
     void *p;
     int fd;
@@ -282,14 +294,21 @@ void hybrid_region_close(BDRVHybridState *s)
     s->ram_file = NULL;
 }
 
-/* Take the region's content as the RAM tier: no restore for it. */
-static void region_reuse(BDRVHybridState *s)
+/*
+ * Take the region's content as the RAM tier: no restore for it.  In a
+ * mirror (@mirror) only blocks both valid and dirty count: the others are
+ * dropped.
+ */
+static void region_reuse(BDRVHybridState *s, bool mirror)
 {
     uint64_t i;
 
     for (i = 0; i < s->ram_blocks; i++) {
         HybridSlot *slot = &s->slots[i];
 
+        if (mirror && !test_bit(i, s->region_dirty)) {
+            clear_bit(i, s->region_valid);
+        }
         if (!test_bit(i, s->region_valid)) {
             clear_bit(i, s->region_dirty);
             continue;
@@ -316,65 +335,52 @@ static void region_reuse(BDRVHybridState *s)
 static void region_reset(BDRVHybridState *s)
 {
     memset(s->region, 0, sizeof(HybridRegionHeader));
-    memset(s->region_valid, 0, 3 * region_bitmap_bytes(s->ram_blocks));
+    memset(s->region_valid, 0, 3 * hybrid_region_bitmap_bytes(s->ram_blocks));
     hybrid_region_drop_pages(s, s->ram,
                              s->region_len - (s->ram - s->region));
 }
 
 /*
- * Bind the region to the image (main loop or coroutine, node active and
- * read-write, slots empty).  A region whose header names the image's
- * token is reused; anything else is reset and gets a new token, unless
- * that would throw away acknowledged writes held in it or named by the
- * image: then the open fails and says what to do.  @reset_only: the
- * persistent tier was written elsewhere (incoming migration), the region
- * cannot be current.
+ * What binding a region (or a mirror: @what names it in messages) makes of
+ * what it holds: @r its header (NULL: not a region of ours), @dirty its
+ * blocks not yet written back.  Returns 1 to take it as it is, 0 to reset
+ * it and bind it anew, or -errno with @errp set when either would throw
+ * away acknowledged writes held in it or named by the image.
+ * @reset_only: the persistent tier was written elsewhere (incoming
+ * migration), the region cannot be current.
  */
-static int GRAPH_RDLOCK region_attach(BDRVHybridState *s, bool reset_only,
-                                      Error **errp)
+int hybrid_region_judge(BDRVHybridState *s, const char *what,
+                        const HybridRegionLook *r, uint64_t dirty,
+                        bool reset_only, Error **errp)
 {
-    uint64_t image_token = s->header.region_token, token = 0, blocks = 0;
+    uint64_t image_token = s->header.region_token;
     bool held = s->header.incompat_features & HYBRID_INCOMPAT_REGION;
-    bool same_geometry = false, ok;
-    uint64_t dirty = 0;
-    HybridHeader le;
-    int ret;
 
-    ok = region_header_parse(s, &token, &blocks, &same_geometry);
-    if (ok) {
-        dirty = region_count_dirty(s, blocks);
-    }
-    s->region_dirty_found = 0;
-    if (!reset_only && ok && image_token && token == image_token) {
-        if (!same_geometry && dirty) {
-            error_setg(errp, "ram-file '%s' holds %" PRIu64 " blocks not "
-                       "yet written back, laid out for %" PRIu64 " RAM "
-                       "blocks; open the image with the ram-size it had",
-                       s->ram_file, dirty, blocks);
+    if (!reset_only && r && image_token && r->token == image_token) {
+        if (!r->same_geometry && dirty) {
+            error_setg(errp, "%s holds %" PRIu64 " blocks not yet written "
+                       "back, laid out for %" PRIu64 " RAM blocks; open the "
+                       "image with the ram-size it had", what, dirty,
+                       r->blocks);
             return -EINVAL;
         }
-        if (same_geometry) {
-            region_reuse(s);
-            s->region_reused = true;
-            trace_hybrid_region_attach(s, true, s->nb_loaded,
-                                       s->region_dirty_found, token);
-            return 0;
+        if (r->same_geometry) {
+            return 1;
         }
     }
-    if (ok && dirty && token != image_token) {
-        error_setg(errp, "ram-file '%s' holds %" PRIu64 " blocks not yet "
-                   "written back to another image (region token %016"
-                   PRIx64 ", this image's %016" PRIx64 "); refusing to "
-                   "overwrite them", s->ram_file, dirty, token, image_token);
+    if (r && dirty && r->token != image_token) {
+        error_setg(errp, "%s holds %" PRIu64 " blocks not yet written back "
+                   "to another image (region token %016" PRIx64 ", this "
+                   "image's %016" PRIx64 "); refusing to overwrite them",
+                   what, dirty, r->token, image_token);
         return -EBUSY;
     }
     if (held && !reset_only) {
-        if (ok) {
+        if (r) {
             error_setg(errp, "The image's newest writes are held in RAM "
-                       "region %016" PRIx64 ", not in ram-file '%s' (region "
-                       "%016" PRIx64 "); attach that region, or an empty "
-                       "one to discard them", image_token, s->ram_file,
-                       token);
+                       "region %016" PRIx64 ", not in %s (region %016"
+                       PRIx64 "); attach that region, or an empty one to "
+                       "discard them", image_token, what, r->token);
             return -EBUSY;
         }
         warn_report("hybrid: node '%s': writes acknowledged after the last "
@@ -383,13 +389,26 @@ static int GRAPH_RDLOCK region_attach(BDRVHybridState *s, bool reset_only,
                     "from the persistent tier",
                     bdrv_get_node_name(s->bs), image_token);
     }
+    return 0;
+}
 
-    region_reset(s);
+/*
+ * A new binding: a new random token, written to the image (and flushed)
+ * before the caller writes it into the region, so that a crash between
+ * leaves a mismatch, never a false match.  Returns the token, 0 on
+ * failure (@errp set).
+ */
+uint64_t GRAPH_RDLOCK hybrid_region_bind(BDRVHybridState *s,
+                                         const char *what, Error **errp)
+{
+    uint64_t image_token = s->header.region_token, token;
+    HybridHeader le;
+    int ret;
+
     do {
         token = ((uint64_t)g_random_int() << 32) | g_random_int();
     } while (!token || token == image_token);
 
-    /* The image names the new region before the region claims the image */
     s->header.region_token = token;
     s->header.header_size = MAX(s->header.header_size,
                                 HYBRID_HEADER_SIZE_EXT);
@@ -400,9 +419,52 @@ static int GRAPH_RDLOCK region_attach(BDRVHybridState *s, bool reset_only,
         ret = bdrv_flush(s->bs->file->bs);
     }
     if (ret < 0) {
-        error_setg_errno(errp, -ret, "Could not bind ram-file '%s' to the "
-                         "image (header write)", s->ram_file);
+        error_setg_errno(errp, -ret, "Could not bind %s to the image "
+                         "(header write)", what);
+        return 0;
+    }
+    return token;
+}
+
+/*
+ * Bind the region to the image (main loop or coroutine, node active and
+ * read-write, slots empty): hybrid_region_judge() decides whether its
+ * content is taken or it is reset with a new token.
+ */
+static int GRAPH_RDLOCK region_attach(BDRVHybridState *s, bool reset_only,
+                                      Error **errp)
+{
+    g_autofree char *what = g_strdup_printf("ram-file '%s'", s->ram_file);
+    HybridRegionLook look;
+    bool ok = hybrid_region_header_parse(s, s->region, s->region_len, &look);
+    uint64_t dirty = 0, token;
+    int ret;
+
+    if (ok) {
+        dirty = hybrid_region_count_dirty(s->region_valid, look.blocks);
+    }
+    s->region_dirty_found = 0;
+    ret = hybrid_region_judge(s, what, ok ? &look : NULL, dirty, reset_only,
+                              errp);
+    if (ret < 0) {
         return ret;
+    }
+    if (ret > 0) {
+        region_reuse(s, look.flags & HYBRID_REGION_F_MIRROR);
+        if (look.flags & HYBRID_REGION_F_MIRROR) {
+            /* A mirror taken over (failover) is this node's region now */
+            region_header_write(s, look.token);
+        }
+        s->region_reused = true;
+        trace_hybrid_region_attach(s, true, s->nb_loaded,
+                                   s->region_dirty_found, look.token);
+        return 0;
+    }
+
+    region_reset(s);
+    token = hybrid_region_bind(s, what, errp);
+    if (!token) {
+        return -EIO;
     }
     region_header_write(s, token);
     s->region_reused = false;

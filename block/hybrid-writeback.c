@@ -161,6 +161,7 @@ hybrid_writeback_run(BDRVHybridState *s, uint64_t idx, uint32_t n)
         }
         if (!(slot->flags & HYBRID_SLOT_DIRTY)) {
             hybrid_region_clear_dirty(s, idx + i);
+            hybrid_mirror_written_back(s, idx + i);
             QTAILQ_REMOVE(&s->dirty_list, slot, dirty_next);
             slot->flags &= ~HYBRID_SLOT_LISTED;
             /* Quiet now: worth hashing for dedup */
@@ -304,6 +305,10 @@ static void coroutine_fn hybrid_flusher_entry(void *opaque)
         }
         qemu_co_queue_restart_all(&s->dirty_queue);
     }
+    if (s->flush_workers == 1 && s->mirror) {
+        /* The burst is over: what it wrote back leaves the mirror */
+        hybrid_mirror_clean(s);
+    }
     s->flush_workers--;
     qemu_co_queue_restart_all(&s->dirty_queue);
     bdrv_dec_in_flight(bs);
@@ -405,6 +410,7 @@ static int coroutine_fn GRAPH_RDLOCK hybrid_flush_ram(BlockDriverState *bs)
     trace_hybrid_flush(s, cap, s->dirty_bytes);
     if (!cap) {
         hybrid_set_flush_error(s, 0);
+        hybrid_mirror_clean(s);
         return 0;
     }
     todo = g_new(uint64_t, cap);
@@ -429,6 +435,7 @@ static int coroutine_fn GRAPH_RDLOCK hybrid_flush_ram(BlockDriverState *bs)
 
     hybrid_set_flush_error(s, ret);
     if (ret == 0) {
+        hybrid_mirror_clean(s);
         hybrid_flusher_kick(s);
     }
     qemu_co_queue_restart_all(&s->dirty_queue);
@@ -500,5 +507,6 @@ bool coroutine_fn hybrid_may_defer_write(BDRVHybridState *s, HybridSlot *slot,
         trace_hybrid_write_through_on_error(s, s->flush_error);
         return false;
     }
-    return true;
+    /* A failed mirror: acknowledge only what the persistent tier holds */
+    return !(s->mirror && s->mirror_error);
 }

@@ -258,15 +258,19 @@ hybrid_write_ram_block(BDRVHybridState *s, uint64_t idx, uint32_t boff,
 {
     HybridSlot *slot = &s->slots[idx];
     bool sync = !hybrid_may_defer_write(s, slot, boff, boff + len);
+    bool mirror = !sync && hybrid_mirror_active(s);
     bool locked = false, cow;
     int ret = 0;
 
     /*
      * BUSY on a loaded block in async mode: its write-back is being made
-     * from RAM (hybrid_writeback_run), which must not change under it.
+     * from RAM (hybrid_writeback_run), which must not change under it.  A
+     * block the mirror does not count yet goes to it whole: its writers
+     * take turns (hybrid_mirror_write).
      */
     if (sync || (slot->flags & (HYBRID_SLOT_BUSY | HYBRID_SLOT_LOADED)) !=
-                HYBRID_SLOT_LOADED) {
+                HYBRID_SLOT_LOADED ||
+        (mirror && !(slot->flags & HYBRID_SLOT_MIRRORED))) {
         int64_t t0 = (slot->flags & HYBRID_SLOT_BUSY) ?
                      qemu_clock_get_ns(QEMU_CLOCK_REALTIME) : 0;
 
@@ -325,6 +329,15 @@ hybrid_write_ram_block(BDRVHybridState *s, uint64_t idx, uint32_t boff,
         }
     } else {
         hybrid_slot_set_dirty(s, slot, boff, boff + len);
+        if (mirror && hybrid_mirror_write(s, idx, boff, len, qiov, qoff) < 0) {
+            /* Degraded: this write completes as in sync mode */
+            uint64_t host = hybrid_host_offset(s, (idx << s->block_shift) + boff);
+
+            ret = qiov ? bdrv_co_pwritev_part(s->bs->file, host, len, qiov,
+                                              qoff, 0)
+                       : bdrv_co_pwrite_zeroes(s->bs->file, host, len,
+                                               flags & BDRV_REQ_MAY_UNMAP);
+        }
     }
     /*
      * Only now: a flush that took the bit before the child write completed
@@ -747,11 +760,16 @@ static int hybrid_open(BlockDriverState *bs, QDict *options, int flags,
         goto fail;
     }
 
+    ret = hybrid_mirror_open(s, options, flags & BDRV_O_RDWR, o->ram_file,
+                             errp);
+    if (ret < 0) {
+        goto fail;
+    }
     if ((s->header.incompat_features & HYBRID_INCOMPAT_REGION) &&
-        !o->ram_file && !(flags & BDRV_O_NO_IO)) {
+        !o->ram_file && !s->mirror && !(flags & BDRV_O_NO_IO)) {
         error_setg(errp, "The image's newest writes are held in RAM region "
-                   "%016" PRIx64 "; open it with ram-file= naming that "
-                   "region (or an empty one to discard them)",
+                   "%016" PRIx64 "; open it with ram-file= (or mirror=) "
+                   "naming that region (or an empty one to discard them)",
                    s->header.region_token);
         ret = -EBUSY;
         goto fail;
@@ -780,6 +798,13 @@ static int hybrid_open(BlockDriverState *bs, QDict *options, int flags,
             goto fail;
         }
     }
+    if (s->mirror && !s->inactive) {
+        ret = hybrid_mirror_attach(s, false, errp);
+        if (ret < 0) {
+            hybrid_ram_free(s);
+            goto fail;
+        }
+    }
 
     bs->total_sectors = s->size / BDRV_SECTOR_SIZE;
     bs->supported_zero_flags = BDRV_REQ_MAY_UNMAP;
@@ -797,6 +822,7 @@ static int hybrid_open(BlockDriverState *bs, QDict *options, int flags,
     return 0;
 
 fail:
+    hybrid_mirror_close(s);
     hybrid_backing_close(s);
     return ret;
 }
@@ -898,6 +924,9 @@ hybrid_co_invalidate_cache(BlockDriverState *bs, Error **errp)
     if (s->region && hybrid_region_attach(s, true, errp) < 0) {
         return;
     }
+    if (s->mirror && hybrid_mirror_attach(s, true, errp) < 0) {
+        return;
+    }
     s->inactive = false;
     s->restore_cursor = 0;
     s->restore_bytes = 0;
@@ -941,6 +970,7 @@ static void hybrid_close(BlockDriverState *bs)
     }
     g_free(s->heat);
     hybrid_ram_free(s);
+    hybrid_mirror_close(s);
     hybrid_backing_close(s);
 }
 

@@ -157,7 +157,29 @@ enum {
     HYBRID_SLOT_DIRTY   = 1 << 2,  /* [dirty_lo, dirty_hi) not yet on child */
     HYBRID_SLOT_LISTED  = 1 << 3,  /* on s->dirty_list (dirty or flushing) */
     HYBRID_SLOT_ZERO    = 1 << 4,  /* plain mode: known zero, no pages */
+    HYBRID_SLOT_MIRRORED = 1 << 5, /* counted in the mirror (valid, dirty) */
 };
+
+/* A region's layout: its bitmaps start here (docs/hybrid-format.rst) */
+#define HYBRID_REGION_BITMAPS   4096
+
+/* A region header's flags */
+#define HYBRID_REGION_F_MIRROR  (1u << 0)  /* count only valid+dirty blocks */
+
+/* What a region's (or a mirror's) header says (hybrid-region.c) */
+typedef struct HybridRegionLook {
+    uint64_t token;
+    uint64_t blocks;            /* its RAM blocks */
+    uint32_t flags;             /* HYBRID_REGION_F_* */
+    bool same_geometry;         /* laid out for this node */
+} HybridRegionLook;
+
+/* One sector of the mirror's bitmaps (hybrid-mirror.c) */
+typedef struct HybridMirrorSector {
+    bool busy;                  /* a write of it in flight */
+    uint64_t gen;               /* changes made to the node's copy */
+    uint64_t done;              /* changes the mirror is known to hold */
+} HybridMirrorSector;
 
 /*
  * One per block below the RAM boundary.  Everything here is protected by
@@ -267,6 +289,22 @@ typedef struct BDRVHybridState {
     int64_t region_attach_ns;   /* time the attach took */
     bool writeback_drain;       /* write back all, regardless of watermarks */
 
+    /* Mirror of the dirty blocks on another host (mirror=), hybrid-mirror.c */
+    BdrvChild *mirror;
+    int mirror_error;           /* sticky: the mirror failed, degraded */
+    unsigned long *mirror_bits; /* the mirror's valid, then dirty bitmap */
+    uint64_t mirror_bitmap_bytes;   /* of one bitmap */
+    HybridMirrorSector *mirror_sectors;
+    uint32_t mirror_nb_sectors;
+    CoQueue mirror_queue;       /* waiters for a sector write */
+    unsigned long *mirror_written_back; /* to uncount after a tier flush */
+    bool mirror_cleaning;
+    bool mirror_recovered;      /* open found the mirror current */
+    uint64_t mirror_dirty_found;    /* blocks it held at open */
+    uint64_t mirror_counted;    /* blocks MIRRORED now */
+    uint64_t mirror_writes, mirror_block_writes, mirror_bytes;
+    uint64_t mirror_uncounted;
+
     /*
      * Backing file and allocation bitmap (hybrid-backing.c); alloc is NULL
      * for an image without INCOMPAT_BACKING (it holds every block).  All
@@ -312,6 +350,37 @@ int GRAPH_RDLOCK hybrid_region_attach(BDRVHybridState *s, bool reset_only,
 void hybrid_region_close(BDRVHybridState *s);
 void hybrid_region_resized(BDRVHybridState *s);
 void hybrid_region_drop_pages(BDRVHybridState *s, uint8_t *p, uint64_t len);
+uint64_t hybrid_region_bitmap_bytes(uint64_t blocks);
+uint64_t hybrid_region_data_offset(uint64_t blocks);
+bool hybrid_region_header_parse(BDRVHybridState *s, const void *buf,
+                                uint64_t len, HybridRegionLook *r);
+void hybrid_region_header_fill(BDRVHybridState *s, void *buf, uint64_t token,
+                               uint32_t flags);
+uint64_t hybrid_region_count_dirty(const void *bitmaps, uint64_t blocks);
+int hybrid_region_judge(BDRVHybridState *s, const char *what,
+                        const HybridRegionLook *r, uint64_t dirty,
+                        bool reset_only, Error **errp);
+uint64_t GRAPH_RDLOCK hybrid_region_bind(BDRVHybridState *s,
+                                         const char *what, Error **errp);
+
+/* hybrid-mirror.c */
+int GRAPH_RDLOCK hybrid_mirror_open(BDRVHybridState *s, QDict *options,
+                                    bool writable, bool ram_file,
+                                    Error **errp);
+int GRAPH_RDLOCK hybrid_mirror_attach(BDRVHybridState *s, bool reset_only,
+                                      Error **errp);
+void hybrid_mirror_close(BDRVHybridState *s);
+int coroutine_fn GRAPH_RDLOCK
+hybrid_mirror_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
+                    uint32_t len, QEMUIOVector *qiov, size_t qoff);
+void hybrid_mirror_written_back(BDRVHybridState *s, uint64_t idx);
+void coroutine_fn GRAPH_RDLOCK hybrid_mirror_clean(BDRVHybridState *s);
+
+/* Does an async write of a block need its mirror copy before completing? */
+static inline bool hybrid_mirror_active(BDRVHybridState *s)
+{
+    return s->mirror && !s->mirror_error;
+}
 
 /*
  * The region's per-block bits (no-ops for an anonymous tier).  Dirty is

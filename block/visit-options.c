@@ -20,14 +20,16 @@
 /*
  * @options as a BlockdevOptions of @driver, as copy-before-write parses
  * its own; @options is left as it is (the caller takes out what it
- * consumed).  The 'file' and 'backing' children are opened by the generic
- * code and may be given in any syntax, so the visitor sees a placeholder
- * for 'file' and nothing of 'backing'.
+ * consumed).  The 'file' and 'backing' children (and hybrid's 'mirror')
+ * are opened with bdrv_open_child() and may be given in any syntax, so the
+ * visitor sees a placeholder for 'file' and 'mirror' and nothing of
+ * 'backing'.
  */
 BlockdevOptions *visit_blockdev_options(QDict *options, const char *driver,
                                         Error **errp)
 {
     g_autoptr(QDict) copy = qdict_clone_shallow(options);
+    g_autoptr(QDict) mirror = NULL;
     BlockdevOptions *opts = NULL;
     Visitor *v;
 
@@ -35,6 +37,10 @@ BlockdevOptions *visit_blockdev_options(QDict *options, const char *driver,
     qdict_put_str(copy, "file", "");
     qdict_extract_subqdict(copy, NULL, "backing.");
     qdict_del(copy, "backing");
+    qdict_extract_subqdict(copy, &mirror, "mirror.");
+    if (qdict_haskey(copy, "mirror") || qdict_size(mirror)) {
+        qdict_put_str(copy, "mirror", "");
+    }
     qdict_put_str(copy, "driver", driver);
 
     v = qobject_input_visitor_new_flat_confused(copy, errp);

@@ -1,0 +1,562 @@
+/*
+ * Hybrid block format: the RAM tier's dirty blocks mirrored on another host
+ *
+ * Copyright (c) 2026 The hybridvm authors
+ *
+ * This work is licensed under the terms of the GNU GPL, version 2 or later.
+ * See the COPYING file in the top-level directory.
+ *
+ * With mirror=NODE (typically an NBD export, with TLS, of a memory broker
+ * region on another host) every block the RAM tier holds dirty in async
+ * mode has a copy in NODE, laid out as a RAM region (hybrid-region.c)
+ * whose header carries HYBRID_REGION_F_MIRROR: there a block counts only
+ * when it is both valid and dirty.  An async write completes once the RAM
+ * tier and the mirror hold it, so a host that dies loses no acknowledged
+ * write: on the mirror's host, the image opened with the mirror's region
+ * as its ram-file takes the counted blocks and writes them back.
+ *
+ *   block mirrored (counted):  write the request's bytes to its copy
+ *   not mirrored:              write the whole block, then set its valid
+ *                              and dirty bits (two sectors in parallel; a
+ *                              crash between leaves one bit: not counted)
+ *   written back + tier flush: no longer mirrored, valid bit cleared
+ *
+ * The bitmaps are written as sectors of the node's copy (mirror_bits), one
+ * request at a time per sector, so the mirror never sees a sector go back
+ * to an older state.  A mirror write that fails leaves the node degraded:
+ * async writes then complete as in sync mode and the flusher writes back
+ * everything.  docs/hybrid-format.rst has the whole crash story.
+ */
+
+#include "qemu/osdep.h"
+#include "qapi/error.h"
+#include "qapi/qapi-events-block-core.h"
+#include "qemu/bitmap.h"
+#include "qemu/error-report.h"
+#include "qemu/memalign.h"
+#include "block/block-io.h"
+#include "block/block_int.h"
+#include "hybrid.h"
+#include "trace.h"
+
+#define HYBRID_MIRROR_SECTOR    4096    /* bitmap bytes per request */
+
+static unsigned long *mirror_valid(BDRVHybridState *s)
+{
+    return s->mirror_bits;
+}
+
+static unsigned long *mirror_dirty(BDRVHybridState *s)
+{
+    return s->mirror_bits + BITS_TO_LONGS(s->ram_blocks);
+}
+
+static uint64_t mirror_data_offset(BDRVHybridState *s)
+{
+    return hybrid_region_data_offset(s->ram_blocks);
+}
+
+/* The sector of the node's copy that holds block @idx's bit in bitmap
+ * @which (0: valid, 1: dirty) */
+static uint32_t mirror_sector(BDRVHybridState *s, int which, uint64_t idx)
+{
+    uint64_t byte = which * s->mirror_bitmap_bytes +
+                    BIT_WORD(idx) * sizeof(unsigned long);
+
+    return byte / HYBRID_MIRROR_SECTOR;
+}
+
+static const char *mirror_name(BDRVHybridState *s)
+{
+    return bdrv_get_node_name(s->mirror->bs);
+}
+
+/*
+ * The mirror failed: from now on async writes complete as in sync mode
+ * and everything dirty is written back (hybrid_may_defer_write).  Sticky;
+ * the first error is kept and reported.
+ */
+static int mirror_fail(BDRVHybridState *s, int ret)
+{
+    if (ret < 0 && !s->mirror_error) {
+        s->mirror_error = ret;
+        trace_hybrid_mirror_failed(s, ret);
+        error_report("hybrid: node '%s': mirror '%s' failed (%s); writes now "
+                     "complete once the persistent tier holds them",
+                     bdrv_get_node_name(s->bs), mirror_name(s), strerror(-ret));
+        qapi_event_send_hybrid_mirror_degraded(bdrv_get_node_name(s->bs),
+                                               mirror_name(s), strerror(-ret));
+        s->writeback_drain = true;
+        hybrid_flusher_kick(s);
+        qemu_co_queue_restart_all(&s->mirror_queue);
+    }
+    return ret;
+}
+
+/*
+ * Until the mirror holds sector @sec of the node's copy as it is now: one
+ * write of a sector at a time, each carrying every change made before it
+ * started, so later changes coalesce into the next write.
+ */
+static int coroutine_fn GRAPH_RDLOCK mirror_commit(BDRVHybridState *s,
+                                                   uint32_t sec)
+{
+    HybridMirrorSector *m = &s->mirror_sectors[sec];
+    uint64_t want = m->gen;
+    uint64_t off = (uint64_t)sec * HYBRID_MIRROR_SECTOR;
+    uint64_t len = MIN(HYBRID_MIRROR_SECTOR, 2 * s->mirror_bitmap_bytes - off);
+
+    while (m->done < want) {
+        uint64_t gen;
+        uint8_t *buf;
+        int ret;
+
+        if (s->mirror_error) {
+            return s->mirror_error;
+        }
+        if (m->busy) {
+            qemu_co_queue_wait(&s->mirror_queue, NULL);
+            continue;
+        }
+        m->busy = true;
+        gen = m->gen;
+        buf = qemu_blockalign(s->mirror->bs, len);
+        memcpy(buf, (uint8_t *)s->mirror_bits + off, len);
+        ret = bdrv_co_pwrite(s->mirror, HYBRID_REGION_BITMAPS + off, len, buf, 0);
+        qemu_vfree(buf);
+        m->busy = false;
+        if (ret == 0) {
+            m->done = MAX(m->done, gen);
+        }
+        qemu_co_queue_restart_all(&s->mirror_queue);
+        if (ret < 0) {
+            return mirror_fail(s, ret);
+        }
+    }
+    return 0;
+}
+
+typedef struct MirrorCommitCo {
+    BDRVHybridState *s;
+    uint32_t sec;
+    int ret;
+    bool done;
+    Coroutine *waiter;
+} MirrorCommitCo;
+
+static void coroutine_fn mirror_commit_entry(void *opaque)
+{
+    MirrorCommitCo *c = opaque;
+
+    GRAPH_RDLOCK_GUARD();
+    c->ret = mirror_commit(c->s, c->sec);
+    c->done = true;
+    if (c->waiter) {
+        aio_co_wake(c->waiter);
+    }
+}
+
+/* Sectors @a and @b to the mirror, both in flight at once */
+static int coroutine_fn GRAPH_RDLOCK mirror_commit2(BDRVHybridState *s,
+                                                    uint32_t a, uint32_t b)
+{
+    MirrorCommitCo c = { .s = s, .sec = b };
+    int ret;
+
+    if (a == b) {
+        return mirror_commit(s, a);
+    }
+    aio_co_enter(bdrv_get_aio_context(s->bs),
+                 qemu_coroutine_create(mirror_commit_entry, &c));
+    ret = mirror_commit(s, a);
+    while (!c.done) {
+        c.waiter = qemu_coroutine_self();
+        qemu_coroutine_yield();
+    }
+    return ret < 0 ? ret : c.ret;
+}
+
+/* Block @idx's copy in the mirror: the whole block as the RAM tier has it */
+static int coroutine_fn GRAPH_RDLOCK mirror_put_block(BDRVHybridState *s,
+                                                      uint64_t idx)
+{
+    const uint8_t *p = hybrid_ram_peek(s, idx);
+    uint64_t off = mirror_data_offset(s) + (idx << s->block_shift);
+    uint32_t len = hybrid_block_len(s, idx);
+
+    s->mirror_block_writes++;
+    s->mirror_bytes += len;
+    if (!p) {
+        return bdrv_co_pwrite_zeroes(s->mirror, off, len, 0);
+    }
+    return bdrv_co_pwrite(s->mirror, off, len, p, 0);
+}
+
+/* Count block @idx in the mirror (its copy is complete there) */
+static int coroutine_fn GRAPH_RDLOCK mirror_mark(BDRVHybridState *s,
+                                                 uint64_t idx)
+{
+    uint32_t a = mirror_sector(s, 0, idx), b = mirror_sector(s, 1, idx);
+    int ret;
+
+    if (!test_and_set_bit(idx, mirror_valid(s))) {
+        s->mirror_sectors[a].gen++;
+    }
+    if (!test_and_set_bit(idx, mirror_dirty(s))) {
+        s->mirror_sectors[b].gen++;
+    }
+    ret = mirror_commit2(s, a, b);
+    if (ret == 0) {
+        s->slots[idx].flags |= HYBRID_SLOT_MIRRORED;
+        s->mirror_counted++;
+    }
+    return ret;
+}
+
+/*
+ * Put the async write of [boff, boff + len) of block @idx, which the RAM
+ * tier took, in the mirror too; the write completes when this returns 0.
+ * A block not yet counted in the mirror goes whole (the caller holds its
+ * BUSY, so no older copy of it can land after a newer one), then its
+ * bits; a counted one takes the request's bytes only.  On failure the
+ * node is degraded and the caller completes the write as in sync mode.
+ */
+int coroutine_fn GRAPH_RDLOCK
+hybrid_mirror_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
+                    uint32_t len, QEMUIOVector *qiov, size_t qoff)
+{
+    HybridSlot *slot = &s->slots[idx];
+    uint64_t off = mirror_data_offset(s) + (idx << s->block_shift) + boff;
+    int ret;
+
+    if (!hybrid_mirror_active(s)) {
+        return s->mirror_error;
+    }
+    if (slot->flags & HYBRID_SLOT_MIRRORED) {
+        s->mirror_writes++;
+        s->mirror_bytes += len;
+        ret = qiov ? bdrv_co_pwritev_part(s->mirror, off, len, qiov, qoff, 0)
+                   : bdrv_co_pwrite_zeroes(s->mirror, off, len, 0);
+        trace_hybrid_mirror_write(s, idx, boff, len, false, ret);
+        return mirror_fail(s, ret);
+    }
+    assert(slot->flags & HYBRID_SLOT_BUSY);
+    ret = mirror_put_block(s, idx);
+    if (ret == 0) {
+        ret = mirror_mark(s, idx);
+    }
+    trace_hybrid_mirror_write(s, idx, boff, len, true, ret);
+    return mirror_fail(s, ret);
+}
+
+/* Block @idx was written back: uncount it after the next tier flush */
+void hybrid_mirror_written_back(BDRVHybridState *s, uint64_t idx)
+{
+    if (s->mirror && (s->slots[idx].flags & HYBRID_SLOT_MIRRORED)) {
+        set_bit(idx, s->mirror_written_back);
+    }
+}
+
+/*
+ * Blocks written back stop counting in the mirror once the persistent
+ * tier is flushed (a completed write can still be in its cache, which a
+ * dead host loses), unless written again meanwhile: the node first, so
+ * that a new write sends the whole block again, then the valid bits.
+ * Called when a write-back burst ends and after a guest flush.
+ */
+void coroutine_fn GRAPH_RDLOCK hybrid_mirror_clean(BDRVHybridState *s)
+{
+    g_autofree unsigned long *todo = NULL;
+    g_autofree unsigned long *touched = NULL;
+    uint64_t idx, n = 0;
+    int ret;
+
+    if (!hybrid_mirror_active(s) || s->mirror_cleaning ||
+        find_first_bit(s->mirror_written_back, s->ram_blocks) >=
+        s->ram_blocks) {
+        return;
+    }
+    s->mirror_cleaning = true;
+    todo = bitmap_new(s->ram_blocks);
+    bitmap_copy(todo, s->mirror_written_back, s->ram_blocks);
+    bitmap_zero(s->mirror_written_back, s->ram_blocks);
+
+    ret = bdrv_co_flush(s->bs->file->bs);
+    if (ret < 0) {
+        /* Stay counted; the flusher's own error handling reports it */
+        bitmap_or(s->mirror_written_back, s->mirror_written_back, todo,
+                  s->ram_blocks);
+        s->mirror_cleaning = false;
+        return;
+    }
+    touched = bitmap_new(s->mirror_nb_sectors);
+    for (idx = find_first_bit(todo, s->ram_blocks); idx < s->ram_blocks;
+         idx = find_next_bit(todo, s->ram_blocks, idx + 1)) {
+        HybridSlot *slot = &s->slots[idx];
+
+        if (!(slot->flags & HYBRID_SLOT_MIRRORED)) {
+            continue;
+        }
+        if (slot->flags & HYBRID_SLOT_BUSY) {
+            /* Being written: look again after the next burst */
+            set_bit(idx, s->mirror_written_back);
+            continue;
+        }
+        if (slot->flags & HYBRID_SLOT_DIRTY) {
+            continue;   /* written again: its next write-back comes back */
+        }
+        slot->flags &= ~HYBRID_SLOT_MIRRORED;
+        s->mirror_counted--;
+        clear_bit(idx, mirror_valid(s));
+        s->mirror_sectors[mirror_sector(s, 0, idx)].gen++;
+        set_bit(mirror_sector(s, 0, idx), touched);
+        n++;
+    }
+    for (uint32_t sec = find_first_bit(touched, s->mirror_nb_sectors);
+         sec < s->mirror_nb_sectors;
+         sec = find_next_bit(touched, s->mirror_nb_sectors, sec + 1)) {
+        if (mirror_commit(s, sec) < 0) {
+            break;
+        }
+    }
+    s->mirror_uncounted += n;
+    trace_hybrid_mirror_clean(s, n, s->mirror_counted);
+    s->mirror_cleaning = false;
+}
+
+/* ---- open, bind, close ---- */
+
+/*
+ * Open the mirror child named by the mirror option, if any, and check that
+ * it can hold the RAM tier; the binding is made by hybrid_mirror_attach().
+ */
+int GRAPH_RDLOCK hybrid_mirror_open(BDRVHybridState *s, QDict *options,
+                                    bool writable, bool ram_file,
+                                    Error **errp)
+{
+    ERRP_GUARD();
+    uint64_t need;
+    int64_t len;
+
+    GLOBAL_STATE_CODE();
+    /*
+     * Metadata to the block layer: written whatever the guest does (at
+     * open, at write-back), and no one else may write it.
+     */
+    bdrv_graph_rdunlock_main_loop();
+    s->mirror = bdrv_open_child(NULL, options, "mirror", s->bs, &child_of_bds,
+                                BDRV_CHILD_METADATA, true, errp);
+    bdrv_graph_rdlock_main_loop();
+    if (*errp) {
+        return -EINVAL;
+    }
+    if (!s->mirror) {
+        return 0;
+    }
+    if (s->dedup || s->raw || s->alloc || ram_file) {
+        error_setg(errp, "mirror needs a plain RAM tier in an image with a "
+                   "header and no backing file, without ram-file (%s)",
+                   s->dedup ? "dedup=on" : s->raw ? "raw=on" :
+                   s->alloc ? "backing file" : "ram-file given");
+        return -EINVAL;
+    }
+    if (s->data_offset < HYBRID_HEADER_SIZE_EXT) {
+        error_setg(errp, "mirror needs %d header bytes before the data, the "
+                   "image has %" PRIu64, HYBRID_HEADER_SIZE_EXT,
+                   s->data_offset);
+        return -EINVAL;
+    }
+    if (!writable) {
+        error_setg(errp, "mirror needs a read-write node");
+        return -EINVAL;
+    }
+    need = mirror_data_offset(s) + s->ram_blocks * s->block_size;
+    len = bdrv_getlength(s->mirror->bs);
+    if (len < 0) {
+        error_setg_errno(errp, -len, "Could not get the size of mirror '%s'",
+                         mirror_name(s));
+        return len;
+    }
+    if ((uint64_t)len < need) {
+        error_setg(errp, "mirror '%s' has %" PRId64 " bytes; a RAM tier of %"
+                   PRIu64 " blocks of %" PRIu32 " bytes needs %" PRIu64,
+                   mirror_name(s), len, s->ram_blocks, s->block_size, need);
+        return -ENOSPC;
+    }
+    s->mirror_bitmap_bytes = hybrid_region_bitmap_bytes(s->ram_blocks);
+    s->mirror_bits = g_malloc0(2 * s->mirror_bitmap_bytes);
+    s->mirror_nb_sectors = DIV_ROUND_UP(2 * s->mirror_bitmap_bytes,
+                                        HYBRID_MIRROR_SECTOR);
+    s->mirror_sectors = g_new0(HybridMirrorSector, s->mirror_nb_sectors);
+    s->mirror_written_back = bitmap_new(s->ram_blocks);
+    qemu_co_queue_init(&s->mirror_queue);
+    return 0;
+}
+
+/*
+ * Take the blocks a current mirror holds (a QEMU that died on this host)
+ * into the RAM tier, dirty: they are written back at once and stay counted.
+ * @bits: the mirror's valid and dirty bitmaps as read.
+ */
+static int GRAPH_RDLOCK mirror_recover(BDRVHybridState *s,
+                                       const unsigned long *bits,
+                                       Error **errp)
+{
+    const unsigned long *valid = bits, *dirty = bits + BITS_TO_LONGS(s->ram_blocks);
+    uint8_t *buf;
+    uint64_t idx;
+    int ret;
+
+    for (idx = 0; idx < s->ram_blocks; idx++) {
+        HybridSlot *slot = &s->slots[idx];
+
+        if (!test_bit(idx, valid) || !test_bit(idx, dirty)) {
+            continue;
+        }
+        ret = bdrv_pread(s->mirror, mirror_data_offset(s) +
+                         (idx << s->block_shift), hybrid_block_len(s, idx),
+                         hybrid_ram_plain_ptr(s, idx), 0);
+        if (ret < 0) {
+            error_setg_errno(errp, -ret, "Could not read block %" PRIu64
+                             " from mirror '%s'", idx, mirror_name(s));
+            return ret;
+        }
+        hybrid_ram_loaded_plain(s, idx);
+        hybrid_slot_set_dirty(s, slot, 0, hybrid_block_len(s, idx));
+        slot->flags |= HYBRID_SLOT_MIRRORED;
+        set_bit(idx, mirror_valid(s));
+        set_bit(idx, mirror_dirty(s));
+        s->mirror_counted++;
+    }
+    s->mirror_dirty_found = s->mirror_counted;
+    if (s->mirror_counted) {
+        s->writeback_drain = true;
+    }
+    /*
+     * The mirror's bitmaps as the node's copy now says: stale valid bits
+     * and the zero bitmap (a region that served a failover sets it) gone,
+     * then the header marks it a mirror, whatever it was.
+     */
+    buf = g_malloc0(3 * s->mirror_bitmap_bytes);
+    memcpy(buf, s->mirror_bits, 2 * s->mirror_bitmap_bytes);
+    ret = bdrv_pwrite(s->mirror, HYBRID_REGION_BITMAPS,
+                      3 * s->mirror_bitmap_bytes, buf, 0);
+    g_free(buf);
+    if (ret == 0) {
+        uint8_t head[HYBRID_REGION_BITMAPS] = { 0 };
+
+        hybrid_region_header_fill(s, head, s->header.region_token,
+                                  HYBRID_REGION_F_MIRROR);
+        ret = bdrv_pwrite(s->mirror, 0, sizeof(head), head, 0);
+    }
+    if (ret == 0) {
+        ret = bdrv_flush(s->mirror->bs);
+    }
+    if (ret < 0) {
+        error_setg_errno(errp, -ret, "Could not write mirror '%s'",
+                         mirror_name(s));
+    }
+    return ret;
+}
+
+/*
+ * Bind the mirror to the image (main loop, node active and read-write,
+ * RAM tier empty), as a region is bound (hybrid_region_judge): a mirror
+ * current for this image gives its blocks back (a QEMU that died here);
+ * otherwise it is emptied, bound with a new token and marked a mirror.
+ * @reset_only: the persistent tier was written elsewhere (an incoming
+ * migration).
+ */
+int GRAPH_RDLOCK hybrid_mirror_attach(BDRVHybridState *s, bool reset_only,
+                                      Error **errp)
+{
+    g_autofree char *what = g_strdup_printf("mirror '%s'", mirror_name(s));
+    uint64_t data = mirror_data_offset(s), dirty = 0, token;
+    int64_t len = bdrv_getlength(s->mirror->bs);
+    g_autofree uint8_t *head = g_malloc0(data);
+    HybridRegionLook look;
+    bool ok = false;
+    int ret;
+
+    memset(s->mirror_bits, 0, 2 * s->mirror_bitmap_bytes);
+    memset(s->mirror_sectors, 0,
+           s->mirror_nb_sectors * sizeof(*s->mirror_sectors));
+    bitmap_zero(s->mirror_written_back, s->ram_blocks);
+    s->mirror_counted = 0;
+    s->mirror_recovered = false;
+    s->mirror_dirty_found = 0;
+
+    ret = bdrv_pread(s->mirror, 0, HYBRID_REGION_BITMAPS, head, 0);
+    if (ret < 0) {
+        error_setg_errno(errp, -ret, "Could not read %s", what);
+        return ret;
+    }
+    ok = hybrid_region_header_parse(s, head, len, &look);
+    if (ok) {
+        uint64_t bytes = 2 * hybrid_region_bitmap_bytes(look.blocks);
+
+        if (HYBRID_REGION_BITMAPS + bytes > data) {
+            /* Laid out for more blocks than ours: its bitmaps go further */
+            head = g_realloc(head, HYBRID_REGION_BITMAPS + bytes);
+        }
+        ret = bdrv_pread(s->mirror, HYBRID_REGION_BITMAPS, bytes,
+                         head + HYBRID_REGION_BITMAPS, 0);
+        if (ret < 0) {
+            error_setg_errno(errp, -ret, "Could not read %s", what);
+            return ret;
+        }
+        dirty = hybrid_region_count_dirty(head + HYBRID_REGION_BITMAPS,
+                                          look.blocks);
+    }
+    ret = hybrid_region_judge(s, what, ok ? &look : NULL, dirty, reset_only,
+                              errp);
+    if (ret < 0) {
+        return ret;
+    }
+    if (ret > 0) {
+        ret = mirror_recover(s, (unsigned long *)(head + HYBRID_REGION_BITMAPS),
+                             errp);
+        if (ret == 0) {
+            s->mirror_recovered = true;
+            trace_hybrid_mirror_attach(s, true, s->mirror_dirty_found,
+                                       look.token);
+        }
+        return ret;
+    }
+
+    /* Forget its content, header first: a crash leaves it unused */
+    ret = bdrv_pwrite_zeroes(s->mirror, 0, data, 0);
+    if (ret == 0) {
+        ret = bdrv_flush(s->mirror->bs);
+    }
+    if (ret < 0) {
+        error_setg_errno(errp, -ret, "Could not reset %s", what);
+        return ret;
+    }
+    token = hybrid_region_bind(s, what, errp);
+    if (!token) {
+        return -EIO;
+    }
+    memset(head, 0, HYBRID_REGION_BITMAPS);
+    hybrid_region_header_fill(s, head, token, HYBRID_REGION_F_MIRROR);
+    ret = bdrv_pwrite(s->mirror, 0, HYBRID_REGION_BITMAPS, head, 0);
+    if (ret == 0) {
+        ret = bdrv_flush(s->mirror->bs);
+    }
+    if (ret < 0) {
+        error_setg_errno(errp, -ret, "Could not write the header of %s", what);
+        return ret;
+    }
+    trace_hybrid_mirror_attach(s, false, 0, token);
+    return 0;
+}
+
+void hybrid_mirror_close(BDRVHybridState *s)
+{
+    g_free(s->mirror_bits);
+    g_free(s->mirror_sectors);
+    g_free(s->mirror_written_back);
+    s->mirror_bits = NULL;
+    s->mirror_sectors = NULL;
+    s->mirror_written_back = NULL;
+}

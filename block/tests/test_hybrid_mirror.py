@@ -1,0 +1,296 @@
+"""A hybrid node's dirty blocks mirrored on another host (mirror=, issue 39).
+
+Here the mirror is a file node on this machine's tmpfs standing in for the
+other host's memory region: these tests isolate the mirror's layout,
+ordering and crash story (test_hybrid_mirror_hosts.py puts it on another
+host, over NBD with TLS).  "The host dies" is a SIGKILL of qemu-io: the
+test then uses nothing of the dead writer's memory, only the persistent
+tier and the mirror, as the mirror's host would.
+
+- SIGKILL at random moments in async mode, many rounds, then failover: the
+  image opened with the mirror as its ram-file holds every acknowledged
+  write.  The same rounds without a mirror lose writes (the check can fail).
+- QEMU dies and the host stays: reopened with mirror=, the node takes the
+  mirror's blocks back.
+- Blocks written back and flushed leave the mirror.
+- A stale mirror (another image's, not yet written back) is refused, as
+  ram-file and as mirror.
+- A mirror that fails degrades the node: the event, query-hybrid, and
+  writes that still complete and are in the persistent tier.
+- Bad options: dedup, raw, ram-file together, a mirror too small.
+HYBRIDVM_LONG=1 runs more kill rounds."""
+
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import hybridlib as H   # noqa: E402
+
+MiB = 1024 * 1024
+SLOT = 4096
+SIZE = 32 * MiB
+RAM = 16 * MiB
+BLOCK = 64 * 1024
+# header and bitmaps take the first 2 MiB of a region (huge-page aligned)
+MIRROR_SIZE = RAM + 2 * MiB
+TRACE = ['--trace', 'hybrid_region_attach', '--trace', 'hybrid_mirror_attach',
+         '--trace', 'hybrid_mirror_failed']
+REGION_ATTACH_RE = re.compile(r'hybrid_region_attach .*reused (\d) loaded (\d+) '
+                              r'dirty (\d+)')
+MIRROR_ATTACH_RE = re.compile(r'hybrid_mirror_attach .*recovered (\d) blocks (\d+)')
+
+
+@unittest.skipUnless(H.have_binaries(), f'QEMU tools not built in {H.BIN}')
+class MirrorTest(unittest.TestCase):
+
+    def setUp(self):
+        self.tmp = H.TempDir()
+        # the "other host's" memory: tmpfs
+        self.shm = tempfile.mkdtemp(prefix='hybrid-mirror-', dir='/dev/shm')
+        self.procs = []
+
+    def tearDown(self):
+        for p in self.procs:
+            p.kill()
+        shutil.rmtree(self.shm, ignore_errors=True)
+        self.tmp.cleanup()
+
+    # -- helpers --
+
+    def mirror(self, name='m', size=MIRROR_SIZE):
+        path = os.path.join(self.shm, name)
+        with open(path, 'wb') as f:
+            f.truncate(size)
+        return path
+
+    def image(self, name='d.hyb', extra=''):
+        img = self.tmp(name)
+        H.qemu_img('create', '-q', '-f', 'hybrid', '-o',
+                   f'mode=async,ram-size={RAM}{extra}', img, str(SIZE))
+        return img
+
+    @staticmethod
+    def opts(img, mirror, extra='', throttled=False):
+        tier = (f'file.driver=throttle,file.throttle-group=tg0,file.file.driver=file,'
+                f'file.file.filename={img}' if throttled else
+                f'file.driver=file,file.filename={img}')
+        m = f',mirror.driver=file,mirror.filename={mirror}' if mirror else ''
+        return f'driver=hybrid,mode=async,{tier}{m}{extra}'
+
+    def qemu_io(self, opts, extra=()):
+        io = H.QemuIo(opts, list(extra) + TRACE)
+        self.procs.append(io)
+        return io
+
+    def fails_to_open(self, opts):
+        r = subprocess.run([H.binary('qemu-io'), '--image-opts', opts, '-c', 'quit'],
+                           capture_output=True, text=True, timeout=60)
+        self.assertNotEqual(r.returncode, 0, r.stdout + r.stderr)
+        return r.stdout + r.stderr
+
+    def image_bytes(self, img):
+        raw = self.tmp('verify.raw')
+        H.qemu_img('convert', '-f', 'hybrid', '-O', 'raw', img, raw)
+        with open(raw, 'rb') as f:
+            data = f.read()
+        os.unlink(raw)
+        return data
+
+    def failover(self, img, mirror):
+        """On the mirror's host: the image opened with the mirror as its
+        RAM region, then closed (its blocks written back).  Returns
+        (reused, dirty blocks found) from the trace."""
+        io = H.QemuIo(f'driver=hybrid,file.driver=file,file.filename={img},'
+                      f'ram-file={mirror}', TRACE)
+        self.procs.append(io)
+        m = REGION_ATTACH_RE.search(io.banner)
+        self.assertTrue(m, io.banner)
+        self.assertEqual(io.quit(), 0)
+        self.procs.remove(io)
+        return bool(int(m.group(1))), int(m.group(3))
+
+    def killed_rounds(self, img, mirror, rounds, seed, failover=True):
+        """Rounds of random 4 KiB writes (some never acknowledged), each
+        ended by SIGKILL; after each, the image as the other host finds it
+        must hold every acknowledged write.  Returns the dirty blocks each
+        failover found."""
+        rnd = random.Random(seed)
+        model = H.WriteModel(SIZE // SLOT, rnd, durable='ack')
+        obj = ['--object', 'throttle-group,id=tg0,x-iops-write=200']
+        # a slow persistent tier and a small dirty limit keep write-backs
+        # (and the mirror's clean-ups) in flight at the kill
+        opts = self.opts(img, mirror, ',dirty-limit=512k', throttled=True)
+        found = []
+        for n in range(rounds):
+            io = self.qemu_io(opts, obj)
+            model.run(io, rnd.randint(40, 150), flush_p=0.05 if n % 2 else 0.0)
+            model.send_unacked(io, rnd.randint(0, 6))
+            io.kill()
+            self.procs.remove(io)
+            if failover:
+                reused, dirty = self.failover(img, mirror)
+                self.assertTrue(reused, 'the mirror was not taken at failover')
+                found.append(dirty)
+            model.check(self.image_bytes(img), f'round {n}: ')
+        return found
+
+    # -- the host dies --
+
+    def test_host_loss_loses_no_acknowledged_write(self):
+        """SIGKILL at random moments, then the image opened on the mirror's
+        host: every acknowledged write, flushed or not, is there."""
+        img, mirror = self.image(), self.mirror()
+        rounds = 30 if H.LONG else 6
+        found = self.killed_rounds(img, mirror, rounds,
+                                   int(os.environ.get('HYBRID_SEED', '3939')))
+        # rounds without flushes always leave blocks in the mirror (a
+        # flushing one may have just written everything back)
+        self.assertTrue(all(found[0::2]), f'a round without flushes left nothing '
+                        f'in the mirror ({found}): it did not test the failover')
+        print(f'{rounds} kills; dirty blocks each failover found: {found}',
+              file=sys.stderr)
+
+    def test_without_a_mirror_the_check_fails(self):
+        """The same rounds with no mirror: acknowledged writes are lost (the
+        persistent tier alone lacks them), and the check says so."""
+        img = self.image()
+        with self.assertRaisesRegex(AssertionError, 'an acknowledged write was lost'):
+            self.killed_rounds(img, None, 3, 3939, failover=False)
+
+    def test_qemu_dies_host_stays(self):
+        """Reopened with mirror=, the node takes the mirror's blocks back,
+        writes them back and keeps mirroring."""
+        img, mirror = self.image(), self.mirror()
+        io = self.qemu_io(self.opts(img, mirror))
+        for i in range(8):
+            io.cmd(f'write -P {0x40 + i} {i * BLOCK} {BLOCK}')
+        io.kill()
+        self.procs.remove(io)
+        io = self.qemu_io(self.opts(img, mirror))
+        m = MIRROR_ATTACH_RE.search(io.banner)
+        self.assertEqual((m.group(1), m.group(2)), ('1', '8'), io.banner)
+        for i in range(8):
+            self.assertIn('read 65536/65536', io.cmd(f'read -P {0x40 + i} {i * BLOCK} {BLOCK}'))
+        self.assertEqual(io.quit(), 0)
+        self.procs.remove(io)
+        data = self.image_bytes(img)
+        for i in range(8):
+            self.assertEqual(data[i * BLOCK:(i + 1) * BLOCK], bytes([0x40 + i]) * BLOCK)
+
+    # -- the mirror's bookkeeping --
+
+    def test_written_back_blocks_leave_the_mirror(self):
+        """After a flush the written-back blocks stop counting: the
+        mirror's valid bitmap is empty, and a failover finds nothing."""
+        img, mirror = self.image(), self.mirror()
+        qsd = H.StorageDaemon(self.tmp, '--blockdev', 'file,node-name=m0,filename=' + mirror,
+                              '--blockdev', 'file,node-name=f0,filename=' + img,
+                              '--blockdev', 'hybrid,node-name=h0,file=f0,mirror=m0,mode=async',
+                              '--nbd-server', f'addr.type=unix,addr.path={self.tmp("nbd.sock")}',
+                              '--export', 'nbd,id=e0,node-name=h0,writable=on')
+        try:
+            # one connection throughout: closing it would flush
+            io = H.QemuIo('driver=nbd,server.type=unix,server.path='
+                          f'{self.tmp("nbd.sock")},export=h0')
+            self.procs.append(io)
+            io.cmd(f'write -P 0x5a 0 {4 * BLOCK}')
+            [info] = qsd.cmd('query-hybrid')
+            self.assertEqual(info['mirror']['counted-blocks'], 4, info['mirror'])
+            self.assertEqual(info['mirror']['block-writes'], 4)
+            io.cmd('flush')
+            [info] = qsd.cmd('query-hybrid')
+            self.assertEqual(info['mirror']['counted-blocks'], 0, info['mirror'])
+            self.assertEqual(info['mirror']['uncounted-blocks'], 4)
+            self.assertFalse(info['mirror']['degraded'])
+            with open(mirror, 'rb') as f:
+                f.seek(4096)
+                self.assertEqual(f.read(RAM // BLOCK // 8), bytes(RAM // BLOCK // 8),
+                                 'valid bits left in the mirror after a flush')
+        finally:
+            qsd.kill()
+        self.assertEqual(self.failover(img, mirror), (True, 0))
+        self.assertEqual(self.image_bytes(img)[:4 * BLOCK], b'\x5a' * 4 * BLOCK)
+
+    def test_stale_mirror_is_refused(self):
+        """A mirror holding another image's unwritten blocks is refused, as
+        ram-file (failover) and as mirror, and keeps them."""
+        a, b, mirror = self.image('a.hyb'), self.image('b.hyb'), self.mirror()
+        io = self.qemu_io(self.opts(a, mirror))
+        io.cmd(f'write -P 0x61 0 {BLOCK}')
+        io.kill()
+        self.procs.remove(io)
+        out = self.fails_to_open(f'driver=hybrid,file.driver=file,file.filename={b},'
+                                 f'ram-file={mirror}')
+        self.assertRegex(out, r"holds 1 blocks not yet written back to another image")
+        out = self.fails_to_open(self.opts(b, mirror))
+        self.assertRegex(out, r"mirror '.*' holds 1 blocks not yet written back to "
+                              r"another image")
+        self.assertEqual(self.failover(a, mirror), (True, 1))
+        self.assertEqual(self.image_bytes(a)[:BLOCK], b'\x61' * BLOCK)
+
+    # -- the mirror fails --
+
+    def test_failing_mirror_degrades_the_node(self):
+        """Writes to the mirror fail (blkdebug, from the 6th block's copy
+        on): HYBRID_MIRROR_DEGRADED, query-hybrid says degraded, and every
+        write still completes, in the persistent tier."""
+        img, mirror = self.image(), self.mirror()
+        sector = (2 * MiB + 5 * BLOCK) // 512
+        qsd = H.StorageDaemon(
+            self.tmp, '--blockdev', 'file,node-name=mf,filename=' + mirror,
+            '--blockdev', f'{{"driver": "blkdebug", "node-name": "m0", "image": "mf", '
+                          f'"inject-error": [{{"event": "pwritev", "errno": 5, '
+                          f'"sector": {sector}, "once": false}}]}}',
+            '--blockdev', 'file,node-name=f0,filename=' + img,
+            '--blockdev', 'hybrid,node-name=h0,file=f0,mirror=m0,mode=async',
+            '--nbd-server', f'addr.type=unix,addr.path={self.tmp("nbd.sock")}',
+            '--export', 'nbd,id=e0,node-name=h0,writable=on')
+        try:
+            uri = f'nbd+unix:///h0?socket={self.tmp("nbd.sock")}'
+            out = H.qemu_io('-f', 'raw', '-c', f'write -P 0x33 0 {8 * BLOCK}',
+                            '-c', f'write -P 0x34 {8 * BLOCK} {BLOCK}', uri).stdout
+            self.assertNotIn('failed', out)
+            ev = qsd.wait_event('HYBRID_MIRROR_DEGRADED', timeout=30)
+            self.assertEqual(ev['data']['node-name'], 'h0')
+            self.assertEqual(ev['data']['mirror'], 'm0')
+            self.assertIn('Input/output error', ev['data']['error'])
+            [info] = qsd.cmd('query-hybrid')
+            self.assertTrue(info['mirror']['degraded'])
+            self.assertIn('Input/output error', info['mirror']['error'])
+        finally:
+            qsd.kill()          # no clean close: the tier must hold them
+        # the persistent tier itself, past the image's header
+        off = H.img_info(img)['format-specific']['data']['data-offset']
+        with open(img, 'rb') as f:
+            f.seek(off)
+            data = f.read(9 * BLOCK)
+        self.assertEqual(data[:8 * BLOCK], b'\x33' * 8 * BLOCK)
+        self.assertEqual(data[8 * BLOCK:9 * BLOCK], b'\x34' * BLOCK)
+
+    # -- bad options --
+
+    def test_bad_options(self):
+        img, mirror = self.image(), self.mirror()
+        for extra, msg in ((',dedup=on', 'dedup=on'),
+                           (f',ram-file={self.mirror("r")}', 'ram-file given')):
+            self.assertIn(msg, self.fails_to_open(self.opts(img, mirror, extra)))
+        small = self.mirror('small', MIRROR_SIZE - 4096)
+        self.assertRegex(self.fails_to_open(self.opts(img, small)),
+                         r"mirror '.*' has \d+ bytes; a RAM tier of 256 blocks of "
+                         r"65536 bytes needs 18874368")
+        raw = self.tmp('r.raw')
+        H.qemu_img('create', '-q', '-f', 'raw', raw, str(SIZE))
+        self.assertIn('raw=on', self.fails_to_open(
+            f'driver=hybrid,raw=on,file.driver=file,file.filename={raw},'
+            f'mirror.driver=file,mirror.filename={mirror}'))
+
+
+if __name__ == '__main__':
+    unittest.main()
