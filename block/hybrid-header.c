@@ -270,7 +270,7 @@ int coroutine_fn GRAPH_RDLOCK hybrid_mark_dirty(BDRVHybridState *s)
     }
     WITH_QEMU_LOCK_GUARD(&s->header_lock) {
         if (!s->header_dirty_on_disk) {
-            if (s->region || s->mirror) {
+            if (s->region || s->mirror_name) {
                 /* Acknowledged writes may now exist only in the region */
                 s->header.incompat_features |= HYBRID_INCOMPAT_REGION;
             } else {

@@ -68,7 +68,7 @@ static uint32_t mirror_sector(BDRVHybridState *s, int which, uint64_t idx)
 
 static const char *mirror_name(BDRVHybridState *s)
 {
-    return bdrv_get_node_name(s->mirror->bs);
+    return s->mirror_name;
 }
 
 /*
@@ -89,6 +89,7 @@ static int mirror_fail(BDRVHybridState *s, int ret)
         s->writeback_drain = true;
         hybrid_flusher_kick(s);
         qemu_co_queue_restart_all(&s->mirror_queue);
+        qemu_bh_schedule(s->mirror_detach_bh);
     }
     return ret;
 }
@@ -249,6 +250,8 @@ hybrid_mirror_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
     return mirror_fail(s, ret);
 }
 
+static void mirror_detach_bh(void *opaque);
+
 /* Block @idx was written back: uncount it after the next tier flush */
 void hybrid_mirror_written_back(BDRVHybridState *s, uint64_t idx)
 {
@@ -353,6 +356,7 @@ int GRAPH_RDLOCK hybrid_mirror_open(BDRVHybridState *s, QDict *options,
     if (!s->mirror) {
         return 0;
     }
+    s->mirror_name = g_strdup(bdrv_get_node_name(s->mirror->bs));
     if (s->dedup || s->raw || s->alloc || ram_file) {
         error_setg(errp, "mirror needs a plain RAM tier in an image with a "
                    "header and no backing file, without ram-file (%s)",
@@ -390,6 +394,7 @@ int GRAPH_RDLOCK hybrid_mirror_open(BDRVHybridState *s, QDict *options,
     s->mirror_sectors = g_new0(HybridMirrorSector, s->mirror_nb_sectors);
     s->mirror_written_back = bitmap_new(s->ram_blocks);
     qemu_co_queue_init(&s->mirror_queue);
+    s->mirror_detach_bh = qemu_bh_new(mirror_detach_bh, s);
     return 0;
 }
 
@@ -551,8 +556,46 @@ int GRAPH_RDLOCK hybrid_mirror_attach(BDRVHybridState *s, bool reset_only,
     return 0;
 }
 
+/*
+ * A failed mirror leaves the graph (main loop): the block layer's flushes
+ * go to every child that may be written, and a dead mirror's would fail
+ * them all.  The node stays degraded: s->mirror_name still says it had one.
+ */
+void hybrid_mirror_detach(BDRVHybridState *s)
+{
+    BlockDriverState *bs = s->bs;
+
+    GLOBAL_STATE_CODE();
+    if (!s->mirror || !s->mirror_error) {
+        return;
+    }
+    bdrv_drained_begin(bs);
+    bdrv_graph_wrlock();
+    bdrv_unref_child(bs, s->mirror);
+    s->mirror = NULL;
+    bdrv_graph_wrunlock();
+    bdrv_drained_end(bs);
+    trace_hybrid_mirror_detached(s);
+}
+
+static void mirror_detach_bh(void *opaque)
+{
+    BDRVHybridState *s = opaque;
+    BlockDriverState *bs = s->bs;
+
+    bdrv_ref(bs);
+    hybrid_mirror_detach(s);
+    bdrv_unref(bs);
+}
+
 void hybrid_mirror_close(BDRVHybridState *s)
 {
+    if (s->mirror_detach_bh) {
+        qemu_bh_delete(s->mirror_detach_bh);
+        s->mirror_detach_bh = NULL;
+    }
+    g_free(s->mirror_name);
+    s->mirror_name = NULL;
     g_free(s->mirror_bits);
     g_free(s->mirror_sectors);
     g_free(s->mirror_written_back);

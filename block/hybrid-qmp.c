@@ -87,10 +87,10 @@ static HybridInfo *hybrid_get_info(BlockDriverState *bs)
         info->region->dirty_blocks_found = s->region_dirty_found;
         info->region->attach_us = s->region_attach_ns / SCALE_US;
     }
-    if (s->mirror) {
+    if (s->mirror_name) {
         HybridMirrorInfo *m = g_new0(HybridMirrorInfo, 1);
 
-        m->node_name = g_strdup(bdrv_get_node_name(s->mirror->bs));
+        m->node_name = g_strdup(s->mirror_name);
         m->degraded = s->mirror_error != 0;
         if (s->mirror_error) {
             m->error = g_strdup(strerror(-s->mirror_error));

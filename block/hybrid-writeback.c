@@ -508,5 +508,5 @@ bool coroutine_fn hybrid_may_defer_write(BDRVHybridState *s, HybridSlot *slot,
         return false;
     }
     /* A failed mirror: acknowledge only what the persistent tier holds */
-    return !(s->mirror && s->mirror_error);
+    return !(s->mirror_name && s->mirror_error);
 }

@@ -941,6 +941,8 @@ static void hybrid_close(BlockDriverState *bs)
     BDRVHybridState *s = bs->opaque;
 
     hybrid_writeback_cleanup(s);
+    /* A failed mirror whose bottom half has not run: its flush would fail */
+    hybrid_mirror_detach(s);
     if (s->slots) {
         assert(!s->restore_workers && s->flush_workers == 0);
         if (bs->open_flags & BDRV_O_RDWR &&

@@ -290,7 +290,9 @@ typedef struct BDRVHybridState {
     bool writeback_drain;       /* write back all, regardless of watermarks */
 
     /* Mirror of the dirty blocks on another host (mirror=), hybrid-mirror.c */
-    BdrvChild *mirror;
+    char *mirror_name;          /* its node's name: the node has a mirror */
+    BdrvChild *mirror;          /* NULL once detached after a failure */
+    QEMUBH *mirror_detach_bh;   /* main loop: detach a failed mirror */
     int mirror_error;           /* sticky: the mirror failed, degraded */
     unsigned long *mirror_bits; /* the mirror's valid, then dirty bitmap */
     uint64_t mirror_bitmap_bytes;   /* of one bitmap */
@@ -369,6 +371,7 @@ int GRAPH_RDLOCK hybrid_mirror_open(BDRVHybridState *s, QDict *options,
                                     Error **errp);
 int GRAPH_RDLOCK hybrid_mirror_attach(BDRVHybridState *s, bool reset_only,
                                       Error **errp);
+void hybrid_mirror_detach(BDRVHybridState *s);
 void hybrid_mirror_close(BDRVHybridState *s);
 int coroutine_fn GRAPH_RDLOCK
 hybrid_mirror_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,

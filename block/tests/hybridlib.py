@@ -4,6 +4,7 @@ interactive qemu-io driver and a qemu-storage-daemon with a QMP client
 
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -15,7 +16,7 @@ import unittest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD = os.environ.get('HYBRIDVM_BUILD', os.path.join(REPO, 'build'))
-BIN = os.path.join(BUILD, 'bin')
+BIN = os.path.abspath(os.path.join(BUILD, 'bin'))   # also from a host's cwd
 LONG = os.environ.get('HYBRIDVM_LONG') == '1'
 QEMU_PYTHON = os.path.join(BUILD, 'qemu-src', 'python')
 if os.path.isdir(QEMU_PYTHON) and QEMU_PYTHON not in sys.path:
@@ -127,8 +128,9 @@ class QemuIo:
 
     PROMPT = b'qemu-io> '
 
-    def __init__(self, image_opts, extra=(), pass_fds=()):
-        self.proc = subprocess.Popen([binary('qemu-io'), '-t', 'writeback'] +
+    def __init__(self, image_opts, extra=(), pass_fds=(), popen=subprocess.Popen):
+        """popen: what starts it (e.g. hvlib.hosts.Host.popen: on a host)."""
+        self.proc = popen([binary('qemu-io'), '-t', 'writeback'] +
                                      list(extra) + ['--image-opts',
                                                     image_opts],
                                      stdin=subprocess.PIPE,
@@ -136,6 +138,7 @@ class QemuIo:
                                      stderr=subprocess.STDOUT,
                                      pass_fds=pass_fds)
         self.buf = b''
+        self.output = ''        # everything it printed, prompts aside
         # what it printed before the first prompt (open warnings, traces)
         self.banner = self._wait_prompt(30)
 
@@ -152,7 +155,9 @@ class QemuIo:
                     raise EOFError(f'qemu-io exited: {self.buf!r}')
                 self.buf += chunk
         out, self.buf = self.buf.split(self.PROMPT, 1)
-        return out.decode(errors='replace')
+        out = out.decode(errors='replace')
+        self.output += out
+        return out
 
     def cmd(self, line, timeout=60):
         self.proc.stdin.write(line.encode() + b'\n')
@@ -301,6 +306,10 @@ def clone_cache_daemon(tmp, size):
         '--monitor', 'chardev=hook')
 
 
+# qemu-io's own report of a failed request (not a warning that says "failed")
+FAILED_RE = re.compile(r'^(write|flush) failed', re.M)
+
+
 class WriteModel:
     """Random 4 KiB pattern writes through a QemuIo, and what a read of each
     slot may return after the writer is killed.
@@ -326,7 +335,7 @@ class WriteModel:
         for _ in range(ops):
             if self.rnd.random() < flush_p:
                 out = io.cmd('flush')
-                if 'failed' in out:
+                if FAILED_RE.search(out):
                     raise AssertionError(f'flush failed: {out}')
                 self.accepted.update({s: {v} for s, v in self.pending.items()})
                 self.pending.clear()
@@ -335,7 +344,7 @@ class WriteModel:
                 self.rnd.randrange(self.nslots)
             val = self.rnd.randint(1, 255)
             out = io.cmd(f'write -P {val} {slot * self.SLOT} {self.SLOT}')
-            if 'failed' in out:
+            if FAILED_RE.search(out):
                 raise AssertionError(f'write failed: {out}')
             if self.durable == 'ack':
                 self.accepted[slot] = {val}

@@ -1,0 +1,201 @@
+"""A hybrid node's mirror on another host, over NBD with TLS (issue 39).
+
+Two hosts on one machine (tests/hvlib/hosts.py: network, PID, mount
+namespaces; killing a host kills every process of it at once and loses its
+RAM).  Host b keeps the mirror in its RAM (/dev/shm) and exports it with
+qemu-storage-daemon over NBD, TLS with a pre-shared key; host a runs the
+hybrid node (qemu-io) with that export as its mirror.  The persistent tier
+is a file in the network's shared directory, which both hosts see (a
+stand-in for the Ceph RBD image of a real deployment: what is tested here
+is the mirror, its transport and the failover).
+
+- host a dies at random moments, many rounds: on host b the image opened
+  with the mirror as its ram-file holds every acknowledged write;
+- the mirror host dies under a writer: writes stall until TCP gives up
+  (tcp_retries2 lowered on host a), then the node is degraded and every
+  write completes in the persistent tier; so does a cut link;
+- nothing reaches the mirror without the key: a wrong key and no TLS are
+  refused.
+HYBRIDVM_LONG=1 runs more rounds."""
+
+import os
+import random
+import re
+import sys
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, '..', '..', 'tests'))
+import hybridlib as H           # noqa: E402
+from hvlib import hosts         # noqa: E402
+
+MiB = 1024 * 1024
+SLOT = 4096
+SIZE = 32 * MiB
+RAM = 16 * MiB
+MIRROR_SIZE = RAM + 2 * MiB
+PORT = 10809
+KEY = 'a4f1e09c3b5d7e2f8a6c4b1d9e0f7a3c'
+REGION_ATTACH_RE = re.compile(r'hybrid_region_attach .*reused (\d) loaded (\d+) '
+                              r'dirty (\d+)')
+
+
+def why_not():
+    if os.geteuid() != 0:
+        return 'hosts need root (namespaces)'
+    if not H.have_binaries():
+        return f'QEMU tools not built in {H.BIN}'
+    return None
+
+
+@unittest.skipIf(why_not(), why_not())
+class MirrorHostsTest(unittest.TestCase):
+
+    def setUp(self):
+        self.net = hosts.Network('mir')
+        self.addCleanup(self.net.close)
+        self.a, self.b = self.net.host('a'), self.net.host('b')
+        self.psk = os.path.join(self.net.shared, 'psk')
+        self.bad_psk = os.path.join(self.net.shared, 'bad-psk')
+        for d, key in ((self.psk, KEY), (self.bad_psk, KEY[::-1])):
+            os.makedirs(d)
+            with open(os.path.join(d, 'keys.psk'), 'w') as f:
+                f.write(f'hybrid:{key}\n')
+        self.img = os.path.join(self.net.shared, 'd.hyb')
+        H.qemu_img('create', '-q', '-f', 'hybrid', '-o', f'mode=async,ram-size={RAM}',
+                   self.img, str(SIZE))
+        self.ios = []
+
+    def tearDown(self):
+        for io in self.ios:
+            io.kill()
+
+    # -- the hosts --
+
+    def start_mirror_host(self):
+        """qemu-storage-daemon on b: its /dev/shm/mirror exported over NBD
+        with TLS (PSK); returns once it takes connections."""
+        self.b.run(['truncate', '-s', str(MIRROR_SIZE), '/dev/shm/mirror'])
+        self.qsd = self.b.popen(
+            [H.binary('qemu-storage-daemon'),
+             '--object', f'tls-creds-psk,id=tls0,endpoint=server,dir={self.psk}',
+             '--blockdev', 'file,node-name=m0,filename=/dev/shm/mirror',
+             '--nbd-server', f'addr.type=inet,addr.host={self.b.addr},'
+                             f'addr.port={PORT},tls-creds=tls0',
+             '--export', 'nbd,id=e0,node-name=m0,writable=on'])
+        deadline = time.monotonic() + 30
+        while self.a.run([sys.executable, '-c', 'import socket; socket.create_connection('
+                          f'("{self.b.addr}", {PORT}), 1)'], check=False).returncode:
+            self.assertIsNone(self.qsd.poll(), 'the mirror host\'s daemon exited')
+            self.assertLess(time.monotonic(), deadline, 'no NBD server on b')
+            time.sleep(0.1)
+
+    def writer(self, psk=None, tls=True, throttled=True):
+        """qemu-io on host a: the image, mirrored on b."""
+        tier = ('file.driver=throttle,file.throttle-group=tg0,file.file.driver=file,'
+                f'file.file.filename={self.img}' if throttled else
+                f'file.driver=file,file.filename={self.img}')
+        opts = (f'driver=hybrid,mode=async,dirty-limit=512k,{tier},'
+                f'mirror.driver=nbd,mirror.server.type=inet,mirror.server.host={self.b.addr},'
+                f'mirror.server.port={PORT},mirror.export=m0' +
+                (',mirror.tls-creds=tls0' if tls else ''))
+        extra = ['--object', 'throttle-group,id=tg0,x-iops-write=200',
+                 '--object', f'tls-creds-psk,id=tls0,endpoint=client,dir={psk or self.psk},'
+                             'username=hybrid',
+                 '--trace', 'hybrid_mirror_failed']
+        io = H.QemuIo(opts, extra, popen=self.a.popen)
+        self.ios.append(io)
+        return io
+
+    def failover(self):
+        """On b: the image opened with the mirror as its RAM region (the
+        blocks written back), closed.  (reused, dirty blocks found)."""
+        io = H.QemuIo(f'driver=hybrid,file.driver=file,file.filename={self.img},'
+                      'ram-file=/dev/shm/mirror', ['--trace', 'hybrid_region_attach'],
+                      popen=self.b.popen)
+        m = REGION_ATTACH_RE.search(io.banner)
+        self.assertTrue(m, io.banner)
+        self.assertEqual(io.quit(), 0)
+        return bool(int(m.group(1))), int(m.group(3))
+
+    def image_bytes(self):
+        raw = os.path.join(self.net.shared, 'verify.raw')
+        H.qemu_img('convert', '-f', 'hybrid', '-O', 'raw', self.img, raw)
+        with open(raw, 'rb') as f:
+            data = f.read()
+        os.unlink(raw)
+        return data
+
+    # -- the tests --
+
+    def test_writer_host_dies(self):
+        """Host a dies (all its processes at once, its RAM gone) at random
+        moments: on b the image taken over with the mirror holds every
+        acknowledged write."""
+        self.start_mirror_host()
+        rnd = random.Random(int(os.environ.get('HYBRID_SEED', '3940')))
+        model = H.WriteModel(SIZE // SLOT, rnd, durable='ack')
+        rounds = 10 if H.LONG else 3
+        found = []
+        for n in range(rounds):
+            io = self.writer()
+            model.run(io, rnd.randint(40, 120), flush_p=0.05 if n % 2 else 0.0)
+            model.send_unacked(io, rnd.randint(0, 6))
+            self.a.kill()
+            self.ios.remove(io)
+            reused, dirty = self.failover()
+            self.assertTrue(reused, 'the mirror was not taken over')
+            found.append(dirty)
+            model.check(self.image_bytes(), f'round {n}: ')
+            self.a.restart()
+        self.assertTrue(all(found[0::2]), f'nothing in the mirror at a kill ({found})')
+        print(f'{rounds} host kills; dirty blocks each failover found: {found}',
+              file=sys.stderr)
+
+    def degraded_after(self, fault):
+        """Writes from a while `fault()` takes the mirror away: they stall
+        until TCP gives up on b, then complete in the persistent tier."""
+        self.start_mirror_host()
+        # a dead peer is found after ~3 s of retransmissions, not ~15 min
+        self.a.run(['sysctl', '-q', '-w', 'net.ipv4.tcp_retries2=3'])
+        rnd = random.Random(7)
+        model = H.WriteModel(SIZE // SLOT, rnd, durable='ack')
+        io = self.writer(throttled=False)
+        model.run(io, 30)
+        fault()
+        t0 = time.monotonic()
+        model.run(io, 30)
+        stalled = time.monotonic() - t0
+        # a degraded node's flush succeeds (the dead mirror left the graph)
+        self.assertNotRegex(io.cmd('flush'), H.FAILED_RE)
+        self.assertIn('hybrid_mirror_failed', io.output, 'the node did not degrade')
+        self.assertEqual(io.quit(), 0)
+        self.ios.remove(io)
+        model.check(self.image_bytes(), 'after the mirror went: ')
+        return stalled
+
+    def test_mirror_host_dies(self):
+        stalled = self.degraded_after(self.b.kill)
+        print(f'writes stalled {stalled:.1f} s, then completed degraded', file=sys.stderr)
+
+    def test_link_cut(self):
+        stalled = self.degraded_after(lambda: self.net.cut('b'))
+        print(f'writes stalled {stalled:.1f} s, then completed degraded', file=sys.stderr)
+
+    def test_no_key_no_mirror(self):
+        """A client with another key, or without TLS, never gets the export."""
+        self.start_mirror_host()
+        for kw, msg in ((dict(psk=self.bad_psk), r'TLS|handshake|decrypt|Error in the pull'),
+                        (dict(tls=False), r'TLS')):
+            with self.assertRaises(EOFError) as cm:
+                self.writer(**kw)
+            self.assertRegex(str(cm.exception), msg)
+        # the mirror was never bound: still all zero
+        r = self.b.run(['cmp', '-n', '4096', '/dev/shm/mirror', '/dev/zero'], check=False)
+        self.assertEqual(r.returncode, 0, r.stdout)
+
+
+if __name__ == '__main__':
+    unittest.main()
