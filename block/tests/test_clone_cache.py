@@ -594,7 +594,7 @@ class CloneCacheTest(unittest.TestCase):
         # the command as docs/clone-cache.md shows it, and its answer
         with open(os.path.join(HERE, '..', '..', 'docs', 'clone-cache.md')) as f:
             doc = f.read()
-        block = re.search(r'```\n(\{"execute": "clone-cache-invalidate".*?)```',
+        block = re.search(r'```(?:text)?\n(\{"execute": "clone-cache-invalidate".*?)```',
                           doc, re.S).group(1).splitlines()
         req, want = json.loads(block[0]), json.loads(block[1])
         self.assertEqual(self.qsd.qmp(req['execute'], **req['arguments']), want)
