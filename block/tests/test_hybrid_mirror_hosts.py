@@ -38,6 +38,9 @@ RAM = 16 * MiB
 MIRROR_SIZE = RAM + 2 * MiB
 PORT = 10809
 KEY = 'a4f1e09c3b5d7e2f8a6c4b1d9e0f7a3c'
+# librbd's answer to a blocklisted client (-ESHUTDOWN), at the write or flush
+FENCED_RE = re.compile(r'(write failed|rbd request failed).*Cannot send after transport '
+                       r'endpoint shutdown')
 REGION_ATTACH_RE = re.compile(r'hybrid_region_attach .*reused (\d) loaded (\d+) '
                               r'dirty (\d+)')
 
@@ -92,11 +95,12 @@ class MirrorHostsTest(unittest.TestCase):
             self.assertLess(time.monotonic(), deadline, 'no NBD server on b')
             time.sleep(0.1)
 
-    def writer(self, psk=None, tls=True, throttled=True):
-        """qemu-io on host a: the image, mirrored on b."""
-        tier = ('file.driver=throttle,file.throttle-group=tg0,file.file.driver=file,'
-                f'file.file.filename={self.img}' if throttled else
-                f'file.driver=file,file.filename={self.img}')
+    def writer(self, psk=None, tls=True, throttled=True, tier=None):
+        """qemu-io on host a: the image (or the node `tier` names), mirrored
+        on b."""
+        tier = tier or ('file.driver=throttle,file.throttle-group=tg0,file.file.driver=file,'
+                        f'file.file.filename={self.img}' if throttled else
+                        f'file.driver=file,file.filename={self.img}')
         opts = (f'driver=hybrid,mode=async,dirty-limit=512k,{tier},'
                 f'mirror.driver=nbd,mirror.server.type=inet,mirror.server.host={self.b.addr},'
                 f'mirror.server.port={PORT},mirror.export=m0' +
@@ -109,20 +113,20 @@ class MirrorHostsTest(unittest.TestCase):
         self.ios.append(io)
         return io
 
-    def failover(self):
+    def failover(self, tier=None):
         """On b: the image opened with the mirror as its RAM region (the
         blocks written back), closed.  (reused, dirty blocks found)."""
-        io = H.QemuIo(f'driver=hybrid,file.driver=file,file.filename={self.img},'
-                      'ram-file=/dev/shm/mirror', ['--trace', 'hybrid_region_attach'],
-                      popen=self.b.popen)
+        tier = tier or f'file.driver=file,file.filename={self.img}'
+        io = H.QemuIo(f'driver=hybrid,{tier},ram-file=/dev/shm/mirror',
+                      ['--trace', 'hybrid_region_attach'], popen=self.b.popen)
         m = REGION_ATTACH_RE.search(io.banner)
         self.assertTrue(m, io.banner)
         self.assertEqual(io.quit(), 0)
         return bool(int(m.group(1))), int(m.group(3))
 
-    def image_bytes(self):
+    def image_bytes(self, img=None):
         raw = os.path.join(self.net.shared, 'verify.raw')
-        H.qemu_img('convert', '-f', 'hybrid', '-O', 'raw', self.img, raw)
+        H.qemu_img('convert', '-f', 'hybrid', '-O', 'raw', img or self.img, raw)
         with open(raw, 'rb') as f:
             data = f.read()
         os.unlink(raw)
@@ -195,6 +199,47 @@ class MirrorHostsTest(unittest.TestCase):
         # the mirror was never bound: still all zero
         r = self.b.run(['cmp', '-n', '4096', '/dev/shm/mirror', '/dev/zero'], check=False)
         self.assertEqual(r.returncode, 0, r.stdout)
+
+
+    def test_failover_on_rbd_fences_the_old_host(self):
+        """The persistent tier on RBD (Ceph in a namespace of its own).  Host
+        a is cut off, not dead; b fences it (ceph osd blocklist), stops
+        exporting the mirror and takes the disk over with it: every write a
+        acknowledged is there.  When a's link comes back, its next write
+        finds the mirror gone and goes to RBD, which refuses it (at once, or
+        at the flush when librbd's write-back cache took it, as QEMU's
+        cache=writeback lets it): it never reaches the image."""
+        ceph = self.net.ceph()
+        H.qemu_img('create', '-q', '-f', 'hybrid', '-o', f'mode=async,ram-size={RAM}',
+                   ceph.filename('hyb'), str(SIZE))
+        tier = ceph.blockdev('hyb', prefix='file.')
+        self.start_mirror_host()
+        self.a.run(['sysctl', '-q', '-w', 'net.ipv4.tcp_retries2=3'])
+        rnd = random.Random(11)
+        model = H.WriteModel(SIZE // SLOT, rnd, durable='ack')
+        io = self.writer(tier=tier)
+        model.run(io, 60)
+
+        self.net.cut('a')
+        ceph.ceph('osd', 'blocklist', 'add', f'{self.a.addr}:0/0')
+        self.qsd.kill()
+        self.qsd.wait()
+        reused, dirty = self.failover(tier)
+        self.assertTrue(reused)
+        self.assertGreater(dirty, 0, 'nothing was left to take over')
+        model.check(self.image_bytes(ceph.filename('hyb')), 'after the takeover: ')
+
+        self.net.restore('a')
+        late = next(s for s in range(SIZE // SLOT) if s not in model.accepted)
+        out = io.cmd(f'write -P 7 {late * SLOT} {SLOT}', timeout=180)
+        out += io.cmd('flush', timeout=180)     # (qemu-io prints no flush error)
+        self.assertRegex(out, FENCED_RE, 'Ceph did not refuse the fenced host')
+        data = self.image_bytes(ceph.filename('hyb'))
+        self.assertEqual(data[late * SLOT:(late + 1) * SLOT], bytes(SLOT),
+                         "the fenced host's write reached the image")
+        model.check(data, 'after the fenced write: ')
+        print(f'takeover found {dirty} dirty blocks; the fenced host: '
+              f'{FENCED_RE.search(out).group(0)}', file=sys.stderr)
 
 
 if __name__ == '__main__':
