@@ -2,9 +2,13 @@
 
 Two hosts on one machine (tests/hvlib/hosts.py: network, PID, mount
 namespaces; killing a host kills every process of it at once and loses its
-RAM).  Host b keeps the mirror in its RAM (/dev/shm) and exports it with
-qemu-storage-daemon over NBD, TLS with a pre-shared key; host a runs the
-hybrid node (qemu-io) with that export as its mirror.  The persistent tier
+RAM).  Host b keeps the mirror in its RAM, a region of its own memory
+broker (hvmemd), and exports it with qemu-storage-daemon over NBD, TLS with
+a pre-shared key, run under `hvmem map --rw`: the broker decides who may
+write the region and holds the read-write lease for the export; host a
+runs the hybrid node (qemu-io) with that export as its mirror.  The
+takeover on b maps the region the same way, so it cannot start while the
+export still holds it.  The persistent tier
 is a file in the network's shared directory, which both hosts see (a
 stand-in for the Ceph RBD image of a real deployment: what is tested here
 is the mirror, its transport and the failover).
@@ -21,6 +25,7 @@ HYBRIDVM_LONG=1 runs more rounds."""
 import os
 import random
 import re
+import subprocess
 import sys
 import time
 import unittest
@@ -30,6 +35,11 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, '..', '..', 'tests'))
 import hybridlib as H           # noqa: E402
 from hvlib import hosts         # noqa: E402
+sys.path.insert(0, os.path.join(HERE, '..', '..', 'broker', 'tests'))
+import brokerlib as B           # noqa: E402
+
+# absolute: a host's processes start in the host's own directory
+HVMEMD, HVMEM = os.path.abspath(B.HVMEMD), os.path.abspath(B.HVMEM)
 
 MiB = 1024 * 1024
 SLOT = 4096
@@ -78,22 +88,39 @@ class MirrorHostsTest(unittest.TestCase):
     # -- the hosts --
 
     def start_mirror_host(self):
-        """qemu-storage-daemon on b: its /dev/shm/mirror exported over NBD
-        with TLS (PSK); returns once it takes connections."""
-        self.b.run(['truncate', '-s', str(MIRROR_SIZE), '/dev/shm/mirror'])
-        self.qsd = self.b.popen(
-            [H.binary('qemu-storage-daemon'),
-             '--object', f'tls-creds-psk,id=tls0,endpoint=server,dir={self.psk}',
-             '--blockdev', 'file,node-name=m0,filename=/dev/shm/mirror',
-             '--nbd-server', f'addr.type=inet,addr.host={self.b.addr},'
-                             f'addr.port={PORT},tls-creds=tls0',
-             '--export', 'nbd,id=e0,node-name=m0,writable=on'])
+        """On b: its broker, the region vm1-mirror, and qemu-storage-daemon
+        exporting it over NBD with TLS (PSK) under `hvmem map --rw`;
+        returns once it takes connections."""
+        self.broker = self.b.popen([HVMEMD, '--pool', '/dev/shm/hybridvm-broker',
+                                    '--socket', '/run/hybridvm-broker.sock'],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while self.b.run([HVMEM, 'stat'], check=False).returncode:
+            self.assertIsNone(self.broker.poll(), "b's broker exited")
+            self.assertLess(time.monotonic(), deadline, "b's broker does not answer")
+            time.sleep(0.1)
+        self.b.run([HVMEM, 'create', 'vm1-mirror', str(MIRROR_SIZE)])
+        self.start_export()
+
+    def start_export(self):
+        """b exports the region (holding its read-write lease)."""
+        qsd = (f'exec {H.binary("qemu-storage-daemon")} '
+               f'--object tls-creds-psk,id=tls0,endpoint=server,dir={self.psk} '
+               '--blockdev file,node-name=m0,filename=/proc/self/fd/$HVMEM_FD '
+               f'--nbd-server addr.type=inet,addr.host={self.b.addr},addr.port={PORT},'
+               'tls-creds=tls0 --export nbd,id=e0,node-name=m0,writable=on')
+        self.qsd = self.b.popen([HVMEM, 'map', 'vm1-mirror', '--rw', '--', 'sh', '-c', qsd])
         deadline = time.monotonic() + 30
         while self.a.run([sys.executable, '-c', 'import socket; socket.create_connection('
                           f'("{self.b.addr}", {PORT}), 1)'], check=False).returncode:
             self.assertIsNone(self.qsd.poll(), 'the mirror host\'s daemon exited')
             self.assertLess(time.monotonic(), deadline, 'no NBD server on b')
             time.sleep(0.1)
+
+    def stop_export(self):
+        """b stops exporting the mirror; the lease goes with the export."""
+        self.b.run(['pkill', '-KILL', '-f', '^' + H.binary('qemu-storage-daemon')])
+        self.qsd.wait(30)
 
     def writer(self, psk=None, tls=True, throttled=True, tier=None):
         """qemu-io on host a: the image (or the node `tier` names), mirrored
@@ -117,12 +144,17 @@ class MirrorHostsTest(unittest.TestCase):
         """On b: the image opened with the mirror as its RAM region (the
         blocks written back), closed.  (reused, dirty blocks found)."""
         tier = tier or f'file.driver=file,file.filename={self.img}'
-        io = H.QemuIo(f'driver=hybrid,{tier},ram-file=/dev/shm/mirror',
-                      ['--trace', 'hybrid_region_attach'], popen=self.b.popen)
+        io = H.QemuIo(f'driver=hybrid,{tier},ram-file=/proc/self/fd/3',
+                      ['--trace', 'hybrid_region_attach'], popen=self.map_region)
         m = REGION_ATTACH_RE.search(io.banner)
         self.assertTrue(m, io.banner)
         self.assertEqual(io.quit(), 0)
         return bool(int(m.group(1))), int(m.group(3))
+
+    def map_region(self, argv, **kw):
+        """`argv` on b under `hvmem map vm1-mirror --rw`, the region on fd 3."""
+        return self.b.popen([HVMEM, 'map', 'vm1-mirror', '--rw', '--', 'sh', '-c',
+                             'exec "$@" 3<&"$HVMEM_FD"', 'sh'] + argv, **kw)
 
     def image_bytes(self, img=None):
         raw = os.path.join(self.net.shared, 'verify.raw')
@@ -149,11 +181,16 @@ class MirrorHostsTest(unittest.TestCase):
             model.send_unacked(io, rnd.randint(0, 6))
             self.a.kill()
             self.ios.remove(io)
+            # the region's lease keeps the takeover out until the export stops
+            with self.assertRaisesRegex(EOFError, 'already has a read-write owner'):
+                self.failover()
+            self.stop_export()
             reused, dirty = self.failover()
             self.assertTrue(reused, 'the mirror was not taken over')
             found.append(dirty)
             model.check(self.image_bytes(), f'round {n}: ')
             self.a.restart()
+            self.start_export()
         self.assertTrue(all(found[0::2]), f'nothing in the mirror at a kill ({found})')
         print(f'{rounds} host kills; dirty blocks each failover found: {found}',
               file=sys.stderr)
@@ -196,9 +233,10 @@ class MirrorHostsTest(unittest.TestCase):
             with self.assertRaises(EOFError) as cm:
                 self.writer(**kw)
             self.assertRegex(str(cm.exception), msg)
-        # the mirror was never bound: still all zero
-        r = self.b.run(['cmp', '-n', '4096', '/dev/shm/mirror', '/dev/zero'], check=False)
-        self.assertEqual(r.returncode, 0, r.stdout)
+        # the mirror was never bound: its header is still all zero
+        r = self.b.run([HVMEM, 'map', 'vm1-mirror', '--', 'sh', '-c',
+                        'cmp -n 4096 /proc/self/fd/$HVMEM_FD /dev/zero'], check=False)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
 
 
     def test_failover_on_rbd_fences_the_old_host(self):
@@ -222,8 +260,7 @@ class MirrorHostsTest(unittest.TestCase):
 
         self.net.cut('a')
         ceph.ceph('osd', 'blocklist', 'add', f'{self.a.addr}:0/0')
-        self.qsd.kill()
-        self.qsd.wait()
+        self.stop_export()
         reused, dirty = self.failover(tier)
         self.assertTrue(reused)
         self.assertGreater(dirty, 0, 'nothing was left to take over')
