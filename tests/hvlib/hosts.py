@@ -110,6 +110,20 @@ RESERVED = ('ceph', 'fabric', 'shared', 'machine', 'logs')
 _counter = itertools.count()
 
 
+def program_dirs():
+    """What a host must still see of the machine's RAM paths: the tree, its
+    build and this Python (a clean clone under /tmp, as CI may make, would
+    otherwise vanish under the host's fresh /tmp)."""
+    build = os.path.abspath(os.environ.get('HYBRIDVM_BUILD', os.path.join(REPO, 'build')))
+    out = []
+    for p in (REPO, build, sys.prefix, os.path.dirname(os.path.realpath(sys.executable))):
+        p = os.path.realpath(p)
+        if os.path.isdir(p) and any(p == r or p.startswith(r + '/') for r in RAM_PATHS) \
+                and p not in out:
+            out.append(p)
+    return out
+
+
 def sh(*args, check=True, timeout=60, **kw):
     r = subprocess.run([str(a) for a in args], capture_output=True, text=True,
                        timeout=timeout, **kw)
@@ -406,7 +420,7 @@ class Host(_Node):
         cfg = dict(hostname=self.name,
                    tmpfs=list(RAM_PATHS) + [self.net.workdir],
                    binds=[[self.files, DISK_PATH]],
-                   keep=[self.files, self.net.shared, self.net.ceph_dir])
+                   keep=[self.files, self.net.shared, self.net.ceph_dir] + program_dirs())
         log = open(os.path.join(self.net.logs, f'{self.name}-init.log'), 'ab')
         argv = ['nsenter', f'--net={self.netns_path}',
                 'unshare', '--pid', '--fork', '--kill-child=SIGKILL', '--mount',
