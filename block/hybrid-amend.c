@@ -222,6 +222,7 @@ hybrid_co_truncate(BlockDriverState *bs, int64_t offset, bool exact,
     s->size = new_size;
     s->nb_blocks = DIV_ROUND_UP(new_size, s->block_size);
     hybrid_region_resized(s);
+    hybrid_mirror_resized(s);
     trace_hybrid_truncate(s, old_size, new_size);
     return 0;
 }

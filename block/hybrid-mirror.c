@@ -327,6 +327,26 @@ void coroutine_fn GRAPH_RDLOCK hybrid_mirror_clean(BDRVHybridState *s)
     s->mirror_cleaning = false;
 }
 
+/*
+ * The image was resized: the mirror's header follows (same blocks), or a
+ * failover would find it laid out for another disk.
+ */
+void coroutine_fn GRAPH_RDLOCK hybrid_mirror_resized(BDRVHybridState *s)
+{
+    uint8_t *head;
+    int ret;
+
+    if (!hybrid_mirror_active(s)) {
+        return;
+    }
+    head = qemu_blockalign0(s->mirror->bs, HYBRID_REGION_BITMAPS);
+    hybrid_region_header_fill(s, head, s->header.region_token,
+                              HYBRID_REGION_F_MIRROR);
+    ret = bdrv_co_pwrite(s->mirror, 0, HYBRID_REGION_BITMAPS, head, 0);
+    qemu_vfree(head);
+    mirror_fail(s, ret);
+}
+
 /* ---- open, bind, close ---- */
 
 /*

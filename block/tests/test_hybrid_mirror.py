@@ -218,6 +218,22 @@ class MirrorTest(unittest.TestCase):
         self.assertEqual(self.failover(img, mirror), (True, 0))
         self.assertEqual(self.image_bytes(img)[:4 * BLOCK], b'\x5a' * 4 * BLOCK)
 
+    def test_resized_image_keeps_its_mirror(self):
+        """A resize while blocks are mirrored: the mirror's header follows
+        the new size, and a failover after a kill takes it."""
+        img, mirror = self.image(), self.mirror()
+        io = self.qemu_io(self.opts(img, mirror))
+        io.cmd(f'write -P 0x52 0 {2 * BLOCK}')
+        self.assertNotRegex(io.cmd(f'truncate {SIZE + 16 * MiB}'), 'failed|error')
+        io.cmd(f'write -P 0x53 {4 * BLOCK} {BLOCK}')
+        io.kill()
+        self.procs.remove(io)
+        self.assertEqual(self.failover(img, mirror), (True, 3))
+        data = self.image_bytes(img)
+        self.assertEqual(len(data), SIZE + 16 * MiB)
+        self.assertEqual(data[:2 * BLOCK], b'\x52' * 2 * BLOCK)
+        self.assertEqual(data[4 * BLOCK:5 * BLOCK], b'\x53' * BLOCK)
+
     def test_stale_mirror_is_refused(self):
         """A mirror holding another image's unwritten blocks is refused, as
         ram-file (failover) and as mirror, and keeps them."""
