@@ -60,6 +60,17 @@ def qemu_io(*args, **kw):
     return run(binary('qemu-io'), *args, **kw)
 
 
+def image_bytes(img, scratch, fmt='hybrid'):
+    """What the guest would read of image @img: all of it, converted to raw
+    through the file @scratch (removed again)."""
+    qemu_img('convert', '-f', fmt, '-O', 'raw', img, scratch)
+    try:
+        with open(scratch, 'rb') as f:
+            return f.read()
+    finally:
+        os.unlink(scratch)
+
+
 def img_info(path, fmt='hybrid'):
     return json.loads(qemu_img('info', '--output=json', '-f', fmt, path).stdout)
 

@@ -25,12 +25,7 @@ SIZE = 32 * MiB
 class HybridCrashTest(H.ToolTest):
 
     def verify(self, img, model):
-        raw = self.tmp('verify.raw')
-        H.qemu_img('convert', '-f', 'hybrid', '-O', 'raw', img, raw)
-        with open(raw, 'rb') as f:
-            data = f.read()
-        os.unlink(raw)
-        model.check(data)
+        model.check(H.image_bytes(img, self.tmp('verify.raw')))
         r = H.qemu_img('check', '-f', 'hybrid', img, check=False)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
 

@@ -96,12 +96,7 @@ class MirrorTest(unittest.TestCase):
         return r.stdout + r.stderr
 
     def image_bytes(self, img):
-        raw = self.tmp('verify.raw')
-        H.qemu_img('convert', '-f', 'hybrid', '-O', 'raw', img, raw)
-        with open(raw, 'rb') as f:
-            data = f.read()
-        os.unlink(raw)
-        return data
+        return H.image_bytes(img, self.tmp('verify.raw'))
 
     def failover(self, img, mirror):
         """On the mirror's host: the image opened with the mirror as its

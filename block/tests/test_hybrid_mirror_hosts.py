@@ -157,12 +157,7 @@ class MirrorHostsTest(unittest.TestCase):
                              'exec "$@" 3<&"$HVMEM_FD"', 'sh'] + argv, **kw)
 
     def image_bytes(self, img=None):
-        raw = os.path.join(self.net.shared, 'verify.raw')
-        H.qemu_img('convert', '-f', 'hybrid', '-O', 'raw', img or self.img, raw)
-        with open(raw, 'rb') as f:
-            data = f.read()
-        os.unlink(raw)
-        return data
+        return H.image_bytes(img or self.img, os.path.join(self.net.shared, 'verify.raw'))
 
     # -- the tests --
 

@@ -117,12 +117,7 @@ class RegionTest(unittest.TestCase):
         return r.stdout + r.stderr
 
     def image_bytes(self, img):
-        raw = self.tmp('verify.raw')
-        H.qemu_img('convert', '-f', 'hybrid', '-O', 'raw', img, raw)
-        with open(raw, 'rb') as f:
-            data = f.read()
-        os.unlink(raw)
-        return data
+        return H.image_bytes(img, self.tmp('verify.raw'))
 
     @staticmethod
     def restored(q):

@@ -69,7 +69,8 @@ def run(path, env=None, cwd=None, timeout=600, only=None, tmpfs=()):
     """Run the doc's script with `sh -eu` in cwd with env (default: this
     process's).  tmpfs: directories the doc names (/run/..., /srv) to cover
     with a fresh tmpfs in a mount namespace of the script's own, so it runs
-    as written without touching the host's (needs root).  The script runs
+    as written without touching the host's (needs root); each a path
+    (mode 0755) or (path, mount options).  The script runs
     in a session of its own that is killed as soon as the script ends, so a
     daemon a failed script left behind does not outlive it (its output goes
     to files, not pipes such a daemon could hold open).  Returns the
@@ -88,9 +89,11 @@ def run(path, env=None, cwd=None, timeout=600, only=None, tmpfs=()):
                             for b in found))
         cmd = ['sh', '-eu', sh]
         if tmpfs:
+            mounts = [t if isinstance(t, tuple) else (t, 'mode=0755') for t in tmpfs]
             cmd = ['unshare', '-m', '--propagation', 'private', 'sh', '-euc',
-                   'for d in "$@"; do mkdir -p "$d"; mount -t tmpfs -o mode=0755 tmpfs "$d"; done; '
-                   f'exec sh -eu {shlex.quote(sh)}', 'sh', *tmpfs]
+                   'while [ $# -gt 0 ]; do mkdir -p "$1"; mount -t tmpfs -o "$2" tmpfs "$1"; '
+                   f'shift 2; done; exec sh -eu {shlex.quote(sh)}', 'sh',
+                   *[x for m in mounts for x in m]]
         outs = [open(os.path.join(tmp, name), 'w+') for name in ('out', 'err')]
         with outs[0], outs[1]:
             proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL,

@@ -14,7 +14,6 @@ uses.  Afterwards no volume is left and no daemon runs."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tomllib
@@ -25,6 +24,7 @@ import privatens                            # noqa: E402
 from vollib import TOP, VolumeTest          # noqa: E402
 from volume import host                     # noqa: E402
 from hvlib import podman as hvpodman        # noqa: E402
+from hvlib import docblocks                  # noqa: E402
 from hvlib.docblocks import blocks          # noqa: E402
 
 sys.path.insert(0, os.path.join(TOP, 'broker', 'tests'))
@@ -100,8 +100,6 @@ class DocTest(VolumeTest):
 
     def test_commands_run_as_written(self):
         found = blocks(DOC)
-        script = '\n'.join(b.body for b in found
-                           if b.lang == 'sh' and b.not_run_reason is None)
         try:
             hvpodman.Podman()
         except hvpodman.PodmanMissing as exc:
@@ -117,29 +115,9 @@ class DocTest(VolumeTest):
                        PATH=os.pathsep.join([os.path.join(TOP, 'volume'),
                                              os.path.dirname(self.vols.tools.qemu_img),
                                              os.environ.get('PATH', '/usr/bin:/bin')]))
-            path = os.path.join(self.tmp, 'doc.sh')
-            with open(path, 'w') as f:
-                f.write(script)
-            # its own session: whatever the script leaves running (the
-            # plugin, if it fails half-way) is killed with it
-            proc = subprocess.Popen(
-                ['unshare', '-m', '--propagation', 'private', 'sh', '-c',
-                 'mount -t tmpfs -o size=2G tmpfs /srv && mkdir -p /run/hybridvm /run/containers '
-                 '&& mount -t tmpfs -o mode=0755 tmpfs /run/hybridvm '
-                 '&& mount -t tmpfs -o mode=0700 tmpfs /run/containers '
-                 '&& exec sh -eux "$0"', path],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                start_new_session=True)
-            try:
-                out, err = proc.communicate(timeout=900)
-            finally:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
-            p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            p = docblocks.run(DOC, env=env, timeout=900,
+                              tmpfs=[('/srv', 'size=2G'), ('/run/hybridvm', 'mode=0755'),
+                                     ('/run/containers', 'mode=0700')])
             self.assertIn('<h1>hello</h1>', p.stdout)
             self.assertIn('hello from a container\nstopped\n', p.stdout)
             self.assertIn('a container on a hybrid volume', p.stdout)
