@@ -117,7 +117,10 @@ def secure_dir(path, what):
     """Make sure path is a directory only root can change: each directory
     on the way owned by root and not writable by group or others unless
     sticky, no symbolic link on the way unless root owns it, the last one
-    created 0700 if missing and refused if it is not root's 0700."""
+    created 0700 if missing and refused if it is not root's 0700.  Those
+    on the way are created 0755 whatever the umask (hvvol-plugin.service
+    runs with 0077): /run/hybridvm is shared with the clone cache, whose
+    sockets libvirt's QEMU must reach."""
     path = check_path(path, what)
     cur = '/'
     parts = [p for p in path.split('/') if p]
@@ -129,6 +132,7 @@ def secure_dir(path, what):
         except FileNotFoundError:
             try:
                 os.mkdir(nxt, 0o700 if last else 0o755)
+                os.chmod(nxt, 0o700 if last else 0o755)
             except FileExistsError:
                 pass
             st = os.lstat(nxt)

@@ -197,6 +197,18 @@ class DirTest(unittest.TestCase):
         self.assertEqual(stat.S_IMODE(os.stat(p).st_mode), 0o700)
         self.assertEqual(secure_dir(p, 'run directory'), p)
 
+    def test_parents_0755_whatever_the_umask(self):
+        """hvvol-plugin.service runs with UMask=0077: the directories on the
+        way (/run/hybridvm, shared with the clone cache's sockets) stay
+        passable for others."""
+        old = os.umask(0o077)
+        try:
+            p = secure_dir(os.path.join(self.d, 'shared', 'volumes'), 'run directory')
+        finally:
+            os.umask(old)
+        self.assertEqual(stat.S_IMODE(os.stat(os.path.dirname(p)).st_mode), 0o755)
+        self.assertEqual(stat.S_IMODE(os.stat(p).st_mode), 0o700)
+
     def test_refusals(self):
         other = os.path.join(self.d, 'other')
         os.mkdir(other, 0o700)
