@@ -350,33 +350,18 @@ void coroutine_fn GRAPH_RDLOCK hybrid_mirror_resized(BDRVHybridState *s)
 /* ---- open, bind, close ---- */
 
 /*
- * Open the mirror child named by the mirror option, if any, and check that
- * it can hold the RAM tier; the binding is made by hybrid_mirror_attach().
+ * Can the node have the mirror @mbs (named @name)?  A plain RAM tier of an
+ * image with a header and no backing file, read-write, and a mirror that
+ * holds the tier.
  */
-int GRAPH_RDLOCK hybrid_mirror_open(BDRVHybridState *s, QDict *options,
-                                    bool writable, bool ram_file,
-                                    Error **errp)
+static int GRAPH_RDLOCK mirror_check(BDRVHybridState *s, BlockDriverState *mbs,
+                                     bool writable, bool ram_file,
+                                     Error **errp)
 {
-    ERRP_GUARD();
+    const char *name = bdrv_get_node_name(mbs);
     uint64_t need;
     int64_t len;
 
-    GLOBAL_STATE_CODE();
-    /*
-     * Metadata to the block layer: written whatever the guest does (at
-     * open, at write-back), and no one else may write it.
-     */
-    bdrv_graph_rdunlock_main_loop();
-    s->mirror = bdrv_open_child(NULL, options, "mirror", s->bs, &child_of_bds,
-                                BDRV_CHILD_METADATA, true, errp);
-    bdrv_graph_rdlock_main_loop();
-    if (*errp) {
-        return -EINVAL;
-    }
-    if (!s->mirror) {
-        return 0;
-    }
-    s->mirror_name = g_strdup(bdrv_get_node_name(s->mirror->bs));
     if (s->dedup || s->raw || s->alloc || ram_file) {
         error_setg(errp, "mirror needs a plain RAM tier in an image with a "
                    "header and no backing file, without ram-file (%s)",
@@ -395,17 +380,26 @@ int GRAPH_RDLOCK hybrid_mirror_open(BDRVHybridState *s, QDict *options,
         return -EINVAL;
     }
     need = mirror_data_offset(s) + s->ram_blocks * s->block_size;
-    len = bdrv_getlength(s->mirror->bs);
+    len = bdrv_getlength(mbs);
     if (len < 0) {
         error_setg_errno(errp, -len, "Could not get the size of mirror '%s'",
-                         mirror_name(s));
+                         name);
         return len;
     }
     if ((uint64_t)len < need) {
         error_setg(errp, "mirror '%s' has %" PRId64 " bytes; a RAM tier of %"
                    PRIu64 " blocks of %" PRIu32 " bytes needs %" PRIu64,
-                   mirror_name(s), len, s->ram_blocks, s->block_size, need);
+                   name, len, s->ram_blocks, s->block_size, need);
         return -ENOSPC;
+    }
+    return 0;
+}
+
+/* The node's copy of the mirror's bitmaps and the rest, once */
+static void mirror_init_state(BDRVHybridState *s)
+{
+    if (s->mirror_bits) {
+        return;
     }
     s->mirror_bitmap_bytes = hybrid_region_bitmap_bytes(s->ram_blocks);
     s->mirror_bits = g_malloc0(2 * s->mirror_bitmap_bytes);
@@ -415,6 +409,40 @@ int GRAPH_RDLOCK hybrid_mirror_open(BDRVHybridState *s, QDict *options,
     s->mirror_written_back = bitmap_new(s->ram_blocks);
     qemu_co_queue_init(&s->mirror_queue);
     s->mirror_detach_bh = qemu_bh_new(mirror_detach_bh, s);
+}
+
+/*
+ * Open the mirror child named by the mirror option, if any, and check that
+ * it can hold the RAM tier; the binding is made by hybrid_mirror_attach().
+ */
+int GRAPH_RDLOCK hybrid_mirror_open(BDRVHybridState *s, QDict *options,
+                                    bool writable, bool ram_file,
+                                    Error **errp)
+{
+    ERRP_GUARD();
+    int ret;
+
+    GLOBAL_STATE_CODE();
+    /*
+     * Metadata to the block layer: written whatever the guest does (at
+     * open, at write-back), and no one else may write it.
+     */
+    bdrv_graph_rdunlock_main_loop();
+    s->mirror = bdrv_open_child(NULL, options, "mirror", s->bs, &child_of_bds,
+                                BDRV_CHILD_METADATA, true, errp);
+    bdrv_graph_rdlock_main_loop();
+    if (*errp) {
+        return -EINVAL;
+    }
+    if (!s->mirror) {
+        return 0;
+    }
+    s->mirror_name = g_strdup(bdrv_get_node_name(s->mirror->bs));
+    ret = mirror_check(s, s->mirror->bs, writable, ram_file, errp);
+    if (ret < 0) {
+        return ret;
+    }
+    mirror_init_state(s);
     return 0;
 }
 
@@ -484,25 +512,9 @@ static int GRAPH_RDLOCK mirror_recover(BDRVHybridState *s,
     return ret;
 }
 
-/*
- * Bind the mirror to the image (main loop, node active and read-write,
- * RAM tier empty), as a region is bound (hybrid_region_judge): a mirror
- * current for this image gives its blocks back (a QEMU that died here);
- * otherwise it is emptied, bound with a new token and marked a mirror.
- * @reset_only: the persistent tier was written elsewhere (an incoming
- * migration).
- */
-int GRAPH_RDLOCK hybrid_mirror_attach(BDRVHybridState *s, bool reset_only,
-                                      Error **errp)
+/* The node's copy of the mirror's state: nothing counted yet */
+static void mirror_forget(BDRVHybridState *s)
 {
-    g_autofree char *what = g_strdup_printf("mirror '%s'", mirror_name(s));
-    uint64_t data = mirror_data_offset(s), dirty = 0, token;
-    int64_t len = bdrv_getlength(s->mirror->bs);
-    g_autofree uint8_t *head = g_malloc0(data);
-    HybridRegionLook look;
-    bool ok = false;
-    int ret;
-
     memset(s->mirror_bits, 0, 2 * s->mirror_bitmap_bytes);
     memset(s->mirror_sectors, 0,
            s->mirror_nb_sectors * sizeof(*s->mirror_sectors));
@@ -510,47 +522,55 @@ int GRAPH_RDLOCK hybrid_mirror_attach(BDRVHybridState *s, bool reset_only,
     s->mirror_counted = 0;
     s->mirror_recovered = false;
     s->mirror_dirty_found = 0;
+}
 
-    ret = bdrv_pread(s->mirror, 0, HYBRID_REGION_BITMAPS, head, 0);
+/*
+ * What the mirror holds: its first HYBRID_REGION_BITMAPS bytes and its
+ * bitmaps into *@head (g_free), whether it is a region of ours (@look
+ * filled), and its blocks not yet written back.
+ */
+static int GRAPH_RDLOCK mirror_look(BDRVHybridState *s, const char *what,
+                                    uint8_t **head, HybridRegionLook *look,
+                                    bool *ok, uint64_t *dirty, Error **errp)
+{
+    int64_t len = bdrv_getlength(s->mirror->bs);
+    uint64_t bytes;
+    int ret;
+
+    *head = g_malloc0(HYBRID_REGION_BITMAPS);
+    *dirty = 0;
+    ret = bdrv_pread(s->mirror, 0, HYBRID_REGION_BITMAPS, *head, 0);
     if (ret < 0) {
         error_setg_errno(errp, -ret, "Could not read %s", what);
         return ret;
     }
-    ok = hybrid_region_header_parse(s, head, len, &look);
-    if (ok) {
-        uint64_t bytes = 2 * hybrid_region_bitmap_bytes(look.blocks);
-
-        if (HYBRID_REGION_BITMAPS + bytes > data) {
-            /* Laid out for more blocks than ours: its bitmaps go further */
-            head = g_realloc(head, HYBRID_REGION_BITMAPS + bytes);
-        }
-        ret = bdrv_pread(s->mirror, HYBRID_REGION_BITMAPS, bytes,
-                         head + HYBRID_REGION_BITMAPS, 0);
-        if (ret < 0) {
-            error_setg_errno(errp, -ret, "Could not read %s", what);
-            return ret;
-        }
-        dirty = hybrid_region_count_dirty(head + HYBRID_REGION_BITMAPS,
-                                          look.blocks);
+    *ok = hybrid_region_header_parse(s, *head, len, look);
+    if (!*ok) {
+        return 0;
     }
-    ret = hybrid_region_judge(s, what, ok ? &look : NULL, dirty, reset_only,
-                              errp);
+    /* Laid out for its own number of blocks, which may not be ours */
+    bytes = 2 * hybrid_region_bitmap_bytes(look->blocks);
+    *head = g_realloc(*head, HYBRID_REGION_BITMAPS + bytes);
+    ret = bdrv_pread(s->mirror, HYBRID_REGION_BITMAPS, bytes,
+                     *head + HYBRID_REGION_BITMAPS, 0);
     if (ret < 0) {
+        error_setg_errno(errp, -ret, "Could not read %s", what);
         return ret;
     }
-    if (ret > 0) {
-        ret = mirror_recover(s, (unsigned long *)(head + HYBRID_REGION_BITMAPS),
-                             errp);
-        if (ret == 0) {
-            s->mirror_recovered = true;
-            trace_hybrid_mirror_attach(s, true, s->mirror_dirty_found,
-                                       look.token);
-        }
-        return ret;
-    }
+    *dirty = hybrid_region_count_dirty(*head + HYBRID_REGION_BITMAPS,
+                                       look->blocks);
+    return 0;
+}
 
-    /* Forget its content, header first: a crash leaves it unused */
-    ret = bdrv_pwrite_zeroes(s->mirror, 0, data, 0);
+/* Empty the mirror (header first: a crash leaves it unused), bind it */
+static int GRAPH_RDLOCK mirror_reset(BDRVHybridState *s, const char *what,
+                                     Error **errp)
+{
+    uint8_t head[HYBRID_REGION_BITMAPS] = { 0 };
+    uint64_t token;
+    int ret;
+
+    ret = bdrv_pwrite_zeroes(s->mirror, 0, mirror_data_offset(s), 0);
     if (ret == 0) {
         ret = bdrv_flush(s->mirror->bs);
     }
@@ -562,9 +582,8 @@ int GRAPH_RDLOCK hybrid_mirror_attach(BDRVHybridState *s, bool reset_only,
     if (!token) {
         return -EIO;
     }
-    memset(head, 0, HYBRID_REGION_BITMAPS);
     hybrid_region_header_fill(s, head, token, HYBRID_REGION_F_MIRROR);
-    ret = bdrv_pwrite(s->mirror, 0, HYBRID_REGION_BITMAPS, head, 0);
+    ret = bdrv_pwrite(s->mirror, 0, sizeof(head), head, 0);
     if (ret == 0) {
         ret = bdrv_flush(s->mirror->bs);
     }
@@ -574,6 +593,201 @@ int GRAPH_RDLOCK hybrid_mirror_attach(BDRVHybridState *s, bool reset_only,
     }
     trace_hybrid_mirror_attach(s, false, 0, token);
     return 0;
+}
+
+/*
+ * Bind the mirror to the image (main loop, node active and read-write,
+ * RAM tier empty), as a region is bound (hybrid_region_judge): a mirror
+ * current for this image gives its blocks back (a QEMU that died on this
+ * host); otherwise it is emptied, bound with a new token and marked a
+ * mirror.  @reset_only: the persistent tier was written elsewhere (an
+ * incoming migration).
+ */
+int GRAPH_RDLOCK hybrid_mirror_attach(BDRVHybridState *s, bool reset_only,
+                                      Error **errp)
+{
+    g_autofree char *what = g_strdup_printf("mirror '%s'", mirror_name(s));
+    g_autofree uint8_t *head = NULL;
+    HybridRegionLook look;
+    uint64_t dirty;
+    bool ok;
+    int ret;
+
+    mirror_forget(s);
+    ret = mirror_look(s, what, &head, &look, &ok, &dirty, errp);
+    if (ret < 0) {
+        return ret;
+    }
+    ret = hybrid_region_judge(s, what, ok ? &look : NULL, dirty, reset_only,
+                              errp);
+    if (ret < 0) {
+        return ret;
+    }
+    if (ret == 0) {
+        return mirror_reset(s, what, errp);
+    }
+    ret = mirror_recover(s, (unsigned long *)(head + HYBRID_REGION_BITMAPS),
+                         errp);
+    if (ret == 0) {
+        s->mirror_recovered = true;
+        trace_hybrid_mirror_attach(s, true, s->mirror_dirty_found, look.token);
+    }
+    return ret;
+}
+
+/*
+ * A new mirror for a node that serves (hybrid-set-mirror): the RAM tier
+ * holds the newest data, so whatever the mirror has is dropped, unless it
+ * holds another image's unwritten blocks.
+ */
+static int GRAPH_RDLOCK mirror_bind(BDRVHybridState *s, Error **errp)
+{
+    g_autofree char *what = g_strdup_printf("mirror '%s'", mirror_name(s));
+    g_autofree uint8_t *head = NULL;
+    HybridRegionLook look;
+    uint64_t dirty;
+    bool ok;
+    int ret;
+
+    mirror_forget(s);
+    ret = mirror_look(s, what, &head, &look, &ok, &dirty, errp);
+    if (ret < 0) {
+        return ret;
+    }
+    if (ok && dirty && look.token != s->header.region_token) {
+        error_setg(errp, "%s holds %" PRIu64 " blocks not yet written back "
+                   "to another image (region token %016" PRIx64 "); "
+                   "refusing to overwrite them", what, dirty, look.token);
+        return -EBUSY;
+    }
+    ret = mirror_reset(s, what, errp);
+    if (ret == 0 && s->header_dirty_on_disk) {
+        /*
+         * The binding cleared REGION, which the first write of an open
+         * sets (hybrid_mark_dirty): this open wrote already, and the
+         * mirror is about to hold acknowledged writes.
+         */
+        HybridHeader le;
+
+        s->header.incompat_features |= HYBRID_INCOMPAT_REGION;
+        hybrid_header_to_le(&s->header, &le);
+        ret = bdrv_pwrite(s->bs->file, 0, s->header.header_size, &le, 0);
+        if (ret == 0) {
+            ret = bdrv_flush(s->bs->file->bs);
+        }
+        if (ret < 0) {
+            error_setg_errno(errp, -ret, "Could not mark the image held by %s",
+                             what);
+        }
+    }
+    return ret;
+}
+
+/* Fill a new mirror with the dirty blocks (coroutine, node drained) */
+static int coroutine_fn GRAPH_RDLOCK mirror_fill(BDRVHybridState *s)
+{
+    for (uint64_t idx = 0; idx < s->ram_blocks; idx++) {
+        int ret;
+
+        if (!(s->slots[idx].flags & HYBRID_SLOT_DIRTY)) {
+            continue;
+        }
+        ret = mirror_put_block(s, idx);
+        if (ret == 0) {
+            ret = mirror_mark(s, idx);
+        }
+        if (ret < 0) {
+            return mirror_fail(s, ret);
+        }
+    }
+    return 0;
+}
+
+typedef struct MirrorFillCo {
+    BDRVHybridState *s;
+    int ret;
+    bool done;
+} MirrorFillCo;
+
+static void coroutine_fn mirror_fill_entry(void *opaque)
+{
+    MirrorFillCo *c = opaque;
+
+    GRAPH_RDLOCK_GUARD();
+    c->ret = mirror_fill(c->s);
+    c->done = true;
+    aio_wait_kick();
+}
+
+/*
+ * hybrid-set-mirror: @mbs becomes the node's mirror (main loop), e.g. after
+ * the one it had failed.  In a drained section, so that no write races
+ * the filling: the mirror is attached, bound to the image (emptied, a new
+ * token; one holding another image's unwritten blocks is refused) and
+ * filled with the blocks dirty now; then async writes need it again.
+ */
+int hybrid_mirror_replace(BlockDriverState *bs, BlockDriverState *mbs,
+                          Error **errp)
+{
+    BDRVHybridState *s = bs->opaque;
+    MirrorFillCo fill = { .s = s };
+    BdrvChild *child;
+    int ret;
+
+    GLOBAL_STATE_CODE();
+    if (s->mirror) {
+        error_setg(errp, "node '%s' has a mirror, '%s'%s",
+                   bdrv_get_node_name(bs), s->mirror_name,
+                   s->mirror_error ? " (failed; try again in a moment)" : "");
+        return -EBUSY;
+    }
+    bdrv_graph_rdlock_main_loop();
+    ret = mirror_check(s, mbs, !bdrv_is_read_only(bs), s->ram_file, errp);
+    bdrv_graph_rdunlock_main_loop();
+    if (ret < 0) {
+        return ret;
+    }
+
+    bdrv_drained_begin(bs);
+    bdrv_graph_wrlock();
+    bdrv_ref(mbs);
+    child = bdrv_attach_child(bs, mbs, "mirror", &child_of_bds,
+                              BDRV_CHILD_METADATA, errp);
+    bdrv_graph_wrunlock();
+    if (!child) {
+        bdrv_drained_end(bs);
+        return -EINVAL;
+    }
+    mirror_init_state(s);
+    s->mirror = child;
+    g_free(s->mirror_name);
+    s->mirror_name = g_strdup(bdrv_get_node_name(mbs));
+    s->mirror_error = 0;
+    /* query-hybrid's figures are this mirror's */
+    s->mirror_writes = s->mirror_block_writes = s->mirror_bytes = 0;
+    s->mirror_uncounted = 0;
+    for (uint64_t idx = 0; idx < s->ram_blocks; idx++) {
+        s->slots[idx].flags &= ~HYBRID_SLOT_MIRRORED;
+    }
+
+    bdrv_graph_rdlock_main_loop();
+    ret = mirror_bind(s, errp);
+    bdrv_graph_rdunlock_main_loop();
+    if (ret == 0) {
+        aio_co_enter(bdrv_get_aio_context(bs),
+                     qemu_coroutine_create(mirror_fill_entry, &fill));
+        AIO_WAIT_WHILE_UNLOCKED(NULL, !fill.done);
+        ret = fill.ret;
+        if (ret < 0) {
+            error_setg_errno(errp, -ret, "Could not fill mirror '%s'",
+                             s->mirror_name);
+        }
+    } else {
+        mirror_fail(s, ret);
+    }
+    trace_hybrid_mirror_replaced(s, s->mirror_counted, ret);
+    bdrv_drained_end(bs);
+    return ret;
 }
 
 /*

@@ -137,6 +137,26 @@ HybridInfoList *qmp_query_hybrid(const char *node_name, Error **errp)
     return head;
 }
 
+void qmp_hybrid_set_mirror(const char *node_name, const char *mirror,
+                           Error **errp)
+{
+    BlockDriverState *bs, *mbs;
+
+    GLOBAL_STATE_CODE();
+
+    /* No graph lock: the node is drained around the change */
+    bs = find_driver_node(node_name, &bdrv_hybrid, errp);
+    if (!bs) {
+        return;
+    }
+    mbs = bdrv_find_node(mirror);
+    if (!mbs) {
+        error_setg(errp, "Cannot find node '%s'", mirror);
+        return;
+    }
+    hybrid_mirror_replace(bs, mbs, errp);
+}
+
 void qmp_hybrid_set_mode(const char *node_name, HybridMode mode,
                          Error **errp)
 {

@@ -372,6 +372,8 @@ int GRAPH_RDLOCK hybrid_mirror_open(BDRVHybridState *s, QDict *options,
 int GRAPH_RDLOCK hybrid_mirror_attach(BDRVHybridState *s, bool reset_only,
                                       Error **errp);
 void coroutine_fn GRAPH_RDLOCK hybrid_mirror_resized(BDRVHybridState *s);
+int hybrid_mirror_replace(BlockDriverState *bs, BlockDriverState *mbs,
+                          Error **errp);
 void hybrid_mirror_detach(BDRVHybridState *s);
 void hybrid_mirror_close(BDRVHybridState *s);
 int coroutine_fn GRAPH_RDLOCK

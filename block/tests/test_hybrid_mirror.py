@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -284,6 +285,106 @@ class MirrorTest(unittest.TestCase):
             data = f.read(9 * BLOCK)
         self.assertEqual(data[:8 * BLOCK], b'\x33' * 8 * BLOCK)
         self.assertEqual(data[8 * BLOCK:9 * BLOCK], b'\x34' * BLOCK)
+
+    def set_mirror(self, qsd, node, mirror):
+        """hybrid-set-mirror, once the failed mirror has left the graph."""
+        deadline = time.monotonic() + 30
+        while True:
+            r = qsd.qmp('hybrid-set-mirror', **{'node-name': node, 'mirror': mirror})
+            if 'error' not in r or 'try again' not in r['error']['desc'] or \
+                    time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        self.assertNotIn('error', r)
+        [m] = [i['mirror'] for i in qsd.cmd('query-hybrid', **{'node-name': node})]
+        return m
+
+    def test_a_new_mirror_takes_the_dirty_blocks_only(self):
+        """A node without a mirror gets one: filled with the blocks dirty
+        then (not those written back), counted on from then on, and a
+        failover after a kill takes every acknowledged write."""
+        img, mirror = self.image(), self.mirror()
+        qsd = H.StorageDaemon(
+            self.tmp, '--blockdev', 'file,node-name=f0,filename=' + img,
+            '--blockdev', 'hybrid,node-name=h0,file=f0,mode=async',
+            '--blockdev', 'file,node-name=m1,filename=' + mirror,
+            '--nbd-server', f'addr.type=unix,addr.path={self.tmp("nbd.sock")}',
+            '--export', 'nbd,id=e0,node-name=h0,writable=on')
+        try:
+            io = H.QemuIo('driver=nbd,server.type=unix,server.path='
+                          f'{self.tmp("nbd.sock")},export=h0')
+            self.procs.append(io)
+            io.cmd(f'write -P 0x60 0 {3 * BLOCK}')
+            io.cmd('flush')                         # written back: not for the mirror
+            for i in range(4):                      # dirty: four requests, one block each
+                io.cmd(f'write -P {0x70 + i} {(4 + 2 * i) * BLOCK} {BLOCK}')
+            m = self.set_mirror(qsd, 'h0', 'm1')
+            self.assertEqual((m['node-name'], m['degraded']), ('m1', False), m)
+            self.assertEqual((m['counted-blocks'], m['block-writes']), (4, 4), m)
+            io.cmd(f'write -P 0x7f {20 * BLOCK} {BLOCK}')
+            [m] = [i['mirror'] for i in qsd.cmd('query-hybrid')]
+            self.assertEqual((m['counted-blocks'], m['block-writes']), (5, 5), m)
+        finally:
+            qsd.kill()
+        self.assertEqual(self.failover(img, mirror), (True, 5))
+        data = self.image_bytes(img)
+        self.assertEqual(data[:3 * BLOCK], b'\x60' * 3 * BLOCK)
+        for i in range(4):
+            off = (4 + 2 * i) * BLOCK
+            self.assertEqual(data[off:off + BLOCK], bytes([0x70 + i]) * BLOCK, i)
+        self.assertEqual(data[20 * BLOCK:21 * BLOCK], b'\x7f' * BLOCK)
+
+    def test_a_failed_mirror_is_replaced(self):
+        """After a mirror failed (the node degraded), hybrid-set-mirror
+        gives it a new one: not degraded, writes counted in it, and a
+        failover after a kill takes every acknowledged write."""
+        img, mirror, new = self.image(), self.mirror(), self.mirror('new')
+        sector = (2 * MiB + 5 * BLOCK) // 512
+        qsd = H.StorageDaemon(
+            self.tmp, '--blockdev', 'file,node-name=mf,filename=' + mirror,
+            '--blockdev', f'{{"driver": "blkdebug", "node-name": "m0", "image": "mf", '
+                          f'"inject-error": [{{"event": "pwritev", "errno": 5, '
+                          f'"sector": {sector}, "once": false}}]}}',
+            '--blockdev', 'file,node-name=f0,filename=' + img,
+            '--blockdev', 'hybrid,node-name=h0,file=f0,mirror=m0,mode=async',
+            '--blockdev', 'file,node-name=m1,filename=' + new,
+            '--nbd-server', f'addr.type=unix,addr.path={self.tmp("nbd.sock")}',
+            '--export', 'nbd,id=e0,node-name=h0,writable=on')
+        try:
+            io = H.QemuIo('driver=nbd,server.type=unix,server.path='
+                          f'{self.tmp("nbd.sock")},export=h0')
+            self.procs.append(io)
+            for i in range(6):          # the 6th fails in the mirror
+                self.assertNotRegex(io.cmd(f'write -P {0x70 + i} {i * BLOCK} {BLOCK}'),
+                                    H.FAILED_RE)
+            qsd.wait_event('HYBRID_MIRROR_DEGRADED', timeout=30)
+            m = self.set_mirror(qsd, 'h0', 'm1')
+            self.assertEqual((m['node-name'], m['degraded']), ('m1', False), m)
+            self.assertEqual(m['block-writes'], m['counted-blocks'], m)
+            io.cmd(f'write -P 0x76 {6 * BLOCK} {BLOCK}')
+            [m2] = [i['mirror'] for i in qsd.cmd('query-hybrid')]
+            self.assertEqual(m2['counted-blocks'], m['counted-blocks'] + 1, m2)
+        finally:
+            qsd.kill()
+        self.assertTrue(self.failover(img, new)[0])
+        data = self.image_bytes(img)
+        for i in range(7):
+            self.assertEqual(data[i * BLOCK:(i + 1) * BLOCK], bytes([0x70 + i]) * BLOCK, i)
+
+    def test_set_mirror_refusals(self):
+        img, mirror = self.image(), self.mirror()
+        qsd = H.StorageDaemon(self.tmp, '--blockdev', 'file,node-name=m0,filename=' + mirror,
+                              '--blockdev', 'file,node-name=f0,filename=' + img,
+                              '--blockdev', 'hybrid,node-name=h0,file=f0,mirror=m0,mode=async',
+                              '--blockdev', f'file,node-name=small,filename={self.mirror("s", 4096)}')
+        try:
+            for args, msg in (({'node-name': 'h0', 'mirror': 'small'}, "node 'h0' has a mirror, 'm0'"),
+                              ({'node-name': 'f0', 'mirror': 'small'}, 'is not a hybrid node'),
+                              ({'node-name': 'h0', 'mirror': 'nope'}, "Cannot find node 'nope'")):
+                r = qsd.qmp('hybrid-set-mirror', **args)
+                self.assertIn(msg, r['error']['desc'])
+        finally:
+            qsd.kill()
 
     # -- bad options --
 
