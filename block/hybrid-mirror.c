@@ -24,8 +24,10 @@
  * The bitmaps are written as sectors of the node's copy (mirror_bits), one
  * request at a time per sector, so the mirror never sees a sector go back
  * to an older state.  A mirror write that fails leaves the node degraded:
- * async writes then complete as in sync mode and the flusher writes back
- * everything.  docs/hybrid-format.rst has the whole crash story.
+ * async writes then complete as in sync mode, the flusher writes back
+ * everything, and the failed mirror leaves the graph (main-loop bottom
+ * half); hybrid-set-mirror gives the node a new one, filled with the dirty
+ * blocks.  docs/hybrid-format.rst has the whole crash story.
  */
 
 #include "qemu/osdep.h"
@@ -40,6 +42,8 @@
 #include "trace.h"
 
 #define HYBRID_MIRROR_SECTOR    4096    /* bitmap bytes per request */
+
+static void mirror_detach_bh(void *opaque);
 
 static unsigned long *mirror_valid(BDRVHybridState *s)
 {
@@ -249,8 +253,6 @@ hybrid_mirror_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
     trace_hybrid_mirror_write(s, idx, boff, len, true, ret);
     return mirror_fail(s, ret);
 }
-
-static void mirror_detach_bh(void *opaque);
 
 /* Block @idx was written back: uncount it after the next tier flush */
 void hybrid_mirror_written_back(BDRVHybridState *s, uint64_t idx)
