@@ -18,6 +18,9 @@ is the mirror, its transport and the failover).
 - the mirror host dies under a writer: writes stall until TCP gives up
   (tcp_retries2 lowered on host a), then the node is degraded and every
   write completes in the persistent tier; so does a cut link;
+- both hosts die: what the last completed flush made durable is there;
+- on RBD: the writer cut off and fenced (ceph osd blocklist), the disk taken
+  over on b, the old host's later write refused by Ceph;
 - nothing reaches the mirror without the key: a wrong key and no TLS are
   refused.
 HYBRIDVM_LONG=1 runs more rounds."""
@@ -219,6 +222,32 @@ class MirrorHostsTest(unittest.TestCase):
     def test_link_cut(self):
         stalled = self.degraded_after(lambda: self.net.cut('b'))
         print(f'writes stalled {stalled:.1f} s, then completed degraded', file=sys.stderr)
+
+    def test_both_hosts_die(self):
+        """Writer and mirror host die together: what the last completed
+        flush made durable is in the image, which a third party opens with
+        an empty region (the image says its newest writes were in one),
+        being told what was lost."""
+        self.start_mirror_host()
+        rnd = random.Random(13)
+        model = H.WriteModel(SIZE // SLOT, rnd, durable='flush')
+        io = self.writer()
+        model.run(io, 80, flush_p=0.1)
+        model.send_unacked(io, 3)
+        self.a.kill()
+        self.b.kill()
+        self.ios.remove(io)
+        empty = os.path.join(self.net.shared, 'empty-region')
+        with open(empty, 'wb') as f:
+            f.truncate(MIRROR_SIZE)
+        r = subprocess.run([H.binary('qemu-io'), '--image-opts',
+                            f'driver=hybrid,file.driver=file,file.filename={self.img},'
+                            f'ram-file={empty}', '-c', 'quit'],
+                           capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn('writes acknowledged after the last flush were held in RAM region',
+                      r.stdout + r.stderr)
+        model.check(self.image_bytes(), 'both hosts gone: ')
 
     def test_no_key_no_mirror(self):
         """A client with another key, or without TLS, never gets the export."""
