@@ -244,7 +244,7 @@ class Node:
         b = self.b
         if self.hybrid:
             b.run([b.qemu_img, 'create', '-q', '-f', 'hybrid', '-o',
-                   f'mode={self.mode},ram-size={b.size}',
+                   f'mode={self.mode},ram-size={b.size},block-size={b.block_size}',
                    b.ceph.filename(self.image), str(b.size)])
         else:
             b.ceph.rbd('create', '--size', f'{b.size // MiB}M', f'rbd/{self.image}')
@@ -353,6 +353,7 @@ class Bench:
     def __init__(self, args):
         self.args = args
         self.size = parse_size(args.size)
+        self.block_size = parse_size(args.block_size)
 
     @staticmethod
     def run(argv, **kw):
@@ -629,7 +630,7 @@ def report(args, runs, pings, meta, summary):
     res = {'args': {k: v for k, v in vars(args).items()
                     if k not in ('out', 'notes', 'report_only')},
            'meta': meta, 'pings': pings, 'runs': runs, **summary}
-    with open(os.path.join(out, 'hybrid-mirror.json'), 'w') as f:
+    with open(os.path.join(out, f'{args.name}.json'), 'w') as f:
         json.dump(res, f, indent=1)
     loads = [r['load'] for r in runs]
     rtt = summary['rtt']
@@ -637,7 +638,8 @@ def report(args, runs, pings, meta, summary):
     lines = [f'# hybrid: the RAM tier mirrored on another host, 4 KiB random '
              f'writes ({when})', '',
              f'Measured by `bench/hybrid-mirror.py --rounds {args.rounds} '
-             f'--runtime {args.runtime} --size {args.size} --rate {args.rate}` '
+             f'--runtime {args.runtime} --size {args.size} --block-size {args.block_size} '
+             f'--rate {args.rate}` '
              f'(issue 39).  Two network-namespace hosts and a single-node Ceph '
              f'cluster (scripts/ceph-cluster.sh: one monitor, one BlueStore OSD, a '
              f'sparse file on the machine\'s disk, raised from the script\'s 4 GiB to '
@@ -660,7 +662,7 @@ def report(args, runs, pings, meta, summary):
              f'of the one before.', '',
              'Configurations, each over an RBD image of its own, created empty '
              '(librbd\'s cache off, `cache.direct=on`: a write to RBD is a '
-             'round trip to the OSD); hybrid images of 64 KiB blocks, '
+             f'round trip to the OSD); hybrid images of {args.block_size} blocks, '
              f'`ram-size` = {args.size} (the whole image), default dirty-limit '
              '(256 MiB):', '',
              '* **local-async**: hybrid `mode=async` over the RBD image, no mirror;',
@@ -756,7 +758,7 @@ def report(args, runs, pings, meta, summary):
                 f'{p.get("to_b_per_written", 0):.2f} | {p["to_ceph_per_written"]:.2f} | '
                 f'{p["run_to_b_MBps"]:.1f} | {p["run_to_ceph_MBps"]:.1f} | '
                 f'{p["settle_s"]:.1f}{"" if p["drained"] else " (not drained)"} |')
-    lines += ['', '![IOPS and the ratios](hybrid-mirror.png)', '']
+    lines += ['', f'![IOPS and the ratios]({args.name}.png)', '']
     if meta.get('binaries'):
         lines += [f'Source: commit {meta.get("head", "?")[:12]}'
                   + (f' with uncommitted changes ({"; ".join(x.strip() for x in meta["tree_changes"] if x.strip())})'
@@ -771,9 +773,9 @@ def report(args, runs, pings, meta, summary):
     if args.notes and os.path.exists(args.notes):
         with open(args.notes) as f:
             lines += [f.read()]
-    with open(os.path.join(out, 'hybrid-mirror.md'), 'w') as f:
+    with open(os.path.join(out, f'{args.name}.md'), 'w') as f:
         f.write('\n'.join(lines))
-    chart(os.path.join(out, 'hybrid-mirror.png'), summary)
+    chart(os.path.join(out, f'{args.name}.png'), summary)
 
 
 def chart(path, summary):
@@ -814,6 +816,11 @@ def main():
     ap.add_argument('--rounds', type=int, default=3)
     ap.add_argument('--runtime', type=int, default=8)
     ap.add_argument('--size', default='1G')
+    ap.add_argument('--block-size', default='64K',
+                    help="the hybrid images' block size: a block's first write since "
+                         'its write-back copies the whole block to the mirror')
+    ap.add_argument('--name', default='hybrid-mirror',
+                    help='the report files in --out: NAME.md, .json, .png')
     ap.add_argument('--rate', default='1gbit',
                     help='the links a<->b and a<->ceph (tc syntax)')
     ap.add_argument('--osd-size', default='16G',
