@@ -634,8 +634,10 @@ class PodmanPluginTest(PluginTest):
 
     def test_unmount_refused_at_the_container_end(self):
         """A host process has its working directory on the volume when the
-        last container using it goes: podman's cleanup reports the plugin's
-        refusal naming it, the volume stays mounted with the data; once the
+        last container using it goes: the plugin refuses the unmount naming
+        it (podman rm reports it, or conmon's `podman container cleanup`
+        when it got to the exited container first: then only the plugin's
+        log has it), the volume stays mounted with the data; once the
         process has gone, podman volume unmount unmounts it."""
         name = self.vol('held')
         self.create(name, 'size=64M', 'mode=async')
@@ -645,9 +647,12 @@ class PodmanPluginTest(PluginTest):
         holder = subprocess.Popen(['sleep', '600'], cwd=mnt)
         try:
             p = self.podman.run('rm', '-f', '-t', '0', c, check=False)
-            self.assertIn(f'on /VolumeDriver.Unmount on volume {name} in volume plugin '
-                          f'hybridvm: volume {name} (on {mnt}) is in use: pid {holder.pid} '
-                          '(sleep): cwd', p.stderr)
+            refusal = f'volume {name} (on {mnt}) is in use: pid {holder.pid} (sleep): cwd'
+            wait_for(lambda: f"/VolumeDriver.Unmount': 500: {refusal}" in self.plugin_log(), 60,
+                     'the plugin to refuse the unmount')
+            if p.stderr:
+                self.assertIn(f'on /VolumeDriver.Unmount on volume {name} in volume plugin '
+                              f'hybridvm: {refusal}', p.stderr)
             self.assertEqual(self.vols.status(name)['state'], 'mounted')
             with open(os.path.join(mnt, 'k')) as f:
                 self.assertEqual(f.read(), 'kept\n')
