@@ -145,6 +145,11 @@ mon data avail warn = 1
 rados osd op timeout = $op_timeout
 rados mon op timeout = $op_timeout
 client mount timeout = $op_timeout
+
+[osd]
+# the clients' short deadline is not the OSD's: on a loaded host its first
+# authentication with the monitor took longer than 5 s and it exited
+client mount timeout = 60
 EOC
     {
         ceph-authtool --create-keyring "$dir/mon.a.keyring" --gen-key -n mon. --cap mon 'allow *'
