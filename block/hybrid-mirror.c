@@ -218,6 +218,15 @@ static int coroutine_fn GRAPH_RDLOCK mirror_mark(BDRVHybridState *s,
     return ret;
 }
 
+/* Block @idx whole into the mirror, then counted there */
+static int coroutine_fn GRAPH_RDLOCK mirror_put_counted(BDRVHybridState *s,
+                                                        uint64_t idx)
+{
+    int ret = mirror_put_block(s, idx);
+
+    return ret < 0 ? ret : mirror_mark(s, idx);
+}
+
 /*
  * Put the async write of [boff, boff + len) of block @idx, which the RAM
  * tier took, in the mirror too; the write completes when this returns 0.
@@ -246,10 +255,7 @@ hybrid_mirror_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
         return mirror_fail(s, ret);
     }
     assert(slot->flags & HYBRID_SLOT_BUSY);
-    ret = mirror_put_block(s, idx);
-    if (ret == 0) {
-        ret = mirror_mark(s, idx);
-    }
+    ret = mirror_put_counted(s, idx);
     trace_hybrid_mirror_write(s, idx, boff, len, true, ret);
     return mirror_fail(s, ret);
 }
@@ -638,20 +644,21 @@ int GRAPH_RDLOCK hybrid_mirror_attach(BDRVHybridState *s, bool reset_only,
 }
 
 /*
- * A new mirror for a node that serves (hybrid-set-mirror): the RAM tier
- * holds the newest data, so whatever the mirror has is dropped, unless it
- * holds another image's unwritten blocks.
+ * May a node that serves take the mirror s->mirror (named @name) as a new
+ * one (hybrid-set-mirror)?  Its RAM tier holds the newest data, so what
+ * the mirror has is dropped, unless it is another image's unwritten
+ * blocks.  Reads only.
  */
-static int GRAPH_RDLOCK mirror_bind(BDRVHybridState *s, Error **errp)
+static int GRAPH_RDLOCK mirror_may_take(BDRVHybridState *s, const char *name,
+                                        Error **errp)
 {
-    g_autofree char *what = g_strdup_printf("mirror '%s'", mirror_name(s));
+    g_autofree char *what = g_strdup_printf("mirror '%s'", name);
     g_autofree uint8_t *head = NULL;
     HybridRegionLook look;
     uint64_t dirty;
     bool ok;
     int ret;
 
-    mirror_forget(s);
     ret = mirror_look(s, what, &head, &look, &ok, &dirty, errp);
     if (ret < 0) {
         return ret;
@@ -662,6 +669,16 @@ static int GRAPH_RDLOCK mirror_bind(BDRVHybridState *s, Error **errp)
                    "refusing to overwrite them", what, dirty, look.token);
         return -EBUSY;
     }
+    return 0;
+}
+
+/* Bind a new mirror to a node that serves (hybrid-set-mirror) */
+static int GRAPH_RDLOCK mirror_bind(BDRVHybridState *s, Error **errp)
+{
+    g_autofree char *what = g_strdup_printf("mirror '%s'", mirror_name(s));
+    int ret;
+
+    mirror_forget(s);
     ret = mirror_reset(s, what, errp);
     if (ret == 0 && s->header_dirty_on_disk) {
         /*
@@ -694,10 +711,7 @@ static int coroutine_fn GRAPH_RDLOCK mirror_fill(BDRVHybridState *s)
         if (!(s->slots[idx].flags & HYBRID_SLOT_DIRTY)) {
             continue;
         }
-        ret = mirror_put_block(s, idx);
-        if (ret == 0) {
-            ret = mirror_mark(s, idx);
-        }
+        ret = mirror_put_counted(s, idx);
         if (ret < 0) {
             return mirror_fail(s, ret);
         }
@@ -760,8 +774,20 @@ int hybrid_mirror_replace(BlockDriverState *bs, BlockDriverState *mbs,
         bdrv_drained_end(bs);
         return -EINVAL;
     }
-    mirror_init_state(s);
     s->mirror = child;
+    bdrv_graph_rdlock_main_loop();
+    ret = mirror_may_take(s, bdrv_get_node_name(mbs), errp);
+    bdrv_graph_rdunlock_main_loop();
+    if (ret < 0) {
+        /* Refused before anything changed: the node stays as it was */
+        bdrv_graph_wrlock();
+        bdrv_unref_child(bs, child);
+        bdrv_graph_wrunlock();
+        s->mirror = NULL;
+        bdrv_drained_end(bs);
+        return ret;
+    }
+    mirror_init_state(s);
     g_free(s->mirror_name);
     s->mirror_name = g_strdup(bdrv_get_node_name(mbs));
     s->mirror_error = 0;

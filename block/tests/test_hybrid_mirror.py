@@ -48,6 +48,13 @@ REGION_ATTACH_RE = re.compile(r'hybrid_region_attach .*reused (\d) loaded (\d+) 
 MIRROR_ATTACH_RE = re.compile(r'hybrid_mirror_attach .*recovered (\d) blocks (\d+)')
 
 
+def failing_mirror(sector):
+    """The mirror m0 over the file node mf, every write touching @sector
+    failing with EIO (blkdebug)."""
+    return (f'{{"driver": "blkdebug", "node-name": "m0", "image": "mf", "inject-error": '
+            f'[{{"event": "pwritev", "errno": 5, "sector": {sector}, "once": false}}]}}')
+
+
 @unittest.skipUnless(H.have_binaries(), f'QEMU tools not built in {H.BIN}')
 class MirrorTest(unittest.TestCase):
 
@@ -84,6 +91,23 @@ class MirrorTest(unittest.TestCase):
                 f'file.driver=file,file.filename={img}')
         m = f',mirror.driver=file,mirror.filename={mirror}' if mirror else ''
         return f'driver=hybrid,mode=async,{tier}{m}{extra}'
+
+    def daemon(self, *blockdevs):
+        """qemu-storage-daemon with the -blockdev JSON/keyval @blockdevs,
+        the hybrid node h0 among them, exported over NBD."""
+        args = [x for b in blockdevs for x in ('--blockdev', b)]
+        return H.StorageDaemon(
+            self.tmp, *args,
+            '--nbd-server', f'addr.type=unix,addr.path={self.tmp("nbd.sock")}',
+            '--export', 'nbd,id=e0,node-name=h0,writable=on')
+
+    def nbd_io(self):
+        """qemu-io on the daemon's export, one connection throughout
+        (closing it would flush)."""
+        io = H.QemuIo('driver=nbd,server.type=unix,server.path='
+                      f'{self.tmp("nbd.sock")},export=h0')
+        self.procs.append(io)
+        return io
 
     def qemu_io(self, opts, extra=()):
         io = H.QemuIo(opts, list(extra) + TRACE)
@@ -186,16 +210,11 @@ class MirrorTest(unittest.TestCase):
         """After a flush the written-back blocks stop counting: the
         mirror's valid bitmap is empty, and a failover finds nothing."""
         img, mirror = self.image(), self.mirror()
-        qsd = H.StorageDaemon(self.tmp, '--blockdev', 'file,node-name=m0,filename=' + mirror,
-                              '--blockdev', 'file,node-name=f0,filename=' + img,
-                              '--blockdev', 'hybrid,node-name=h0,file=f0,mirror=m0,mode=async',
-                              '--nbd-server', f'addr.type=unix,addr.path={self.tmp("nbd.sock")}',
-                              '--export', 'nbd,id=e0,node-name=h0,writable=on')
+        qsd = self.daemon('file,node-name=m0,filename=' + mirror,
+                          'file,node-name=f0,filename=' + img,
+                          'hybrid,node-name=h0,file=f0,mirror=m0,mode=async')
         try:
-            # one connection throughout: closing it would flush
-            io = H.QemuIo('driver=nbd,server.type=unix,server.path='
-                          f'{self.tmp("nbd.sock")},export=h0')
-            self.procs.append(io)
+            io = self.nbd_io()
             io.cmd(f'write -P 0x5a 0 {4 * BLOCK}')
             [info] = qsd.cmd('query-hybrid')
             self.assertEqual(info['mirror']['counted-blocks'], 4, info['mirror'])
@@ -255,15 +274,9 @@ class MirrorTest(unittest.TestCase):
         write still completes, in the persistent tier."""
         img, mirror = self.image(), self.mirror()
         sector = (2 * MiB + 5 * BLOCK) // 512
-        qsd = H.StorageDaemon(
-            self.tmp, '--blockdev', 'file,node-name=mf,filename=' + mirror,
-            '--blockdev', f'{{"driver": "blkdebug", "node-name": "m0", "image": "mf", '
-                          f'"inject-error": [{{"event": "pwritev", "errno": 5, '
-                          f'"sector": {sector}, "once": false}}]}}',
-            '--blockdev', 'file,node-name=f0,filename=' + img,
-            '--blockdev', 'hybrid,node-name=h0,file=f0,mirror=m0,mode=async',
-            '--nbd-server', f'addr.type=unix,addr.path={self.tmp("nbd.sock")}',
-            '--export', 'nbd,id=e0,node-name=h0,writable=on')
+        qsd = self.daemon('file,node-name=mf,filename=' + mirror, failing_mirror(sector),
+                          'file,node-name=f0,filename=' + img,
+                          'hybrid,node-name=h0,file=f0,mirror=m0,mode=async')
         try:
             uri = f'nbd+unix:///h0?socket={self.tmp("nbd.sock")}'
             out = H.qemu_io('-f', 'raw', '-c', f'write -P 0x33 0 {8 * BLOCK}',
@@ -304,16 +317,11 @@ class MirrorTest(unittest.TestCase):
         then (not those written back), counted on from then on, and a
         failover after a kill takes every acknowledged write."""
         img, mirror = self.image(), self.mirror()
-        qsd = H.StorageDaemon(
-            self.tmp, '--blockdev', 'file,node-name=f0,filename=' + img,
-            '--blockdev', 'hybrid,node-name=h0,file=f0,mode=async',
-            '--blockdev', 'file,node-name=m1,filename=' + mirror,
-            '--nbd-server', f'addr.type=unix,addr.path={self.tmp("nbd.sock")}',
-            '--export', 'nbd,id=e0,node-name=h0,writable=on')
+        qsd = self.daemon('file,node-name=f0,filename=' + img,
+                          'hybrid,node-name=h0,file=f0,mode=async',
+                          'file,node-name=m1,filename=' + mirror)
         try:
-            io = H.QemuIo('driver=nbd,server.type=unix,server.path='
-                          f'{self.tmp("nbd.sock")},export=h0')
-            self.procs.append(io)
+            io = self.nbd_io()
             io.cmd(f'write -P 0x60 0 {3 * BLOCK}')
             io.cmd('flush')                         # written back: not for the mirror
             for i in range(4):                      # dirty: four requests, one block each
@@ -340,20 +348,12 @@ class MirrorTest(unittest.TestCase):
         failover after a kill takes every acknowledged write."""
         img, mirror, new = self.image(), self.mirror(), self.mirror('new')
         sector = (2 * MiB + 5 * BLOCK) // 512
-        qsd = H.StorageDaemon(
-            self.tmp, '--blockdev', 'file,node-name=mf,filename=' + mirror,
-            '--blockdev', f'{{"driver": "blkdebug", "node-name": "m0", "image": "mf", '
-                          f'"inject-error": [{{"event": "pwritev", "errno": 5, '
-                          f'"sector": {sector}, "once": false}}]}}',
-            '--blockdev', 'file,node-name=f0,filename=' + img,
-            '--blockdev', 'hybrid,node-name=h0,file=f0,mirror=m0,mode=async',
-            '--blockdev', 'file,node-name=m1,filename=' + new,
-            '--nbd-server', f'addr.type=unix,addr.path={self.tmp("nbd.sock")}',
-            '--export', 'nbd,id=e0,node-name=h0,writable=on')
+        qsd = self.daemon('file,node-name=mf,filename=' + mirror, failing_mirror(sector),
+                          'file,node-name=f0,filename=' + img,
+                          'hybrid,node-name=h0,file=f0,mirror=m0,mode=async',
+                          'file,node-name=m1,filename=' + new)
         try:
-            io = H.QemuIo('driver=nbd,server.type=unix,server.path='
-                          f'{self.tmp("nbd.sock")},export=h0')
-            self.procs.append(io)
+            io = self.nbd_io()
             for i in range(6):          # the 6th fails in the mirror
                 self.assertNotRegex(io.cmd(f'write -P {0x70 + i} {i * BLOCK} {BLOCK}'),
                                     H.FAILED_RE)
@@ -372,19 +372,39 @@ class MirrorTest(unittest.TestCase):
             self.assertEqual(data[i * BLOCK:(i + 1) * BLOCK], bytes([0x70 + i]) * BLOCK, i)
 
     def test_set_mirror_refusals(self):
-        img, mirror = self.image(), self.mirror()
+        """hybrid-set-mirror refuses a node with a working mirror, a node
+        that is not hybrid, a missing node, a mirror too small, and a
+        mirror holding another image's unwritten blocks (which stay)."""
+        img, mirror, other = self.image(), self.mirror(), self.image('other.hyb')
+        foreign = self.mirror('foreign')
+        io = self.qemu_io(self.opts(other, foreign))
+        io.cmd(f'write -P 0x61 0 {BLOCK}')
+        io.kill()
+        self.procs.remove(io)
         qsd = H.StorageDaemon(self.tmp, '--blockdev', 'file,node-name=m0,filename=' + mirror,
                               '--blockdev', 'file,node-name=f0,filename=' + img,
                               '--blockdev', 'hybrid,node-name=h0,file=f0,mirror=m0,mode=async',
-                              '--blockdev', f'file,node-name=small,filename={self.mirror("s", 4096)}')
+                              '--blockdev', 'file,node-name=f1,filename=' + self.image('b.hyb'),
+                              '--blockdev', 'hybrid,node-name=h1,file=f1,mode=async',
+                              '--blockdev', f'file,node-name=small,filename={self.mirror("s", 4096)}',
+                              '--blockdev', 'file,node-name=foreign,filename=' + foreign)
         try:
             for args, msg in (({'node-name': 'h0', 'mirror': 'small'}, "node 'h0' has a mirror, 'm0'"),
                               ({'node-name': 'f0', 'mirror': 'small'}, 'is not a hybrid node'),
-                              ({'node-name': 'h0', 'mirror': 'nope'}, "Cannot find node 'nope'")):
+                              ({'node-name': 'h0', 'mirror': 'nope'}, "Cannot find node 'nope'"),
+                              ({'node-name': 'h1', 'mirror': 'small'},
+                               "mirror 'small' has 4096 bytes"),
+                              ({'node-name': 'h1', 'mirror': 'foreign'},
+                               "mirror 'foreign' holds 1 blocks not yet written back to "
+                               "another image")):
                 r = qsd.qmp('hybrid-set-mirror', **args)
                 self.assertIn(msg, r['error']['desc'])
+            [info] = qsd.cmd('query-hybrid', **{'node-name': 'h1'})
+            self.assertNotIn('mirror', info)
         finally:
             qsd.kill()
+        self.assertEqual(self.failover(other, foreign), (True, 1))
+        self.assertEqual(self.image_bytes(other)[:BLOCK], b'\x61' * BLOCK)
 
     # -- bad options --
 
