@@ -103,6 +103,8 @@ class MirrorHostsTest(unittest.TestCase):
             self.assertLess(time.monotonic(), deadline, "b's broker does not answer")
             time.sleep(0.1)
         self.b.run([HVMEM, 'create', 'vm1-mirror', str(MIRROR_SIZE)])
+        # a: a dead peer is found after ~3 s of retransmissions, not ~15 min
+        self.a.run(['sysctl', '-q', '-w', 'net.ipv4.tcp_retries2=3'])
         self.start_export()
 
     def start_export(self):
@@ -197,8 +199,6 @@ class MirrorHostsTest(unittest.TestCase):
         """Writes from a while `fault()` takes the mirror away: they stall
         until TCP gives up on b, then complete in the persistent tier."""
         self.start_mirror_host()
-        # a dead peer is found after ~3 s of retransmissions, not ~15 min
-        self.a.run(['sysctl', '-q', '-w', 'net.ipv4.tcp_retries2=3'])
         rnd = random.Random(7)
         model = H.WriteModel(SIZE // SLOT, rnd, durable='ack')
         io = self.writer(throttled=False)
@@ -276,7 +276,6 @@ class MirrorHostsTest(unittest.TestCase):
                    ceph.filename('hyb'), str(SIZE))
         tier = ceph.blockdev('hyb', prefix='file.')
         self.start_mirror_host()
-        self.a.run(['sysctl', '-q', '-w', 'net.ipv4.tcp_retries2=3'])
         rnd = random.Random(11)
         model = H.WriteModel(SIZE // SLOT, rnd, durable='ack')
         io = self.writer(tier=tier)
