@@ -127,6 +127,22 @@ class HookTest(HookCase):
         self.assertIn('/nonexistent/x.hybrid does not exist on this host', cp.stderr)
         self.assertIn('refused', self.log())
 
+    def test_tier_under_a_filter(self):
+        """A persistent tier under a throttle filter (a throttle group on the
+        write-back) is found and checked as the file it is."""
+        def args(path):
+            return ['-blockdev', 'driver=hybrid,node-name=hd0,file.driver=throttle,'
+                                 'file.throttle-group=tg0,file.file.driver=file,'
+                                 f'file.file.filename={path},ram-size=64M']
+        cp = self.hook('prepare', 'begin', domain(qemu_args=args('/nonexistent/y.hybrid'),
+                                                  emulator=self.emulator))
+        self.assertEqual(cp.returncode, 1)
+        self.assertIn('/nonexistent/y.hybrid does not exist on this host', cp.stderr)
+        cp = self.hook('prepare', 'begin', domain(qemu_args=args(self.image),
+                                                  emulator=self.emulator))
+        self.assertEqual(cp.returncode, 0, cp.stderr)
+        self.assertIn(f'hybrid {self.image} ram-size 64 MiB', self.log())
+
     def test_refuse_unreachable_nbd_tier(self):
         args = ['-blockdev', 'driver=hybrid,node-name=hd0,file.driver=nbd,file.server.type=inet,'
                              'file.server.host=127.0.0.1,file.server.port=1,ram-size=64M']
