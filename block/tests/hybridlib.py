@@ -318,7 +318,9 @@ def clone_cache_daemon(tmp, size):
 
 
 # qemu-io's own report of a failed request (not a warning that says "failed")
-FAILED_RE = re.compile(r'^(write|flush) failed', re.M)
+FAILED_RE = re.compile(r'^(aio_write|write|flush) failed', re.M)
+# an aio_write's completion, as qemu-io reports it (no -q, no -C)
+WROTE_RE = re.compile(r'^wrote (\d+)/\d+ bytes at offset (\d+)$', re.M)
 
 
 class WriteModel:
@@ -337,6 +339,7 @@ class WriteModel:
         self.accepted = {}      # slot -> values a read may return
         self.pending = {}       # durable='flush': written since the last flush
         self.lost = 0           # unflushed writes the kills took (allowed)
+        self.aio_io, self.in_flight = None, {}  # run_aio: slot -> value sent
 
     def run(self, io, ops, flush_p=0.0, hot=16):
         """`ops` commands: writes (half to a small hot set) and, with
@@ -362,6 +365,79 @@ class WriteModel:
             else:
                 self.accepted.setdefault(slot, {0}).add(val)
                 self.pending[slot] = val
+
+    def run_aio(self, io, ops, depth=32, flush_p=0.0, hot=16, drain=False, timeout=60):
+        """`ops` commands as run() does, but the writes asynchronous
+        (qemu-io's aio_write): up to `depth` in flight, never two to one
+        slot (so each slot's order is known).  A write is acknowledged once
+        its completion line ("wrote 4096/4096 bytes at offset N") is read;
+        until then its value is one the slot may hold.  The flushes are
+        qemu-io's `flush` (blk_flush, the writes in flight staying so;
+        aio_flush is a drain, no flush).  Returns with the last writes in
+        flight, for the caller to kill the writer under them (or to call
+        run_aio on it again); drain=True waits for them (aio_flush).
+        durable='ack' only.  Raises AssertionError on a failure.
+
+        qemu-io (stdin and stdout pipes) reads a command only when the last
+        one's prompt is out, and prints completions into its stdout buffer,
+        flushed with the next prompt: so one command at a time, and a
+        `sleep` command to collect completions while `depth` are in
+        flight.  Returns counts: writes, flushes, max_in_flight (as this
+        side saw them), mean_in_flight (at each write sent), left (in
+        flight at the return)."""
+        assert self.durable == 'ack', 'run_aio models acknowledged writes only'
+        if io is not self.aio_io:       # a new writer: the old one's are gone
+            self.aio_io, self.in_flight = io, {}
+        in_flight = self.in_flight
+        hot_set = [self.rnd.randrange(self.nslots) for _ in range(hot)]
+        stats = dict(writes=0, flushes=0, max_in_flight=0, mean_in_flight=0.0)
+        total = 0
+        for _ in range(ops):
+            if self.rnd.random() < flush_p:
+                self._aio_acks(io.cmd('flush', timeout), 'flush')
+                stats['flushes'] += 1
+                continue
+            wait, deadline = 1, time.monotonic() + timeout
+            while len(in_flight) >= depth:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f'{len(in_flight)} writes in flight, none '
+                                       f'completed in {timeout} s')
+                self._aio_acks(io.cmd(f'sleep {wait}', timeout), 'sleep')
+                wait = min(2 * wait, 32)
+            slot = None
+            if self.rnd.random() < 0.5:
+                free = [s for s in hot_set if s not in in_flight]
+                slot = self.rnd.choice(free) if free else None
+            while slot is None or slot in in_flight:
+                slot = self.rnd.randrange(self.nslots)
+            val = self.rnd.randint(1, 255)
+            self.accepted.setdefault(slot, {0}).add(val)
+            in_flight[slot] = val
+            stats['writes'] += 1
+            total += len(in_flight)
+            stats['max_in_flight'] = max(stats['max_in_flight'], len(in_flight))
+            self._aio_acks(io.cmd(f'aio_write -P {val} {slot * self.SLOT} {self.SLOT}',
+                                  timeout), 'aio_write')
+        if drain:
+            self._aio_acks(io.cmd('aio_flush', timeout), 'aio_flush')
+            assert not in_flight, f'no completion read for slots {sorted(in_flight)}'
+        stats['mean_in_flight'] = round(total / max(stats['writes'], 1), 1)
+        stats['left'] = len(in_flight)
+        return stats
+
+    def _aio_acks(self, out, what):
+        """The completions in qemu-io's output `out`: each makes its write
+        the one value its slot may hold."""
+        if FAILED_RE.search(out):
+            raise AssertionError(f'{what}: write failed: {out}')
+        for m in WROTE_RE.finditer(out):
+            off = int(m.group(2))
+            slot = off // self.SLOT
+            if int(m.group(1)) != self.SLOT or off % self.SLOT or \
+                    slot not in self.in_flight:
+                raise AssertionError(f'{what}: a completion of no write in flight: '
+                                     f'{m.group(0)!r}')
+            self.accepted[slot] = {self.in_flight.pop(slot)}
 
     def send_unacked(self, io, n):
         """n writes sent without waiting: the kill may come before them."""

@@ -9,7 +9,8 @@ tier and the mirror, as the mirror's host would.
 
 - SIGKILL at random moments in async mode, many rounds, then failover: the
   image opened with the mirror as its ram-file holds every acknowledged
-  write.  The same rounds without a mirror lose writes (the check can fail).
+  write; so with 32 writes in flight at each kill.  The same rounds
+  without a mirror lose writes (the check can fail).
 - QEMU dies and the host stays: reopened with mirror=, the node takes the
   mirror's blocks back.
 - Blocks written back and flushed leave the mirror.
@@ -136,22 +137,29 @@ class MirrorTest(unittest.TestCase):
         self.procs.remove(io)
         return bool(int(m.group(1))), int(m.group(3))
 
-    def killed_rounds(self, img, mirror, rounds, seed, failover=True):
+    def killed_rounds(self, img, mirror, rounds, seed, failover=True, depth=None):
         """Rounds of random 4 KiB writes (some never acknowledged), each
         ended by SIGKILL; after each, the image as the other host finds it
-        must hold every acknowledged write.  Returns the dirty blocks each
-        failover found."""
+        must hold every acknowledged write.  depth: that many asynchronous
+        writes kept in flight, the kill coming under them
+        (WriteModel.run_aio), else one at a time and a few sent
+        unacknowledged.  Returns the dirty blocks each failover found and,
+        with depth, each round's run_aio counts."""
         rnd = random.Random(seed)
         model = H.WriteModel(SIZE // SLOT, rnd, durable='ack')
         obj = ['--object', 'throttle-group,id=tg0,x-iops-write=200']
         # a slow persistent tier and a small dirty limit keep write-backs
         # (and the mirror's clean-ups) in flight at the kill
         opts = self.opts(img, mirror, ',dirty-limit=512k', throttled=True)
-        found = []
+        found, aio = [], []
         for n in range(rounds):
             io = self.qemu_io(opts, obj)
-            model.run(io, rnd.randint(40, 150), flush_p=0.05 if n % 2 else 0.0)
-            model.send_unacked(io, rnd.randint(0, 6))
+            flush_p = 0.05 if n % 2 else 0.0
+            if depth:
+                aio.append(model.run_aio(io, rnd.randint(150, 400), depth, flush_p))
+            else:
+                model.run(io, rnd.randint(40, 150), flush_p=flush_p)
+                model.send_unacked(io, rnd.randint(0, 6))
             io.kill()
             self.procs.remove(io)
             if failover:
@@ -159,30 +167,59 @@ class MirrorTest(unittest.TestCase):
                 self.assertTrue(reused, 'the mirror was not taken at failover')
                 found.append(dirty)
             model.check(self.image_bytes(img), f'round {n}: ')
-        return found
+        return found, aio
 
     # -- the host dies --
 
-    def test_host_loss_loses_no_acknowledged_write(self):
-        """SIGKILL at random moments, then the image opened on the mirror's
-        host: every acknowledged write, flushed or not, is there."""
+    def host_loss(self, depth=None):
+        """killed_rounds with a mirror and a failover after each kill;
+        returns their run_aio counts."""
         img, mirror = self.image(), self.mirror()
         rounds = 30 if H.LONG else 6
-        found = self.killed_rounds(img, mirror, rounds,
-                                   int(os.environ.get('HYBRID_SEED', '3939')))
+        found, aio = self.killed_rounds(img, mirror, rounds,
+                                        int(os.environ.get('HYBRID_SEED', '3939')),
+                                        depth=depth)
         # rounds without flushes always leave blocks in the mirror (a
         # flushing one may have just written everything back)
         self.assertTrue(all(found[0::2]), f'a round without flushes left nothing '
                         f'in the mirror ({found}): it did not test the failover')
         print(f'{rounds} kills; dirty blocks each failover found: {found}',
               file=sys.stderr)
+        return aio
+
+    def test_host_loss_loses_no_acknowledged_write(self):
+        """SIGKILL at random moments, then the image opened on the mirror's
+        host: every acknowledged write, flushed or not, is there."""
+        self.host_loss()
+
+    def test_host_loss_many_in_flight(self):
+        """The same with up to 32 writes in flight, the kill coming while
+        they are."""
+        aio = self.host_loss(depth=32)
+        # the rounds without flushes fill the window (the dirty limit
+        # holds writes back) and are killed with writes in flight
+        self.assertTrue(all(a['max_in_flight'] == 32 and a['left'] for a in aio[0::2]),
+                        f'a round without flushes never had 32 in flight, or had none '
+                        f'at the kill: {aio}')
+        print('writes, max/mean in flight, in flight at the kill: '
+              f'{[(a["writes"], a["max_in_flight"], a["mean_in_flight"], a["left"]) for a in aio]}',
+              file=sys.stderr)
+
+    def without_a_mirror_the_check_fails(self, depth=None):
+        """killed_rounds with no mirror must fail its check."""
+        img = self.image()
+        with self.assertRaisesRegex(AssertionError, 'an acknowledged write was lost') as cm:
+            self.killed_rounds(img, None, 3, 3939, failover=False, depth=depth)
+        print(f'without a mirror: {cm.exception}', file=sys.stderr)
 
     def test_without_a_mirror_the_check_fails(self):
         """The same rounds with no mirror: acknowledged writes are lost (the
         persistent tier alone lacks them), and the check says so."""
-        img = self.image()
-        with self.assertRaisesRegex(AssertionError, 'an acknowledged write was lost'):
-            self.killed_rounds(img, None, 3, 3939, failover=False)
+        self.without_a_mirror_the_check_fails()
+
+    def test_without_a_mirror_many_in_flight_the_check_fails(self):
+        """So with 32 writes in flight."""
+        self.without_a_mirror_the_check_fails(depth=32)
 
     def test_qemu_dies_host_stays(self):
         """Reopened with mirror=, the node takes the mirror's blocks back,

@@ -13,8 +13,9 @@ is a file in the network's shared directory, which both hosts see (a
 stand-in for the Ceph RBD image of a real deployment: what is tested here
 is the mirror, its transport and the failover).
 
-- host a dies at random moments, many rounds: on host b the image opened
-  with the mirror as its ram-file holds every acknowledged write;
+- host a dies at random moments, many rounds, with writes one at a time
+  or many in flight: on host b the image opened with the mirror as its
+  ram-file holds every acknowledged write;
 - the mirror host dies under a writer: writes stall until TCP gives up
   (tcp_retries2 lowered on host a), then the node is degraded and every
   write completes in the persistent tier; so does a cut link;
@@ -166,20 +167,29 @@ class MirrorHostsTest(unittest.TestCase):
 
     # -- the tests --
 
-    def test_writer_host_dies(self):
-        """Host a dies (all its processes at once, its RAM gone) at random
-        moments: on b the image taken over with the mirror holds every
-        acknowledged write."""
+    def writer_host_dies(self, depth=None):
+        """Rounds of writes from a, each ended by host a dying (all its
+        processes at once, its RAM gone) at a random moment: on b the
+        image taken over with the mirror holds every acknowledged write.
+        depth: that many asynchronous writes kept in flight, the kill coming
+        under them (WriteModel.run_aio), else one at a time, a few more sent
+        unacknowledged.  Returns the dirty blocks each failover found and,
+        with depth, each round's run_aio counts."""
         self.start_mirror_host()
         rnd = random.Random(int(os.environ.get('HYBRID_SEED', '3940')))
         model = H.WriteModel(SIZE // SLOT, rnd, durable='ack')
         rounds = 10 if H.LONG else 3
-        found = []
+        found, aio = [], []
         for n in range(rounds):
             io = self.writer()
-            model.run(io, rnd.randint(40, 120), flush_p=0.05 if n % 2 else 0.0)
-            model.send_unacked(io, rnd.randint(0, 6))
+            flush_p = 0.05 if n % 2 else 0.0
+            if depth:
+                aio.append(model.run_aio(io, rnd.randint(150, 400), depth, flush_p))
+            else:
+                model.run(io, rnd.randint(40, 120), flush_p=flush_p)
+                model.send_unacked(io, rnd.randint(0, 6))
             self.a.kill()
+            io.kill()           # (dead with its host: reaped, pipes closed)
             self.ios.remove(io)
             # the region's lease keeps the takeover out until the export stops
             with self.assertRaisesRegex(EOFError, 'already has a read-write owner'):
@@ -192,7 +202,28 @@ class MirrorHostsTest(unittest.TestCase):
             self.a.restart()
             self.start_export()
         self.assertTrue(all(found[0::2]), f'nothing in the mirror at a kill ({found})')
-        print(f'{rounds} host kills; dirty blocks each failover found: {found}',
+        return found, aio
+
+    def test_writer_host_dies(self):
+        """Host a dies at random moments, its writes one at a time: on b
+        the image taken over with the mirror holds every acknowledged
+        write."""
+        found, _ = self.writer_host_dies()
+        print(f'{len(found)} host kills; dirty blocks each failover found: {found}',
+              file=sys.stderr)
+
+    def test_writer_host_dies_many_in_flight(self):
+        """As test_writer_host_dies, with up to 32 writes in flight and the
+        kill coming while they are."""
+        found, aio = self.writer_host_dies(depth=32)
+        # the rounds without flushes fill the window (the dirty limit
+        # holds writes back) and are killed with writes in flight
+        self.assertTrue(all(a['max_in_flight'] == 32 and a['left'] for a in aio[0::2]),
+                        f'a round without flushes never had 32 in flight, or had none '
+                        f'at the kill: {aio}')
+        print(f'{len(found)} host kills; dirty blocks each failover found: {found}; '
+              f'writes, max/mean in flight, in flight at the kill: '
+              f'{[(a["writes"], a["max_in_flight"], a["mean_in_flight"], a["left"]) for a in aio]}',
               file=sys.stderr)
 
     def degraded_after(self, fault):
