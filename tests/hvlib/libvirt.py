@@ -168,10 +168,15 @@ def make_hooks_dir(parent, reserve, conf='', layout='plain'):
 
 class LibvirtHost:
     """One libvirtd instance: `uri` is what virsh -c takes.  Without
-    migration_ports (lo, hi) it takes 50 ports from random_ports()."""
+    migration_ports (lo, hi) it takes 50 ports from random_ports().  With
+    `host` (an hvlib.hosts.Host) the daemons run inside that host (`root`
+    must be where the host sees it, e.g. under host.files): killing the
+    host kills them and their QEMUs, and pids (qemu_pids()) are the host's
+    own numbering, which stop() never signals from here."""
 
-    def __init__(self, name, root, migration_ports=None, hooks_dir=None):
+    def __init__(self, name, root, migration_ports=None, hooks_dir=None, host=None):
         self.name = name
+        self.host = host
         self.root = root
         if migration_ports is None:
             base = random_ports()
@@ -228,7 +233,8 @@ class LibvirtHost:
             os.makedirs(src, exist_ok=True)  # mount points must exist on the host
         binds = ' && '.join(f'mount --bind {self._dir(k)} {src}' for src, k in BIND_DIRS.items())
         # Pid files default to /run/*.pid, shared by all instances: keep them private.
-        script = (f'set -e; {binds}; virtlogd -d -p /run/libvirt/virtlogd.pid; '
+        # (made again inside: a host's /run is its own)
+        script = (f'set -e; mkdir -p {" ".join(BIND_DIRS)}; {binds}; virtlogd -d -p /run/libvirt/virtlogd.pid; '
                   'exec libvirtd -p /run/libvirt/libvirtd.pid')
         self._log = open(os.path.join(self.root, 'daemon.log'), 'ab')
         # The PATH systemd gives libvirtd.service, not ours: hooks run `#!/usr/bin/env python3`,
@@ -236,7 +242,8 @@ class LibvirtHost:
         # migration's destination, before the migration starts).
         env = dict(os.environ, PATH=SERVICE_PATH)
         # Under the reaper (REAPER), QEMU processes that libvirtd stops are reaped at once.
-        self._proc = subprocess.Popen(
+        popen = self.host.popen if self.host else subprocess.Popen
+        self._proc = popen(
             ['setpriv', '--pdeathsig', 'KILL', sys.executable, '-c', REAPER,
              'setpriv', '--pdeathsig', 'KILL', 'unshare', '-m', '--propagation', 'private',
              'sh', '-c', script],
@@ -308,15 +315,16 @@ class LibvirtHost:
             cp = self.virsh('list', '--name', check=False, timeout=30)
             for dom in cp.stdout.split():
                 self.virsh('destroy', dom, check=False, timeout=60)
-        leftovers = self.qemu_pids()
+        # a host's pids are not the machine's: its processes die with it
+        leftovers = [] if self.host else self.qemu_pids()
         pidfile = os.path.join(self._dir('run'), 'virtlogd.pid')
-        if os.path.exists(pidfile):
+        if os.path.exists(pidfile) and not self.host:
             try:
                 leftovers.append(int(open(pidfile).read().strip()))
             except ValueError:
                 pass
         if self._proc.poll() is None:
-            os.killpg(self._proc.pid, signal.SIGTERM)
+            os.killpg(self._proc.pid, signal.SIGTERM)   # a host's too: pgids span PID namespaces
             try:
                 self._proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
