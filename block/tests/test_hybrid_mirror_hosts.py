@@ -39,6 +39,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, '..', '..', 'tests'))
 import hybridlib as H           # noqa: E402
 from hvlib import hosts         # noqa: E402
+from hvlib.mirror import MirrorHost, client_psk_object, write_psk   # noqa: E402
 sys.path.insert(0, os.path.join(HERE, '..', '..', 'broker', 'tests'))
 import brokerlib as B           # noqa: E402
 
@@ -50,7 +51,6 @@ SLOT = 4096
 SIZE = 32 * MiB
 RAM = 16 * MiB
 MIRROR_SIZE = RAM + 2 * MiB
-PORT = 10809
 KEY = 'a4f1e09c3b5d7e2f8a6c4b1d9e0f7a3c'
 # librbd's answer to a blocklisted client (-ESHUTDOWN), at the write or flush
 FENCED_RE = re.compile(r'(write failed|rbd request failed).*Cannot send after transport '
@@ -74,12 +74,8 @@ class MirrorHostsTest(unittest.TestCase):
         self.net = hosts.Network('mir')
         self.addCleanup(self.net.close)
         self.a, self.b = self.net.host('a'), self.net.host('b')
-        self.psk = os.path.join(self.net.shared, 'psk')
-        self.bad_psk = os.path.join(self.net.shared, 'bad-psk')
-        for d, key in ((self.psk, KEY), (self.bad_psk, KEY[::-1])):
-            os.makedirs(d)
-            with open(os.path.join(d, 'keys.psk'), 'w') as f:
-                f.write(f'hybrid:{key}\n')
+        self.psk = write_psk(os.path.join(self.net.shared, 'psk'), KEY)
+        self.bad_psk = write_psk(os.path.join(self.net.shared, 'bad-psk'), KEY[::-1])
         self.img = os.path.join(self.net.shared, 'd.hyb')
         H.qemu_img('create', '-q', '-f', 'hybrid', '-o', f'mode=async,ram-size={RAM}',
                    self.img, str(SIZE))
@@ -93,40 +89,18 @@ class MirrorHostsTest(unittest.TestCase):
 
     def start_mirror_host(self):
         """On b: its broker, the region vm1-mirror, and qemu-storage-daemon
-        exporting it over NBD with TLS (PSK) under `hvmem map --rw`;
-        returns once it takes connections."""
-        self.broker = self.b.popen([HVMEMD, '--pool', '/dev/shm/hybridvm-broker',
-                                    '--socket', '/run/hybridvm-broker.sock'],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while self.b.run([HVMEM, 'stat'], check=False).returncode:
-            self.assertIsNone(self.broker.poll(), "b's broker exited")
-            self.assertLess(time.monotonic(), deadline, "b's broker does not answer")
-            time.sleep(0.1)
-        self.b.run([HVMEM, 'create', 'vm1-mirror', str(MIRROR_SIZE)])
+        exporting it over NBD with TLS (PSK) under `hvmem map --rw`
+        (hvlib.mirror); returns once it takes connections."""
         # a: a dead peer is found after ~3 s of retransmissions, not ~15 min
         self.a.run(['sysctl', '-q', '-w', 'net.ipv4.tcp_retries2=3'])
-        self.start_export()
+        self.mirror = MirrorHost(self.b, 'vm1-mirror', MIRROR_SIZE, self.psk, HVMEMD, HVMEM,
+                                 H.binary('qemu-storage-daemon')).start()
 
     def start_export(self):
-        """b exports the region (holding its read-write lease)."""
-        qsd = (f'exec {H.binary("qemu-storage-daemon")} '
-               f'--object tls-creds-psk,id=tls0,endpoint=server,dir={self.psk} '
-               '--blockdev file,node-name=m0,filename=/proc/self/fd/$HVMEM_FD '
-               f'--nbd-server addr.type=inet,addr.host={self.b.addr},addr.port={PORT},'
-               'tls-creds=tls0 --export nbd,id=e0,node-name=m0,writable=on')
-        self.qsd = self.b.popen([HVMEM, 'map', 'vm1-mirror', '--rw', '--', 'sh', '-c', qsd])
-        deadline = time.monotonic() + 30
-        while self.a.run([sys.executable, '-c', 'import socket; socket.create_connection('
-                          f'("{self.b.addr}", {PORT}), 1)'], check=False).returncode:
-            self.assertIsNone(self.qsd.poll(), 'the mirror host\'s daemon exited')
-            self.assertLess(time.monotonic(), deadline, 'no NBD server on b')
-            time.sleep(0.1)
+        self.mirror.start_export()
 
     def stop_export(self):
-        """b stops exporting the mirror; the lease goes with the export."""
-        self.b.run(['pkill', '-KILL', '-f', '^' + H.binary('qemu-storage-daemon')])
-        self.qsd.wait(30)
+        self.mirror.stop_export()
 
     def writer(self, psk=None, tls=True, throttled=True, tier=None):
         """qemu-io on host a: the image (or the node `tier` names), mirrored
@@ -134,13 +108,10 @@ class MirrorHostsTest(unittest.TestCase):
         tier = tier or ('file.driver=throttle,file.throttle-group=tg0,file.file.driver=file,'
                         f'file.file.filename={self.img}' if throttled else
                         f'file.driver=file,file.filename={self.img}')
-        opts = (f'driver=hybrid,mode=async,dirty-limit=512k,{tier},'
-                f'mirror.driver=nbd,mirror.server.type=inet,mirror.server.host={self.b.addr},'
-                f'mirror.server.port={PORT},mirror.export=m0' +
-                (',mirror.tls-creds=tls0' if tls else ''))
+        opts = (f'driver=hybrid,mode=async,dirty-limit=512k,{tier},' +
+                self.mirror.mirror_opts(tls='tls0' if tls else None))
         extra = ['--object', 'throttle-group,id=tg0,x-iops-write=200',
-                 '--object', f'tls-creds-psk,id=tls0,endpoint=client,dir={psk or self.psk},'
-                             'username=hybrid',
+                 '--object', client_psk_object(psk or self.psk),
                  '--trace', 'hybrid_mirror_failed']
         io = H.QemuIo(opts, extra, popen=self.a.popen)
         self.ios.append(io)
@@ -151,16 +122,12 @@ class MirrorHostsTest(unittest.TestCase):
         blocks written back), closed.  (reused, dirty blocks found)."""
         tier = tier or f'file.driver=file,file.filename={self.img}'
         io = H.QemuIo(f'driver=hybrid,{tier},ram-file=/proc/self/fd/3',
-                      ['--trace', 'hybrid_region_attach'], popen=self.map_region)
+                      ['--trace', 'hybrid_region_attach'],
+                      popen=lambda argv, **kw: self.b.popen(self.mirror.map_argv(argv), **kw))
         m = REGION_ATTACH_RE.search(io.banner)
         self.assertTrue(m, io.banner)
         self.assertEqual(io.quit(), 0)
         return bool(int(m.group(1))), int(m.group(3))
-
-    def map_region(self, argv, **kw):
-        """`argv` on b under `hvmem map vm1-mirror --rw`, the region on fd 3."""
-        return self.b.popen([HVMEM, 'map', 'vm1-mirror', '--rw', '--', 'sh', '-c',
-                             'exec "$@" 3<&"$HVMEM_FD"', 'sh'] + argv, **kw)
 
     def image_bytes(self, img=None):
         return H.image_bytes(img or self.img, os.path.join(self.net.shared, 'verify.raw'))
