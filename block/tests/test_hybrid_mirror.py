@@ -25,6 +25,7 @@ import os
 import random
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -154,12 +155,9 @@ class MirrorTest(unittest.TestCase):
         found, aio = [], []
         for n in range(rounds):
             io = self.qemu_io(opts, obj)
-            flush_p = 0.05 if n % 2 else 0.0
-            if depth:
-                aio.append(model.run_aio(io, rnd.randint(150, 400), depth, flush_p))
-            else:
-                model.run(io, rnd.randint(40, 150), flush_p=flush_p)
-                model.send_unacked(io, rnd.randint(0, 6))
+            stats = model.round(io, 0.05 if n % 2 else 0.0, depth, ops=(40, 150))
+            if stats:
+                aio.append(stats)
             io.kill()
             self.procs.remove(io)
             if failover:
@@ -459,6 +457,27 @@ class MirrorTest(unittest.TestCase):
         self.assertIn('raw=on', self.fails_to_open(
             f'driver=hybrid,raw=on,file.driver=file,file.filename={raw},'
             f'mirror.driver=file,mirror.filename={mirror}'))
+
+    def test_user_timeout_is_taken_by_a_connecting_socket(self):
+        """server.user-timeout (TCP_USER_TIMEOUT, qemu-patches/0016) is an
+        option of an NBD client's inet address; what it does for a mirror
+        whose host dies is tested in test_hybrid_mirror_hosts (the writes
+        stall 3 s, not ~15 minutes)."""
+        img = self.tmp('n.raw')
+        H.qemu_img('create', '-q', '-f', 'raw', img, str(1 << 20))
+        with socket.socket() as probe:
+            probe.bind(('127.0.0.1', 0))
+            port = probe.getsockname()[1]
+        qsd = H.StorageDaemon(self.tmp, '--blockdev', f'file,node-name=n0,filename={img}',
+                              '--nbd-server', f'addr.type=inet,addr.host=127.0.0.1,addr.port={port}',
+                              '--export', 'nbd,id=e0,node-name=n0,writable=on')
+        try:
+            r = H.qemu_io('--image-opts', 'driver=nbd,server.type=inet,server.host=127.0.0.1,'
+                          f'server.port={port},server.user-timeout=1000,export=n0',
+                          '-c', 'write -P 7 0 4096', '-c', 'read -P 7 0 4096')
+        finally:
+            qsd.kill()
+        self.assertIn('read 4096/4096', r.stdout)
 
 
 if __name__ == '__main__':

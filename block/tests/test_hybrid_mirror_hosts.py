@@ -17,7 +17,7 @@ is the mirror, its transport and the failover).
   or many in flight: on host b the image opened with the mirror as its
   ram-file holds every acknowledged write;
 - the mirror host dies under a writer: writes stall until TCP gives up
-  (tcp_retries2 lowered on host a), then the node is degraded and every
+  (the mirror's server.user-timeout, 3 s), then the node is degraded and every
   write completes in the persistent tier; so does a cut link;
 - both hosts die: what the last completed flush made durable is there;
 - on RBD: the writer cut off and fenced (ceph osd blocklist), the disk taken
@@ -39,7 +39,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, '..', '..', 'tests'))
 import hybridlib as H           # noqa: E402
 from hvlib import hosts         # noqa: E402
-from hvlib.mirror import MirrorHost, client_psk_object, write_psk   # noqa: E402
+from hvlib.mirror import (MirrorHost, USER_TIMEOUT_MS, client_psk_object,   # noqa: E402
+                          write_psk)
 sys.path.insert(0, os.path.join(HERE, '..', '..', 'broker', 'tests'))
 import brokerlib as B           # noqa: E402
 
@@ -91,8 +92,6 @@ class MirrorHostsTest(unittest.TestCase):
         """On b: its broker, the region vm1-mirror, and qemu-storage-daemon
         exporting it over NBD with TLS (PSK) under `hvmem map --rw`
         (hvlib.mirror); returns once it takes connections."""
-        # a: a dead peer is found after ~3 s of retransmissions, not ~15 min
-        self.a.run(['sysctl', '-q', '-w', 'net.ipv4.tcp_retries2=3'])
         self.mirror = MirrorHost(self.b, 'vm1-mirror', MIRROR_SIZE, self.psk, HVMEMD, HVMEM,
                                  H.binary('qemu-storage-daemon')).start()
 
@@ -149,12 +148,9 @@ class MirrorHostsTest(unittest.TestCase):
         found, aio = [], []
         for n in range(rounds):
             io = self.writer()
-            flush_p = 0.05 if n % 2 else 0.0
-            if depth:
-                aio.append(model.run_aio(io, rnd.randint(150, 400), depth, flush_p))
-            else:
-                model.run(io, rnd.randint(40, 120), flush_p=flush_p)
-                model.send_unacked(io, rnd.randint(0, 6))
+            stats = model.round(io, 0.05 if n % 2 else 0.0, depth, ops=(40, 120))
+            if stats:
+                aio.append(stats)
             self.a.kill()
             io.kill()           # (dead with its host: reaped, pipes closed)
             self.ios.remove(io)
@@ -195,7 +191,10 @@ class MirrorHostsTest(unittest.TestCase):
 
     def degraded_after(self, fault):
         """Writes from a while `fault()` takes the mirror away: they stall
-        until TCP gives up on b, then complete in the persistent tier."""
+        until the connection's user timeout (3 s of data unacknowledged:
+        hvlib.mirror.USER_TIMEOUT_MS; without it the kernel retransmits for
+        ~15 min and the first write times out here), then complete in the
+        persistent tier."""
         self.start_mirror_host()
         rnd = random.Random(7)
         model = H.WriteModel(SIZE // SLOT, rnd, durable='ack')
@@ -205,6 +204,7 @@ class MirrorHostsTest(unittest.TestCase):
         t0 = time.monotonic()
         model.run(io, 30)
         stalled = time.monotonic() - t0
+        self.assertLess(stalled, USER_TIMEOUT_MS / 1000 + 10, 'the writes stalled too long')
         # a degraded node's flush succeeds (the dead mirror left the graph)
         self.assertNotRegex(io.cmd('flush'), H.FAILED_RE)
         self.assertIn('hybrid_mirror_failed', io.output, 'the node did not degrade')

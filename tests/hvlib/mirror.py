@@ -15,6 +15,7 @@ import time
 PORT = 10809
 EXPORT = 'm0'
 PSK_USER = 'hybrid'
+USER_TIMEOUT_MS = 3000
 
 
 def write_psk(directory, key, user=PSK_USER):
@@ -84,11 +85,16 @@ class MirrorHost:
         self.host.run(['pkill', '-KILL', '-f', '^' + self.qsd])
         self.export.wait(30)
 
-    def mirror_opts(self, prefix='mirror.', tls='tls0'):
+    def mirror_opts(self, prefix='mirror.', tls='tls0', user_timeout=USER_TIMEOUT_MS):
         """The writer's hybrid options naming the export (`tls`: the id of
-        its tls-creds-psk object with endpoint=client, or None)."""
+        its tls-creds-psk object with endpoint=client, or None).  With
+        `user_timeout` (ms) the connection fails once data sent has gone
+        unacknowledged that long (a dead or cut-off mirror host), not after
+        the kernel's ~15 minutes of retransmissions."""
         opts = (f'{prefix}driver=nbd,{prefix}server.type=inet,{prefix}server.host={self.host.addr},'
                 f'{prefix}server.port={self.port},{prefix}export={EXPORT}')
+        if user_timeout:
+            opts += f',{prefix}server.user-timeout={user_timeout}'
         return opts + (f',{prefix}tls-creds={tls}' if tls else '')
 
     def map_argv(self, argv):
