@@ -439,6 +439,17 @@ class WriteModel:
                                      f'{m.group(0)!r}')
             self.accepted[slot] = {self.in_flight.pop(slot)}
 
+    def round(self, io, flush_p, depth=None, ops=(40, 150)):
+        """One round of a kill test, the kill to come right after: with
+        `depth`, 150-400 writes kept that many in flight (run_aio; its
+        counts are returned), else `ops` (a range) writes one at a time and
+        up to 6 sent without waiting (None)."""
+        if depth:
+            return self.run_aio(io, self.rnd.randint(150, 400), depth, flush_p)
+        self.run(io, self.rnd.randint(*ops), flush_p=flush_p)
+        self.send_unacked(io, self.rnd.randint(0, 6))
+        return None
+
     def send_unacked(self, io, n):
         """n writes sent without waiting: the kill may come before them."""
         for _ in range(n):
