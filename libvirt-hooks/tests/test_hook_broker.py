@@ -20,15 +20,17 @@ from test_hook import HookCase, domain   # noqa: E402
 MiB = 1 << 20
 
 
-@unittest.skipUnless(os.path.exists(B.HVMEMD), f'{B.HVMEMD} not built')
-class HookBrokerTest(HookCase):
+class BrokerHookCase(HookCase):
+    """HookCase with a real hvmemd of `capacity` in the hook's [broker]."""
+
+    capacity = '256M'
 
     def setUp(self):
         super().setUp()
         self.pool = tempfile.mkdtemp(prefix='hook-broker-pool-', dir='/dev/shm')
         os.rmdir(self.pool)
         self.sockdir = tempfile.mkdtemp(prefix='hv-hook-')
-        self.broker = B.Broker(self.sockdir, self.pool, ['--capacity', '256M'])
+        self.broker = B.Broker(self.sockdir, self.pool, ['--capacity', self.capacity])
         self.broker.start()
         self.c = self.broker.client()
         self.write_config()
@@ -45,6 +47,10 @@ class HookBrokerTest(HookCase):
         if broker and hasattr(self, 'broker'):
             with open(self.config, 'a') as f:
                 f.write(f'[broker]\nsocket = {self.broker.sock}\nhvmem = {B.HVMEM}\n')
+
+
+@unittest.skipUnless(os.path.exists(B.HVMEMD), f'{B.HVMEMD} not built')
+class HookBrokerTest(BrokerHookCase):
 
     def names(self):
         return sorted(r['name'] for r in self.c.list())

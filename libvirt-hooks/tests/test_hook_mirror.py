@@ -7,11 +7,9 @@ must not happen: a takeover while the region is still held (the mirror's
 export), on an incoming migration's prepare (the source is alive), or
 without the region."""
 import os
-import shutil
 import struct
 import subprocess
 import sys
-import tempfile
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -20,7 +18,8 @@ sys.path.insert(0, os.path.join(HERE, '..', '..', 'broker', 'tests'))
 sys.path.insert(0, os.path.join(HERE, '..', '..', 'block', 'tests'))
 import brokerlib as B   # noqa: E402
 import hybridlib as H   # noqa: E402
-from test_hook import HookCase, domain   # noqa: E402
+from test_hook import domain   # noqa: E402
+from test_hook_broker import BrokerHookCase   # noqa: E402
 
 MiB = 1 << 20
 BLOCK = 64 * 1024
@@ -44,31 +43,18 @@ def region_held(img):
 
 
 @unittest.skipIf(why_not(), why_not())
-class HookMirrorTest(HookCase):
+class HookMirrorTest(BrokerHookCase):
+
+    capacity = '64M'
 
     def setUp(self):
         super().setUp()
-        self.pool = tempfile.mkdtemp(prefix='hook-mirror-pool-', dir='/dev/shm')
-        os.rmdir(self.pool)
-        self.sockdir = tempfile.mkdtemp(prefix='hv-hook-')
-        self.broker = B.Broker(self.sockdir, self.pool, ['--capacity', '64M'])
-        self.broker.start()
-        self.addCleanup(shutil.rmtree, self.sockdir, ignore_errors=True)
-        self.addCleanup(shutil.rmtree, self.pool, ignore_errors=True)
-        self.addCleanup(self.broker.stop)
-        self.write_config()
         os.unlink(self.image)
         H.qemu_img('create', '-q', '-f', 'hybrid', '-o', f'mode=async,ram-size={RAM}',
                    self.image, str(SIZE))
         self.xml = domain(emulator=H.binary('qemu-system-x86_64'), qemu_args=[
             '-blockdev', f'driver=hybrid,node-name=hd0,file.driver=file,'
                          f'file.filename={self.image}'])
-
-    def write_config(self, reserve='256M', paths='', broker=True):
-        super().write_config(reserve, paths)
-        if broker and hasattr(self, 'broker'):
-            with open(self.config, 'a') as f:
-                f.write(f'[broker]\nsocket = {self.broker.sock}\nhvmem = {B.HVMEM}\n')
 
     def host_dies_with_writes_in(self, region, blocks=6):
         """Writes through a mirror in `region` (mapped read-write, as the
