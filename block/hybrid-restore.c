@@ -25,6 +25,28 @@
 /* Concurrent restore reads (each HYBRID_RESTORE_CHUNK) */
 #define HYBRID_RESTORE_WORKERS      2
 
+/*
+ * How many whole blocks from @first (at most @max) the persistent tier
+ * knows to read as zeros (a hole of a sparse file, an unallocated range of
+ * RBD): they are restored without being read.  0 when it cannot tell.
+ */
+static uint64_t coroutine_fn GRAPH_RDLOCK
+restore_zero_blocks(BDRVHybridState *s, uint64_t first, uint64_t max)
+{
+    uint64_t off = first << s->block_shift;
+    int64_t bytes = MIN(max << s->block_shift, s->size - off), pnum;
+    int ret;
+
+    ret = bdrv_co_block_status(s->bs->file->bs, hybrid_host_offset(s, off),
+                               bytes, &pnum, NULL, NULL);
+    if (ret < 0 || !(ret & BDRV_BLOCK_ZERO)) {
+        return 0;
+    }
+    /* the image's last block may end before a whole block */
+    return off + pnum >= s->size ? DIV_ROUND_UP(pnum, s->block_size)
+                                 : pnum >> s->block_shift;
+}
+
 static void coroutine_fn GRAPH_RDLOCK hybrid_restore_run(BDRVHybridState *s)
 {
     uint64_t per_req = HYBRID_RESTORE_CHUNK >> s->block_shift;
@@ -39,7 +61,7 @@ static void coroutine_fn GRAPH_RDLOCK hybrid_restore_run(BDRVHybridState *s)
     }
     while (s->restore_cursor < hybrid_ram_end(s) && !s->quiesced &&
            !s->inactive) {
-        uint64_t first = s->restore_cursor, n = 0, i, off;
+        uint64_t first = s->restore_cursor, n = 0, i, off, zero;
         uint64_t len;
         uint8_t *buf;
         int ret;
@@ -50,6 +72,11 @@ static void coroutine_fn GRAPH_RDLOCK hybrid_restore_run(BDRVHybridState *s)
             s->restore_cursor++;
             continue;
         }
+        /*
+         * Asked before the blocks are taken: a write that loads one of them
+         * meanwhile makes it LOADED, which the run below leaves alone.
+         */
+        zero = restore_zero_blocks(s, first, per_req);
         /* A run of unloaded blocks; wait for a busy first block */
         hybrid_slot_lock(s, &s->slots[first]);
         if (s->slots[first].flags & HYBRID_SLOT_LOADED) {
@@ -57,7 +84,7 @@ static void coroutine_fn GRAPH_RDLOCK hybrid_restore_run(BDRVHybridState *s)
             continue;
         }
         n = 1;
-        while (n < per_req && first + n < hybrid_ram_end(s) &&
+        while (n < (zero ?: per_req) && first + n < hybrid_ram_end(s) &&
                hybrid_block_allocated(s, first + n) &&
                !(s->slots[first + n].flags &
                  (HYBRID_SLOT_LOADED | HYBRID_SLOT_BUSY))) {
@@ -66,6 +93,19 @@ static void coroutine_fn GRAPH_RDLOCK hybrid_restore_run(BDRVHybridState *s)
         }
         /* The other worker continues after this run */
         s->restore_cursor = first + n;
+        if (zero) {
+            for (i = 0; i < n; i++) {
+                ret = hybrid_ram_fill(s, first + i, NULL);
+                if (ret == 0) {
+                    hybrid_region_set_valid(s, first + i);
+                }
+                hybrid_slot_unlock(s, &s->slots[first + i]);
+            }
+            trace_hybrid_restore_zero(s, first, n);
+            s->restore_bytes += MIN(n << s->block_shift,
+                                    s->size - (first << s->block_shift));
+            continue;
+        }
         off = first << s->block_shift;
         len = MIN(n << s->block_shift, s->size - off);
         buf = s->dedup ? bounce : hybrid_ram_plain_ptr(s, first);

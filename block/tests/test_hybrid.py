@@ -5,6 +5,7 @@ import functools
 import json
 import os
 import sys
+import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -315,6 +316,34 @@ class HybridTest(unittest.TestCase):
             r = qsd.qmp('query-hybrid', **{'node-name': 'nope'})
             self.assertIn('Cannot find node', r['error']['desc'])
             self.assertEqual(len(qsd.cmd('query-hybrid')), 1)   # healthy
+        finally:
+            qsd.stop()
+
+    def test_restore_reads_no_holes(self):
+        """A sparse persistent tier: the restore reads the data (2 MiB) and
+        restores the holes without reading them.  Reads are throttled to
+        1 MiB/s, so reading the 64 MiB tier would take a minute; the
+        restore is done within seconds, every byte as the image holds it."""
+        p = self.create(size='64M', ram_size='64M')
+        H.qemu_io('-f', 'hybrid', '-c', 'write -P 0x5c 3M 1M', '-c', 'write -P 0x5d 40M 1M', p)
+        qsd = H.StorageDaemon(
+            self.tmp, '--object', 'throttle-group,id=tg0,x-bps-read=1048576',
+            '--blockdev', f'driver=file,node-name=f0,filename={p}',
+            '--blockdev', 'driver=throttle,node-name=t0,throttle-group=tg0,file=f0',
+            system=True)
+        try:
+            t0 = time.monotonic()
+            qsd.cmd('blockdev-add', driver='hybrid', **{'node-name': 'h0'}, file='t0')
+            ev = qsd.wait_event('HYBRID_RESTORE_COMPLETED', timeout=30)
+            took = time.monotonic() - t0
+            self.assertEqual(ev['data']['bytes'], 64 * MiB)
+            self.assertLess(took, 20, 'the restore read the holes')
+            info = qsd.cmd('query-hybrid', **{'node-name': 'h0'})[0]
+            self.assertEqual(info['ram-loaded'], 64 * MiB)
+            self.assertEqual(info['ram-used'], 2 * MiB)
+            for cmd in ('read -P 0 0 3M', 'read -P 0x5c 3M 1M', 'read -P 0 4M 36M',
+                        'read -P 0x5d 40M 1M', 'read -P 0 41M 23M'):
+                self.hmp_io(qsd, cmd)
         finally:
             qsd.stop()
 

@@ -4,6 +4,7 @@ Binaries come from $HYBRIDVM_BUILD/bin."""
 
 import os
 import random
+import struct
 import sys
 import time
 import unittest
@@ -25,6 +26,13 @@ class HybridInactivateTest(unittest.TestCase):
         H.qemu_img('create', '-q', '-f', 'hybrid', '-o', 'ram-size=256M',
                    self.img, '320M')
         H.qemu_io('-f', 'hybrid', '-c', 'write -P 0x21 0 8M', self.img)
+        # zeros written into the file's holes: the restore reads them (a
+        # hole it restores without reading)
+        with open(self.img, 'r+b') as f:
+            data_offset = struct.unpack_from('<Q', f.read(48), 40)[0]
+            f.seek(data_offset + 8 * MiB)
+            for _ in range(248):
+                f.write(bytes(MiB))
         # hybrid -> blkdebug (fails the first flush of the hybrid node)
         #        -> throttle (restore reads at 8 MiB/s, ~32 s for 256 MiB, until
         #             the test lifts the limit)
