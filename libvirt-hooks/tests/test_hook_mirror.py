@@ -6,10 +6,13 @@ token, writes its blocks back into the image, and the start goes on.  What
 must not happen: a takeover while the region is still held (the mirror's
 export), on an incoming migration's prepare (the source is alive), or
 without the region."""
+import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -126,6 +129,52 @@ class HookMirrorTest(BrokerHookCase):
         r = self.hook('prepare', 'begin', self.xml)
         self.assertEqual(r.returncode, 1)
         self.assertIn('no [broker] is configured here', r.stderr)
+        self.assertTrue(region_held(self.image)[0])
+
+    def test_not_a_region_another_user_wrote(self):
+        """A user of the broker (nobody) makes a region with the mirror's
+        header copied in (its token): the hook takes only root's regions, so
+        it refuses the start instead of writing that user's blocks into the
+        image; the image still says its writes are in the (gone) mirror."""
+        self.host_dies_with_writes_in('g1-mirror')
+        _, fd = self.c.map('g1-mirror')
+        header = os.pread(fd, 4096, 0)
+        os.close(fd)
+        self.c.destroy('g1-mirror')
+        os.chmod(self.sockdir, 0o711)
+        workdir = tempfile.mkdtemp(prefix='hook-agent-')
+        self.addCleanup(shutil.rmtree, workdir, ignore_errors=True)
+        os.chmod(workdir, 0o755)
+        evil = B.Agent(workdir, self.broker.sock, uid=B.NOBODY)
+        self.addCleanup(evil.close)
+        evil.ok(op='call', method='create', name='forged', size=RAM + 2 * MiB, mode=0o644)
+        evil.ok(op='map', name='forged', rw=True)
+        evil.ok(op='write', name='forged', offset=0, hex=header.hex())
+        evil.ok(op='unmap', name='forged')
+        evil.ok(op='call', method='release', name='forged')    # its lease too: not held
+        self.assertEqual(self.c.lookup('forged')['uid'], B.NOBODY)
+        r = self.hook('prepare', 'begin', self.xml)
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn('which no region of the broker', r.stderr)
+        self.assertTrue(region_held(self.image)[0])
+
+    def test_option_keys_cannot_smuggle_options(self):
+        """The takeover runs qemu-io as root with the disk's options: a JSON
+        key carrying "," and "=" (ram-file= naming a file of root's) is
+        refused, and the file is untouched."""
+        self.host_dies_with_writes_in('g1-mirror')
+        victim = os.path.join(self.dir, 'root-file')
+        with open(victim, 'wb') as f:
+            f.write(b'root data')
+        blockdev = json.dumps({'driver': 'hybrid', 'node-name': 'hd0', 'file': {
+            'driver': 'file', 'filename': self.image, f'x,ram-file={victim},y': 'z'}})
+        xml = domain(emulator=H.binary('qemu-system-x86_64'),
+                     qemu_args=['-blockdev', blockdev.replace("'", '&apos;')])
+        r = self.hook('prepare', 'begin', xml)
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn('is not an option name', r.stderr)
+        with open(victim, 'rb') as f:
+            self.assertEqual(f.read(), b'root data')
         self.assertTrue(region_held(self.image)[0])
 
     def test_not_on_an_incoming_migration(self):
