@@ -70,6 +70,7 @@ sys.path.insert(0, os.path.join(REPO, 'block', 'tests'))
 sys.path.insert(0, os.path.join(REPO, 'tests'))
 import hybridlib as H   # noqa: E402  (sets up the path of qemu.qmp)
 import charts   # noqa: E402
+from saved_runs import add_report_args, load_saved   # noqa: E402
 from pooled_stats import geo_mean_ci, mean, mean_ci, ratio_ci, rotated, verdict   # noqa: E402
 
 MiB = 1024 * 1024
@@ -831,18 +832,10 @@ def main():
     ap.add_argument('--settle', type=int, default=180,
                     help='at most this many s to wait for a hybrid node to '
                     'drain after a run (a flush over its export)')
-    ap.add_argument('--notes', help='a file appended to the report')
-    ap.add_argument('--out', default=os.path.join(REPO, 'docs', 'bench'))
-    ap.add_argument('--report-only', metavar='JSON',
-                    help='write the report again from the runs of a JSON this '
-                    'wrote (with its arguments, and --notes, --out)')
+    add_report_args(ap)
     args = ap.parse_args()
     if args.report_only:
-        with open(args.report_only) as f:
-            saved = json.load(f)
-        for k, v in saved['args'].items():
-            if k not in ('notes', 'report_only'):
-                setattr(args, k, v)
+        saved = load_saved(args)
         runs, pings, meta = saved['runs'], saved['pings'], saved.get('meta', {})
         report(args, runs, pings, meta, summarize(runs, pings))
         return

@@ -49,6 +49,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, 'block', 'tests'))
 import hybridlib as H   # noqa: E402
 import charts   # noqa: E402
+from saved_runs import add_report_args, load_saved   # noqa: E402
 from pooled_stats import geo_mean_ci, mean, mean_ci, ratio_ci, rotated, verdict   # noqa: E402
 
 MiB = 1024 * 1024
@@ -366,19 +367,10 @@ def main():
     ap.add_argument('--disk', action='store_true',
                     help='also hybrid-disk (its tier under --disk-dir)')
     ap.add_argument('--disk-dir', default=os.path.join(REPO, 'build'))
-    ap.add_argument('--notes', help='a file appended to the report')
-    ap.add_argument('--out', default=os.path.join(REPO, 'docs', 'bench'))
-    ap.add_argument('--report-only', metavar='JSON',
-                    help='write the report again from the runs of a JSON '
-                    'this wrote (with its arguments, and --notes, --out)')
+    add_report_args(ap)
     args = ap.parse_args()
     if args.report_only:
-        with open(args.report_only) as f:
-            saved = json.load(f)
-        for k, v in saved['args'].items():
-            if k not in ('notes', 'report_only'):
-                setattr(args, k, v)
-        runs = saved['runs']
+        runs = load_saved(args)['runs']
         names = list(dict.fromkeys(r['node'] for r in runs))
         report(args, names, runs, summarize(names, runs))
         return
