@@ -53,11 +53,10 @@ from hvlib import Guest   # noqa: E402
 from hvlib.ceph import CephCluster, unavailable   # noqa: E402
 import charts   # noqa: E402
 from pooled_stats import rotated   # noqa: E402
+from shaped_link import Link   # noqa: E402
 
 MiB = 1 << 20
-NS = 'hvstorm'
-HOST_IF, NS_IF = 'hvstorm0', 'hvstorm1'
-HOST_IP, NS_IP = '10.77.0.1', '10.77.0.2'
+NS, NET = 'hvstorm', '10.77.0'          # the link: hvstorm0 10.77.0.1 <-> hvstorm1 .2
 CONFIGS = ['rbd', 'rbd-aa', 'rbd-cache', 'cor', 'cc-cold', 'cc-warm',
            'cc-restart', 'local']
 
@@ -66,42 +65,6 @@ def sh(*args, **kw):
     kw.setdefault('check', True)
     return subprocess.run([str(a) for a in args], capture_output=True,
                           text=True, **kw)
-
-
-def in_ns(*args, **kw):
-    return sh('nsenter', f'--net=/run/netns/{NS}', *args, **kw)
-
-
-class Link:
-    """The host's link to the cluster: a veth pair, tbf on both ends."""
-
-    def __init__(self):
-        self.teardown()
-        sh('ip', 'netns', 'add', NS)
-        sh('ip', 'link', 'add', HOST_IF, 'type', 'veth', 'peer', 'name', NS_IF)
-        sh('ip', 'link', 'set', NS_IF, 'netns', NS)
-        sh('ip', 'addr', 'add', f'{HOST_IP}/24', 'dev', HOST_IF)
-        sh('ip', 'link', 'set', HOST_IF, 'up')
-        in_ns('ip', 'addr', 'add', f'{NS_IP}/24', 'dev', NS_IF)
-        in_ns('ip', 'link', 'set', NS_IF, 'up')
-        in_ns('ip', 'link', 'set', 'lo', 'up')
-        self.rate = None
-
-    def shape(self, rate):
-        for run, dev in ((sh, HOST_IF), (in_ns, NS_IF)):
-            verb = 'change' if self.rate else 'add'
-            run('tc', 'qdisc', verb, 'dev', dev, 'root', 'tbf', 'rate', rate,
-                'burst', '256kb', 'latency', '100ms')
-        self.rate = rate
-
-    def sent_by_cluster(self):
-        out = in_ns('tc', '-s', 'qdisc', 'show', 'dev', NS_IF).stdout
-        return int(re.search(r'Sent (\d+) bytes', out).group(1))
-
-    @staticmethod
-    def teardown():
-        sh('ip', 'netns', 'del', NS, check=False)
-        sh('ip', 'link', 'del', HOST_IF, check=False)
 
 
 def make_base(guest_dir, work, bootset_mib, seed=19):
@@ -136,13 +99,13 @@ class Storm:
         self.paths = H
         self.work = tempfile.mkdtemp(prefix='boot-storm-', dir=args.work_dir)
         self.guest_dir = os.path.join(H.BUILD, 'guest')
-        self.link = Link()
+        self.link = Link(NS, NET)
         self.link.shape(args.rates[0])
         # On a busy link ten guests' reads queue for longer than the
         # tests' 20 s op timeout (at 10mbit a guest saw EIO at 52 s): here
         # only a cluster that is gone should be an error
         self.ceph = CephCluster(os.path.join(self.work, 'ceph'), port=3395,
-                                addr=NS_IP, netns=NS, op_timeout=int(args.timeout))
+                                addr=self.link.ns_ip, netns=NS, op_timeout=int(args.timeout))
         self.qsd = None
         self.results = []
 
@@ -161,7 +124,7 @@ class Storm:
         try:
             self.ceph.purge()
         finally:
-            Link.teardown()
+            self.link.teardown()
             shutil.rmtree(self.work, ignore_errors=True)
 
     # -- the host's clone-cache daemon --
