@@ -443,6 +443,9 @@ def run_config(config, args, logdir):
                     row['page list: slices'] = i['appassist_last_prepare_page_slices']
                     row['page list: longest slice (ms)'] = round(
                         i['appassist_last_prepare_page_slice_max_us'] / 1000, 1)
+                    # the module's whole pagemap reading, all slices
+                    row['page list: pagemap (ms)'] = round(
+                        i['appassist_last_prepare_page_list_us'] / 1000, 1)
                 r.close()
             if 'dropped-pages' in aa:
                 row['pages listed (MiB)'] = round(aa['dropped-pages'] * 4096 / MiB, 1)
