@@ -83,9 +83,12 @@ DEADLINE_MS = 3000
 # (column, what it is) of a host point, in the report's order.
 HOST_COLS = [
     ('set-up (ms)', 'PREPARE + page list, request to last reply'),
+    ('set-up: server CPU (ms)', "the same, redis-server's main thread on a CPU"),
     ('prepare (ms)', 'PREPARE, request to reply'),
+    ('prepare: server CPU (ms)', "PREPARE, the server's CPU time"),
     ('prepare: module (ms)', "PREPARE's own time_us"),
     ('page list (ms)', 'the PAGES round trips, summed'),
+    ('page list: server CPU (ms)', "the page list, the server's CPU time"),
     ('page list: pagemap (ms)', "the module's pagemap reading (page_list_us)"),
     ('page list: chunks', 'PAGES replies with runs'),
     ('page list: longest slice (ms)', 'the longest pagemap slice'),
@@ -160,14 +163,24 @@ def peak_rss(pid):
     return None
 
 
-def take_setup(ep, deadline_ms):
+def oncpu_ns(pid):
+    """The time the main thread of process @pid (the one that serves Redis
+    and the port) has spent on a CPU, in ns (/proc/PID/task/PID/schedstat):
+    unlike the wall time, it does not grow while the thread waits for one."""
+    with open(f'/proc/{pid}/task/{pid}/schedstat') as f:
+        return int(f.read().split()[0])
+
+
+def take_setup(ep, deadline_ms, pid):
     """PREPARE then the page list, as QEMU's aa_prepare() and aa_take_list()
-    send them; each request timed to its reply.  Returns a dict of figures
-    and the PREPARE reply."""
+    send them; each request timed to its reply, and the server's main thread's
+    CPU time over each part.  Returns a dict of figures."""
+    c0 = oncpu_ns(pid)
     t0 = time.monotonic()
     ep.send(encode('APPASSIST.PREPARE', deadline_ms))
     rep = ep.reply(timeout=deadline_ms / 1000)
     t1 = time.monotonic()
+    c1 = oncpu_ns(pid)
     if isinstance(rep, Exception):
         raise RuntimeError(f'PREPARE refused: {rep}')
     rep = asmap(rep)
@@ -197,6 +210,10 @@ def take_setup(ep, deadline_ms):
             if not remaining:
                 break
         ep.send(encode('APPASSIST.PAGES', 'END'))     # no reply, as QEMU expects none
+    c2 = oncpu_ns(pid)
+    out['prepare: server CPU (ms)'] = (c1 - c0) / 1e6
+    out['page list: server CPU (ms)'] = (c2 - c1) / 1e6
+    out['set-up: server CPU (ms)'] = (c2 - c0) / 1e6
     out.update({'page list (ms)': 1000 * spent, 'page list: chunks': chunks,
                 'page list: runs': cursor, 'page list: bytes': nbytes,
                 'pages listed (MiB)': frames * 4096 / MiB})
@@ -222,7 +239,7 @@ def host_point(items, args, workdir, label):
         before = c.info('appassist')
         mem = c.info('memory')
         loadavg = round(os.getloadavg()[0], 2)
-        row = take_setup(h.ep, args.deadline)
+        row = take_setup(h.ep, args.deadline, h.srv.proc.pid)
         i = c.info('appassist')
         row.update({
             'items': items, 'load (s)': load_s, 'host load avg': loadavg,
@@ -303,8 +320,9 @@ def analyse(runs, args):
             res['guest'][label] = {'items': rows[0]['items'], 'mem': rows[0].get('mem'),
                                    'stats': {c: stats(rows, c) for c, _ in GUEST_COLS}}
     base = [k for k in res['host'] if '@' not in k]
-    for col in ('set-up (ms)', 'prepare (ms)', 'prepare: module (ms)', 'page list (ms)',
-                'page list: pagemap (ms)'):
+    for col in ('set-up (ms)', 'set-up: server CPU (ms)', 'prepare (ms)',
+                'prepare: server CPU (ms)', 'prepare: module (ms)', 'page list (ms)',
+                'page list: server CPU (ms)', 'page list: pagemap (ms)'):
         pts = sorted((res['host'][k]['items'] / M, res['host'][k]['stats'][col]['mean'])
                      for k in base if res['host'][k]['stats'].get(col))
         if len(pts) >= 3:
@@ -316,11 +334,13 @@ def analyse(runs, args):
     for label in res['host']:
         if '@' in label:
             twin = label.split('@')[0]
-            a = [r['set-up (ms)'] for r in points(runs, 'host', label)]
-            b = [r['set-up (ms)'] for r in points(runs, 'host', twin)]
-            if len(a) >= 2 and len(b) >= 2:
-                p, lo, hi = ratio_ci(a, b)
-                res['aa'][label] = {'ratio': p, 'lo': lo, 'hi': hi}
+            res['aa'][label] = {}
+            for col in ('set-up (ms)', 'set-up: server CPU (ms)'):
+                a = [r[col] for r in points(runs, 'host', label) if col in r]
+                b = [r[col] for r in points(runs, 'host', twin) if col in r]
+                if len(a) >= 2 and len(b) >= 2:
+                    p, lo, hi = ratio_ci(a, b)
+                    res['aa'][label][col] = {'ratio': p, 'lo': lo, 'hi': hi}
     return res
 
 
@@ -363,9 +383,10 @@ def write_report(runs, args):
                                                   'page list: chunks') else 1)
                 for c, _ in HOST_COLS) + ' |')
         lines += ['', 'Columns: ' + '; '.join(f'*{c}*: {w}' for c, w in HOST_COLS) + '.', '']
-        for label, q in res['aa'].items():
-            lines.append(f'A/A control: `{label}` set-up against `{label.split("@")[0]}`: '
-                         f'{q["ratio"]:.2f}x [{q["lo"]:.2f}, {q["hi"]:.2f}] (bootstrap 95 %).')
+        for label, qs in res['aa'].items():
+            for col, q in qs.items():
+                lines.append(f'A/A control: `{label}` *{col}* against `{label.split("@")[0]}`: '
+                             f'{q["ratio"]:.2f}x [{q["lo"]:.2f}, {q["hi"]:.2f}] (bootstrap 95 %).')
         lines.append('')
         for col, fit in res['fits'].items():
             steps = ', '.join(f"{s['from']:g}->{s['to']:g} M: {s['ms per M']:.2f}"
@@ -413,10 +434,10 @@ def chart(res, runs, args):
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     ax = axes[0]
     base = {k: v for k, v in res['host'].items() if '@' not in k}
-    for i, (col, what) in enumerate((('set-up (ms)', 'set-up (PREPARE + page list)'),
-                                     ('page list (ms)', 'page list (PAGES round trips)'),
-                                     ('page list: pagemap (ms)', "  of it: the module's pagemap"),
-                                     ('prepare (ms)', 'PREPARE'))):
+    for i, (col, what) in enumerate((('set-up (ms)', 'set-up (PREPARE + page list), wall'),
+                                     ('set-up: server CPU (ms)', "set-up, the server's CPU time"),
+                                     ('page list: pagemap (ms)', "the module's pagemap reading"),
+                                     ('prepare (ms)', 'PREPARE, wall'))):
         pts = sorted((v['items'] / M, v['stats'][col]) for v in base.values()
                      if v['stats'].get(col))
         if not pts:
@@ -428,7 +449,7 @@ def chart(res, runs, args):
                 if r.get('kind') == 'host' and '@' not in r['label'] and col in r]
         ax.scatter([x for x, _ in dots], [y for _, y in dots], s=10, alpha=0.4, color=f'C{i}')
         fit = res['fits'].get(col)
-        if fit and col == 'set-up (ms)':
+        if fit and col in ('set-up (ms)', 'set-up: server CPU (ms)'):
             xs = [0, max(x for x, _ in pts)]
             ax.plot(xs, [fit['a'] + fit['b'] * x for x in xs], '--', color=f'C{i}', lw=0.8,
                     label=f"fit: {fit['a']:.1f} + {fit['b']:.2f} ms/M (r² {fit['r2']:.3f})")
