@@ -7,6 +7,7 @@ shaped with tbf on both ends, whose byte counters say what crossed it.
     link.shape('1gbit')                    # both directions
     CephCluster(..., addr=link.ns_ip, netns=link.ns)
     link.sent_by_cluster()                 # bytes the namespace sent so far
+    link.sent_by_host()                    # bytes the machine sent to it
     link.teardown()
 
 Each benchmark gives its own namespace name and /24, so two of them can
@@ -57,6 +58,10 @@ class Link:
 
     def sent_by_cluster(self):
         out = self.in_ns('tc', '-s', 'qdisc', 'show', 'dev', self.ns_if).stdout
+        return int(re.search(r'Sent (\d+) bytes', out).group(1))
+
+    def sent_by_host(self):
+        out = sh('tc', '-s', 'qdisc', 'show', 'dev', self.host_if).stdout
         return int(re.search(r'Sent (\d+) bytes', out).group(1))
 
     def teardown(self):
