@@ -1020,6 +1020,70 @@ int clone_cache_attach(CloneCacheStore *s, const char *base_id,
     return b;
 }
 
+/*
+ * The base @base_id, open in this process, as the origin of a copy: one
+ * more user of it (so that its generation cannot change under the copy)
+ * and, in *@nonce, the nonce its entries carry now.  A copy made from
+ * another generation than its current one (@has_generation) shares
+ * nothing: -ESTALE, with the reason in @errp, and no user taken.
+ */
+int clone_cache_attach_origin(CloneCacheStore *s, const char *base_id,
+                              bool has_generation, uint64_t generation,
+                              uint64_t *nonce, Error **errp)
+{
+    CloneCacheBase *base;
+    int b;
+
+    qemu_mutex_lock(&s->lock);
+    for (b = 0; b < CC_MAX_BASES; b++) {
+        base = &s->bases[b];
+        if (base->id && base->users && !strcmp(base->id, base_id)) {
+            break;
+        }
+    }
+    if (b == CC_MAX_BASES) {
+        qemu_mutex_unlock(&s->lock);
+        error_setg(errp, "clone-cache '%s': copy-of base '%s' is not open "
+                   "(open its node first)", s->filename, base_id);
+        return -ENOENT;
+    }
+    if (has_generation && base->generation != generation) {
+        error_setg(errp, "clone-cache '%s': the copy was made from "
+                   "generation %" PRIu64 " of base '%s', which has "
+                   "generation %" PRIu64 " now; nothing is shared",
+                   s->filename, generation, base_id, base->generation);
+        qemu_mutex_unlock(&s->lock);
+        return -ESTALE;
+    }
+    base->users++;
+    *nonce = base->nonce;
+    trace_clone_cache_attach_origin(s, b, base_id, base->generation);
+    qemu_mutex_unlock(&s->lock);
+    return b;
+}
+
+/*
+ * Under s->lock: the slot serving @block of @origin for a copy of it,
+ * while the origin's entries still carry @nonce (it was not invalidated
+ * since the copy's node opened), or CC_NONE.
+ */
+uint32_t clone_cache_lookup_origin(CloneCacheStore *s, int origin,
+                                   uint64_t nonce, uint64_t block)
+{
+    if (origin < 0 || s->bases[origin].nonce != nonce) {
+        return CC_NONE;
+    }
+    return clone_cache_lookup(s, origin, block);
+}
+
+/* Under s->lock: whether the origin's cached blocks serve @block */
+bool clone_cache_origin_has(CloneCacheStore *s, int origin, uint64_t nonce,
+                            uint64_t block)
+{
+    return origin >= 0 && s->bases[origin].nonce == nonce &&
+           clone_cache_has(s, origin, block);
+}
+
 void clone_cache_detach(CloneCacheStore *s, int b)
 {
     qemu_mutex_lock(&s->lock);

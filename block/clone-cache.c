@@ -37,6 +37,8 @@
 #define CC_OPT_STORE        "store"
 #define CC_OPT_BASE_ID      "base-id"
 #define CC_OPT_GENERATION   "generation"
+#define CC_OPT_COPY_OF      "copy-of"
+#define CC_OPT_COPY_OF_GEN  "copy-of-generation"
 #define CC_MAX_RUN          (4 * MiB)   /* largest single base read */
 
 /* Our options, parsed with the QAPI visitor and taken out of @options */
@@ -49,6 +51,8 @@ static BlockdevOptions *cc_parse_options(QDict *options, Error **errp)
         qdict_del(options, CC_OPT_STORE);
         qdict_del(options, CC_OPT_BASE_ID);
         qdict_del(options, CC_OPT_GENERATION);
+        qdict_del(options, CC_OPT_COPY_OF);
+        qdict_del(options, CC_OPT_COPY_OF_GEN);
     }
     return opts;
 }
@@ -180,9 +184,32 @@ static int cc_open(BlockDriverState *bs, QDict *options, int flags,
         error_setg(errp, "clone-cache: the base is too large");
         return -EFBIG;
     }
+    s->origin = -1;
+    if (opts->copy_of) {
+        Error *local_err = NULL;
+
+        if (!strcmp(opts->copy_of, base_id)) {
+            error_setg(errp, "clone-cache: a base cannot be a copy of itself");
+            return -EINVAL;
+        }
+        s->origin = clone_cache_attach_origin(s->store, opts->copy_of,
+                                              opts->has_copy_of_generation,
+                                              opts->copy_of_generation,
+                                              &s->origin_nonce, &local_err);
+        if (s->origin == -ESTALE) {
+            warn_report_err(local_err);     /* served, from its own base */
+            s->origin = -1;
+        } else if (s->origin < 0) {
+            error_propagate(errp, local_err);
+            return s->origin;
+        }
+    }
     s->base = clone_cache_attach(s->store, base_id, generation,
                                  bdrv_get_node_name(bs), errp);
     if (s->base < 0) {
+        if (s->origin >= 0) {
+            clone_cache_detach(s->store, s->origin);
+        }
         return s->base;
     }
     s->inflight = g_hash_table_new_full(g_int64_hash, g_int64_equal, g_free,
@@ -203,6 +230,9 @@ static void cc_close(BlockDriverState *bs)
         g_array_free(s->rec_order, true);
     }
     clone_cache_detach(s->store, s->base);
+    if (s->origin >= 0) {
+        clone_cache_detach(s->store, s->origin);
+    }
     object_unref(OBJECT(s->store));
 }
 
@@ -304,6 +334,8 @@ bool cc_is_miss(BDRVCloneCacheState *s, uint64_t block)
     uint64_t key = clone_cache_key(s->base, block);
 
     return !clone_cache_has(s->store, s->base, block) &&
+           !clone_cache_origin_has(s->store, s->origin, s->origin_nonce,
+                                   block) &&
            !g_hash_table_contains(s->store->pending, &key) &&
            !g_hash_table_contains(s->inflight, &block);
 }
@@ -336,6 +368,13 @@ cc_co_preadv_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
         CloneCacheInflight *f;
         uint32_t slot = clone_cache_lookup(store, s->base, block);
 
+        if (slot == CC_NONE) {
+            slot = clone_cache_lookup_origin(store, s->origin,
+                                             s->origin_nonce, block);
+            if (slot != CC_NONE) {
+                trace_clone_cache_origin_hit(bs, block, slot);
+            }
+        }
         if (slot != CC_NONE) {
             qemu_mutex_unlock(&store->lock);
             buf = buf ?: qemu_blockalign(bs, bsz);

@@ -256,6 +256,14 @@ int clone_cache_attach(CloneCacheStore *s, const char *base_id,
                        uint64_t generation, const char *node_name,
                        Error **errp);
 void clone_cache_detach(CloneCacheStore *s, int base);
+int clone_cache_attach_origin(CloneCacheStore *s, const char *base_id,
+                              bool has_generation, uint64_t generation,
+                              uint64_t *nonce, Error **errp);
+/* Under s->lock: as clone_cache_lookup(), clone_cache_has() for a copy */
+uint32_t clone_cache_lookup_origin(CloneCacheStore *s, int origin,
+                                   uint64_t nonce, uint64_t block);
+bool clone_cache_origin_has(CloneCacheStore *s, int origin, uint64_t nonce,
+                            uint64_t block);
 int clone_cache_invalidate(CloneCacheStore *s, const char *base_id,
                            Error **errp);
 /* Under s->lock: the slot serving (base, block), or CC_NONE */
@@ -293,6 +301,8 @@ typedef struct CloneCacheInflight {
 typedef struct BDRVCloneCacheState {
     CloneCacheStore *store;
     int base;                   /* index in store->bases */
+    int origin;                 /* copy-of's index, or -1 */
+    uint64_t origin_nonce;      /* its nonce when this node opened */
     uint64_t nb_blocks;
     int64_t length;
     GHashTable *inflight;       /* block -> CloneCacheInflight (store lock) */
