@@ -295,6 +295,25 @@ def stats(rows, col):
     return {'mean': m, 'ci95': h, 'n': len(xs), 'min': min(xs), 'max': max(xs)}
 
 
+def shape_of(fit):
+    """Where a fitted column is linear and where not, as a phrase: flat when
+    the line's rise over the range is less than a third of its mean; else
+    linear when every step between neighbouring points costs within 1.5x of
+    the line's slope per million items, else which steps do not."""
+    pts, b = fit['points'], fit['b']
+    ys = [y for _, y in pts]
+    rise = b * (pts[-1][0] - pts[0][0])
+    if abs(rise) < sum(ys) / len(ys) / 3:
+        return f'flat ({min(ys):.2f}-{max(ys):.2f} ms over the range)'
+    off = [s for s in fit['steps'] if b <= 0 or not 1 / 1.5 <= s['ms per M'] / b <= 1.5]
+    if not off:
+        return (f'linear: {b:.2f} ms per million items, every step within 1.5x of that '
+                f'(r² {fit["r2"]:.3f})')
+    return (f'not linear throughout: the line\'s slope is {b:.2f} ms per million items, but '
+            + ', '.join(f"{s['from']:g}->{s['to']:g} M costs {s['ms per M']:.2f}"
+                        for s in off) + ' ms per million')
+
+
 def fit_line(xs, ys):
     """Least squares y = a + b x: (a, b, r2)."""
     n = len(xs)
@@ -331,6 +350,7 @@ def analyse(runs, args):
                      for (x0, y0), (x1, y1) in zip(pts, pts[1:])]
             res['fits'][col] = {'a': a, 'b': b, 'r2': r2, 'steps': steps,
                                 'points': pts}
+            res['fits'][col]['reading'] = shape_of(res['fits'][col])
     for label in res['host']:
         if '@' in label:
             twin = label.split('@')[0]
@@ -391,9 +411,9 @@ def write_report(runs, args):
         for col, fit in res['fits'].items():
             steps = ', '.join(f"{s['from']:g}->{s['to']:g} M: {s['ms per M']:.2f}"
                               for s in fit['steps'])
-            lines.append(f'- *{col}*: least-squares line {fit["a"]:.2f} + {fit["b"]:.2f} ms per '
-                         f'M items (r² {fit["r2"]:.4f}); increment per M between neighbours: '
-                         f'{steps} ms.')
+            lines.append(f'- *{col}*: {fit["reading"]}.  Least-squares line {fit["a"]:.2f} + '
+                         f'{fit["b"]:.2f} ms per M items (r² {fit["r2"]:.4f}); increment per M '
+                         f'between neighbours: {steps} ms.')
         lines.append('')
     if res['guest']:
         lines += ['## In a TCG guest (`bench/app-assist.py` `ours`, a real post-copy migration)',
@@ -405,6 +425,14 @@ def write_report(runs, args):
             lines.append(f"| {label} | {r['mem']} | {n} | " + ' | '.join(
                 fmt(r['stats'].get(c)) for c, _ in GUEST_COLS) + ' |')
         lines += ['', 'Columns: ' + '; '.join(f'*{c}*: {w}' for c, w in GUEST_COLS) + '.', '']
+        gs = sorted(res['guest'].values(), key=lambda r: r['items'])
+        for col in ('setup time (ms)', 'prepare (ms)', 'prepare: module (ms)', 'page list (ms)',
+                    'page list: pagemap (ms)'):
+            pts = [(r['items'] / M, r['stats'][col]['mean']) for r in gs if r['stats'].get(col)]
+            if len(pts) >= 2:
+                lines.append(f'- guest *{col}*: ' + ', '.join(
+                    f'{x0:g}->{x1:g} M: {(y1 - y0) / (x1 - x0):+.2f} ms per million items'
+                    for (x0, y0), (x1, y1) in zip(pts, pts[1:])) + '.')
         for label, r in sorted(res['guest'].items(), key=lambda kv: kv[1]['items']):
             h = res['host'].get(label)
             for col, hcol in (('page list: pagemap (ms)', 'page list: pagemap (ms)'),
