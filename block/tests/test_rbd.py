@@ -307,6 +307,63 @@ class RbdTest(H.ToolTest):
         self.assertEqual(got[:MiB], b'\x77' * MiB)
         self.assertEqual(got[MiB:], want[MiB:])
 
+    def test_full_copy_served_from_the_origin_cache(self):
+        """A full copy made by the storage (rbd deep cp of the origin's
+        snapshot, no byte through this host) and given to the cache with
+        copy-of: once the origin's readers have warmed the cache, reading
+        the whole copy reads nothing from the cluster, and returns the
+        copy's bytes (issue 40, target 7)."""
+        img = self.image('origin', size='8M')
+        data = os.urandom(8 * MiB)
+        src = self.tmp('src')
+        with open(src, 'wb') as f:
+            f.write(data)
+        self.qemu_io(self.ceph.blockdev(img), f'write -s {src} 0 {8 * MiB}')
+        self.ceph.rbd('snap', 'create', f'rbd/{img}@s1')
+        # the copy gets the snapshot too (deep cp copies snapshots)
+        self.ceph.rbd('deep', 'cp', f'rbd/{img}@s1', 'rbd/copy')
+        sock = self.tmp('nbd.sock')
+        d = H.StorageDaemon(
+            self.tmp, '--object', 'clone-cache,id=cc0,'
+            f'filename={self.tmp("cc")},size=32M',
+            '--blockdev', self.ceph.blockdev(img) +
+            ',node-name=rbd0,snapshot=s1,read-only=on',
+            '--blockdev', 'clone-cache,node-name=origin,store=cc0,'
+            f'file=rbd0,read-only=on,base-id=rbd/{img}@s1',
+            '--blockdev', self.ceph.blockdev('copy') +
+            ',node-name=rbd1,snapshot=s1,read-only=on',
+            '--blockdev', 'clone-cache,node-name=copy,store=cc0,'
+            f'file=rbd1,read-only=on,base-id=rbd/copy@s1,'
+            f'copy-of=rbd/{img}@s1',
+            '--nbd-server', f'addr.type=unix,addr.path={sock}',
+            '--export', 'nbd,id=e0,node-name=origin',
+            '--export', 'nbd,id=e1,node-name=copy')
+        self.procs.append(d)
+
+        def read_all(name):
+            out = self.tmp('out')
+            H.qemu_img('convert', '-f', 'raw', '-O', 'raw',
+                       f'nbd+unix:///{name}?socket={sock}', out)
+            with open(out, 'rb') as f:
+                return f.read()
+
+        def base(name):
+            deadline = time.monotonic() + 30
+            while d.cmd('query-clone-cache')[0]['fill-pending']:
+                self.assertLess(time.monotonic(), deadline)
+                time.sleep(0.05)
+            time.sleep(0.1)
+            [b] = [b for b in d.cmd('query-clone-cache')[0]['bases']
+                   if b['base-id'] == name]
+            return b
+
+        self.assertEqual(read_all('origin'), data)
+        self.assertEqual(base(f'rbd/{img}@s1')['base-read-bytes'], 8 * MiB)
+        self.assertEqual(read_all('copy'), data)
+        copy = base('rbd/copy@s1')
+        self.assertEqual((copy['base-read-bytes'], copy['misses']), (0, 0))
+        self.assertEqual(copy['hits'], 8 * MiB // (64 * 1024))
+
 
 if __name__ == '__main__':
     unittest.main()

@@ -35,6 +35,14 @@ base-id = gold
 generation = 7
 """
 
+# A full copy of gold made by the storage, given before its origin
+COPY = """[base desk1]
+blockdev = {{"driver": "file", "filename": "{d}/desk1.img"}}
+base-id = desk1
+copy-of = gold
+copy-of-generation = 0x2a
+"""
+
 
 class HvcacheCase(unittest.TestCase):
 
@@ -86,6 +94,19 @@ class ConfigTest(HvcacheCase):
                          {'type': 'nbd', 'id': 'gold', 'node-name': 'gold', 'name': 'gold',
                           'writable': False})
 
+    def test_a_copy_opens_after_its_origin(self):
+        """copy-of names another [base] of the file: the node gets that
+        base's base-id, and opens after it whatever the file's order."""
+        good = GOOD.format(d=self.d, qsd=QSD)
+        head, gold = good.split('[base gold]')
+        r = self.hvcache('check', self.conf(head + COPY.format(d=self.d) + '[base gold]' + gold))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        argv = r.stdout.splitlines()
+        nodes = [json.loads(argv[i + 1]) for i, a in enumerate(argv)
+                 if a == '--blockdev' and 'clone-cache' in argv[i + 1]]
+        self.assertEqual([n['node-name'] for n in nodes], ['gold', 'desk1'])
+        self.assertEqual((nodes[1]['copy-of'], nodes[1]['copy-of-generation']), ('gold', 42))
+
     def test_hostile_configurations_are_refused(self):
         """Each is refused with the section and key named, exit 1, before
         anything runs."""
@@ -107,6 +128,19 @@ class ConfigTest(HvcacheCase):
             (good.replace('[cache]\n', '[cache]\nblock-size = 3000\n'),
              '[cache] block-size: 3000 is out of range'),
             (good.split('[base gold]')[0], 'no [base NAME] section'),
+            (good + COPY.format(d=self.d).replace('copy-of = gold', 'copy-of = nosuch'),
+             '[base desk1] copy-of: "nosuch" is not another [base NAME] of this file'),
+            (good + COPY.format(d=self.d).replace('copy-of = gold', 'copy-of = desk1'),
+             '[base desk1] copy-of: "desk1" is not another [base NAME] of this file'),
+            (good.replace('base-id = gold\n', '') + COPY.format(d=self.d),
+             '[base desk1] copy-of: [base gold] needs a base-id'),
+            (good + COPY.format(d=self.d) + COPY.format(d=self.d).replace(
+                'desk1', 'desk2').replace('copy-of = gold', 'copy-of = desk1'),
+             '[base desk2] copy-of: [base desk1] is itself a copy; name its origin'),
+            (good + COPY.format(d=self.d).replace('= 0x2a', '= x'),
+             '[base desk1] copy-of-generation is not an integer'),
+            (good + COPY.format(d=self.d).replace('copy-of = gold\n', ''),
+             '[base desk1] copy-of-generation without copy-of'),
             ('not an ini file', 'File contains no section headers'),
         ]
         for text, want in cases:
