@@ -322,24 +322,80 @@ uint32_t clone_cache_lookup(CloneCacheStore *s, int base, uint64_t block)
 }
 
 /*
+ * Read the slot's bytes [start, end) (whole 4 KiB pieces, or up to the end
+ * of a short last block) into @qiov at @qiov_offset and check them against
+ * @sums.  Straight into the caller's buffers: no bounce, no copy.
+ */
+static int coroutine_fn cc_read_direct(CloneCacheStore *s, uint32_t slot,
+                                       const uint32_t *sums, uint32_t start,
+                                       uint32_t end, QEMUIOVector *qiov,
+                                       size_t qiov_offset)
+{
+    int ret = blk_co_preadv_part(s->blk, s->data_off +
+                                 (uint64_t)slot * s->block_size + start,
+                                 end - start, qiov, qiov_offset, 0);
+
+    if (ret == 0 && !cc_check_sums_qiov(sums, qiov, qiov_offset, start, end)) {
+        ret = -EIO;
+    }
+    return ret;
+}
+
+/*
+ * The same through a bounce buffer of the pieces that [offset, offset +
+ * bytes) falls in, [start, end): the bytes asked for are copied into @qiov
+ * once the pieces check.
+ */
+static int coroutine_fn cc_read_bounce(CloneCacheStore *s, uint32_t slot,
+                                       const uint32_t *sums, uint32_t start,
+                                       uint32_t end, uint32_t offset,
+                                       uint32_t bytes, QEMUIOVector *qiov,
+                                       size_t qiov_offset)
+{
+    uint8_t *buf = qemu_try_blockalign(blk_bs(s->blk), end - start);
+    QEMUIOVector bq;
+    int ret;
+
+    if (!buf) {
+        return -ENOMEM;
+    }
+    qemu_iovec_init_buf(&bq, buf, end - start);
+    ret = cc_read_direct(s, slot, sums, start, end, &bq, 0);
+    if (ret == 0) {
+        qemu_iovec_from_buf(qiov, qiov_offset, buf + (offset - start), bytes);
+    }
+    qemu_vfree(buf);
+    return ret;
+}
+
+/*
  * Read bytes [offset, offset + bytes) of a slot that clone_cache_lookup()
- * returned (and so holds a reader reference on) into @buf + offset, check
- * the 4 KiB pieces they fall in against the slot's sums, and release it.
+ * returned (and so holds a reader reference on) into @qiov at
+ * @qiov_offset, check the 4 KiB pieces they fall in against the slot's
+ * sums, and release it.  A range of whole pieces is read straight into
+ * @qiov and checked there; any other through a bounce buffer of its
+ * pieces.  Either way @qiov holds checked bytes when this returns 0, and
+ * unchecked ones otherwise (the caller reads the base over them).
+ *
  * The reference keeps the slot from being reused, and the slot's sequence
  * is checked again after the read: anything changed meanwhile (the slot
  * dropped, its base invalidated) is a miss, -EAGAIN.  -EIO when the data
  * cannot be trusted: the slot is dropped.  Either way the caller reads the
- * base instead.
+ * base instead.  A check that fails in @qiov is made again through a
+ * bounce buffer before the slot is dropped: @qiov may be memory its owner
+ * can change under the read (a guest's), which must not cost the other
+ * readers of the slot their cached block.
  */
 int coroutine_fn clone_cache_read_slot(CloneCacheStore *s, int base,
-                                       uint32_t slot, uint8_t *buf,
-                                       uint32_t offset, uint32_t bytes)
+                                       uint32_t slot, uint32_t offset,
+                                       uint32_t bytes, QEMUIOVector *qiov,
+                                       size_t qiov_offset)
 {
     CloneCacheSlot *sl = &s->slots[slot];
     uint32_t start = QEMU_ALIGN_DOWN(offset, CC_SUB), end;
     uint32_t sums[CC_MAX_BLOCK / CC_SUB];
     uint64_t seq, delay = qatomic_read(&s->read_delay_ns);
-    bool same;
+    bool same, direct;
     int ret;
 
     qemu_mutex_lock(&s->lock);
@@ -353,10 +409,15 @@ int coroutine_fn clone_cache_read_slot(CloneCacheStore *s, int base,
         trace_clone_cache_read_delay(s, slot, delay);
         qemu_co_sleep_ns(QEMU_CLOCK_REALTIME, delay);
     }
-    ret = blk_co_pread(s->blk, s->data_off + (uint64_t)slot * s->block_size +
-                       start, end - start, buf + start, 0);
-    if (ret == 0 && !cc_check_sums(sums, buf, start, end)) {
-        ret = -EIO;
+    direct = start == offset && end == offset + bytes;
+    trace_clone_cache_read_slot(s, slot, start, end, direct);
+    ret = -EIO;
+    if (direct) {
+        ret = cc_read_direct(s, slot, sums, start, end, qiov, qiov_offset);
+    }
+    if (ret == -EIO) {
+        ret = cc_read_bounce(s, slot, sums, start, end, offset, bytes, qiov,
+                             qiov_offset);
     }
 
     qemu_mutex_lock(&s->lock);
@@ -368,7 +429,8 @@ int coroutine_fn clone_cache_read_slot(CloneCacheStore *s, int base,
         s->checksum_errors++;
         trace_clone_cache_bad_slot(s, slot, ret);
         cc_slot_drop(s, slot, false);
-    } else {
+    } else if (ret == 0) {
+        s->bases[base].st.hits++;
         s->bases[base].st.cache_read_bytes += end - start;
     }
     cc_slot_unref(s, sl);

@@ -28,6 +28,7 @@
 #include "qobject/qdict.h"
 #include "block/block_int.h"
 #include "block/block-io.h"
+#include "block/aio_task.h"
 #include "system/block-backend.h"
 #include "content-fp.h"
 #include "clone-cache.h"
@@ -340,35 +341,79 @@ bool cc_is_miss(BDRVCloneCacheState *s, uint64_t block)
            !g_hash_table_contains(s->inflight, &block);
 }
 
+/* One hit of a request: where it goes, and how its read went */
+typedef struct CloneCacheHit {
+    uint64_t block;
+    uint32_t slot;              /* holds a reader reference until read */
+    int64_t offset, bytes;      /* in the node */
+    size_t qiov_offset;
+    int ret;
+} CloneCacheHit;
+
+/* The read of one hit of a request over several blocks, beside the others */
+typedef struct CloneCacheHitTask {
+    AioTask task;
+    BlockDriverState *bs;
+    QEMUIOVector *qiov;
+    CloneCacheHit *hit;
+} CloneCacheHitTask;
+
+#define CC_HIT_TASKS        16  /* hit reads in flight per request */
+
+/* Read a hit straight into @qiov (the store checks it); no lock held */
+static void coroutine_fn cc_read_hit(BlockDriverState *bs, CloneCacheHit *h,
+                                     QEMUIOVector *qiov)
+{
+    BDRVCloneCacheState *s = bs->opaque;
+
+    h->ret = clone_cache_read_slot(s->store, s->base, h->slot,
+                                   h->offset % s->store->block_size, h->bytes,
+                                   qiov, h->qiov_offset);
+    if (h->ret == 0) {
+        trace_clone_cache_hit(bs, h->block, h->slot);
+    }
+}
+
+static int coroutine_fn cc_hit_task(AioTask *task)
+{
+    CloneCacheHitTask *t = container_of(task, CloneCacheHitTask, task);
+
+    cc_read_hit(t->bs, t->hit, t->qiov);
+    return 0;           /* a hit that failed is read from the base after */
+}
+
 /*
- * Serve one request.  Each cache block it covers is a hit (read from the
- * cache file and checked), a merged miss (wait for a base read already in
- * flight) or a miss (a run of adjacent misses is one base read).
+ * Serve [offset, end) of a request, store lock held (dropped and taken
+ * again while it waits).  Each cache block is a hit (read from the cache
+ * file and checked), a merged miss (served from a fill not written yet,
+ * or a wait for a base read already in flight) or a miss (a run of
+ * adjacent misses is one base read).  Hits go in @hits (*@nb_hits of
+ * them): the last block's is read here when no other is in flight, any
+ * other is started in *@pool (made on first use) so that the hits of a
+ * request are read side by side, and with its misses; the caller waits
+ * for them.  @hits NULL: no lookups, every block a miss.
  */
 static int coroutine_fn GRAPH_RDLOCK
-cc_co_preadv_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
-                  QEMUIOVector *qiov, size_t qiov_offset,
-                  BdrvRequestFlags flags)
+cc_serve(BlockDriverState *bs, int64_t offset, int64_t end,
+         QEMUIOVector *qiov, size_t qiov_offset, CloneCacheHit *hits,
+         int *nb_hits, AioTaskPool **pool)
 {
     BDRVCloneCacheState *s = bs->opaque;
     CloneCacheStore *store = s->store;
     CloneCacheBaseStats *st = &store->bases[s->base].st;
     const uint64_t bsz = store->block_size;
-    int64_t end = offset + bytes;
-    uint8_t *buf = NULL;
     int ret = 0;
 
-    qemu_mutex_lock(&store->lock);
-    if (s->rec_seen) {
-        cc_record(s, offset / bsz, (end - 1) / bsz);
-    }
     while (offset < end && ret == 0) {
         uint64_t block = offset / bsz;
         int64_t chunk = MIN((block + 1) * bsz, end) - offset;
         CloneCacheInflight *f;
-        uint32_t slot = clone_cache_lookup(store, s->base, block);
+        uint32_t slot = CC_NONE;
 
-        if (slot == CC_NONE) {
+        if (hits) {
+            slot = clone_cache_lookup(store, s->base, block);
+        }
+        if (hits && slot == CC_NONE) {
             slot = clone_cache_lookup_origin(store, s->origin,
                                              s->origin_nonce, block);
             if (slot != CC_NONE) {
@@ -376,21 +421,29 @@ cc_co_preadv_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
             }
         }
         if (slot != CC_NONE) {
+            CloneCacheHit *h = &hits[(*nb_hits)++];
+
+            *h = (CloneCacheHit) {
+                .block = block, .slot = slot, .offset = offset,
+                .bytes = chunk, .qiov_offset = qiov_offset,
+            };
             qemu_mutex_unlock(&store->lock);
-            buf = buf ?: qemu_blockalign(bs, bsz);
-            ret = clone_cache_read_slot(store, s->base, slot, buf,
-                                        offset % bsz, chunk);
-            qemu_mutex_lock(&store->lock);
-            if (ret == 0) {
-                st->hits++;
-                trace_clone_cache_hit(bs, block, slot);
-                qemu_iovec_from_buf(qiov, qiov_offset, buf + offset % bsz,
-                                    chunk);
-                offset += chunk;
-                qiov_offset += chunk;
-                continue;
+            if (offset + chunk == end && !*pool) {
+                cc_read_hit(bs, h, qiov);
+            } else {
+                CloneCacheHitTask *t = g_new(CloneCacheHitTask, 1);
+
+                *t = (CloneCacheHitTask) {
+                    .task.func = cc_hit_task, .bs = bs, .qiov = qiov,
+                    .hit = h,
+                };
+                *pool = *pool ?: aio_task_pool_new(CC_HIT_TASKS);
+                aio_task_pool_start_task(*pool, &t->task);
             }
-            ret = 0;                /* changed or not trusted: a miss */
+            qemu_mutex_lock(&store->lock);
+            offset += chunk;
+            qiov_offset += chunk;
+            continue;
         }
 
         if (clone_cache_read_pending(store, s->base, block, offset % bsz,
@@ -440,8 +493,52 @@ cc_co_preadv_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
         }
         cc_inflight_unref(f);
     }
+    return ret;
+}
+
+/*
+ * Serve one request (cc_serve()).  A hit is read straight into @qiov and
+ * checked there; one that changed meanwhile or fails its check is read
+ * from the base once every hit is in.
+ */
+static int coroutine_fn GRAPH_RDLOCK
+cc_co_preadv_part(BlockDriverState *bs, int64_t offset, int64_t bytes,
+                  QEMUIOVector *qiov, size_t qiov_offset,
+                  BdrvRequestFlags flags)
+{
+    BDRVCloneCacheState *s = bs->opaque;
+    CloneCacheStore *store = s->store;
+    const uint64_t bsz = store->block_size;
+    int64_t end = offset + bytes;
+    uint64_t nb_blocks = (end - 1) / bsz - offset / bsz + 1;
+    CloneCacheHit one, *hits = nb_blocks > 1 ? g_new(CloneCacheHit, nb_blocks)
+                                             : &one;
+    AioTaskPool *pool = NULL;
+    int nb_hits = 0, i, ret;
+
+    qemu_mutex_lock(&store->lock);
+    if (s->rec_seen) {
+        cc_record(s, offset / bsz, (end - 1) / bsz);
+    }
+    ret = cc_serve(bs, offset, end, qiov, qiov_offset, hits, &nb_hits, &pool);
     qemu_mutex_unlock(&store->lock);
-    qemu_vfree(buf);
+    if (pool) {
+        aio_task_pool_wait_all(pool);
+        aio_task_pool_free(pool);
+    }
+    qemu_mutex_lock(&store->lock);
+    for (i = 0; i < nb_hits && ret == 0; i++) {
+        CloneCacheHit *h = &hits[i];
+
+        if (h->ret) {           /* changed or not trusted: a miss */
+            ret = cc_serve(bs, h->offset, h->offset + h->bytes, qiov,
+                           h->qiov_offset, NULL, NULL, NULL);
+        }
+    }
+    qemu_mutex_unlock(&store->lock);
+    if (hits != &one) {
+        g_free(hits);
+    }
     return ret;
 }
 

@@ -231,6 +231,7 @@ struct CloneCacheStore {
 /* clone-cache-file.c */
 CloneCacheStore *clone_cache_store_find(const char *id, Error **errp);
 uint32_t cc_crc(const void *p, size_t len);
+uint32_t cc_crc_update(uint32_t crc, const void *p, size_t len);
 bool cc_all_zero(const void *p, size_t len);
 void cc_slot_rec(CloneCacheStore *s, uint32_t i, bool valid,
                  CloneCacheSlotRec *r);
@@ -243,6 +244,8 @@ void cc_copy_sums(CloneCacheStore *s, uint32_t slot, uint32_t start,
                   uint32_t end, uint32_t *row);
 bool cc_check_sums(const uint32_t *row, const uint8_t *buf, uint32_t start,
                    uint32_t end);
+bool cc_check_sums_qiov(const uint32_t *row, QEMUIOVector *qiov,
+                        size_t qiov_offset, uint32_t start, uint32_t end);
 int coroutine_fn cc_write_entry_rec(CloneCacheStore *s, uint32_t e,
                                     uint64_t key, uint64_t nonce,
                                     uint32_t slot, uint64_t seq);
@@ -269,8 +272,9 @@ int clone_cache_invalidate(CloneCacheStore *s, const char *base_id,
 /* Under s->lock: the slot serving (base, block), or CC_NONE */
 uint32_t clone_cache_lookup(CloneCacheStore *s, int base, uint64_t block);
 int coroutine_fn clone_cache_read_slot(CloneCacheStore *s, int base,
-                                       uint32_t slot, uint8_t *buf,
-                                       uint32_t offset, uint32_t bytes);
+                                       uint32_t slot, uint32_t offset,
+                                       uint32_t bytes, QEMUIOVector *qiov,
+                                       size_t qiov_offset);
 bool clone_cache_read_pending(CloneCacheStore *s, int base, uint64_t block,
                               uint64_t offset, uint64_t bytes,
                               QEMUIOVector *qiov, size_t qiov_offset);

@@ -5,7 +5,10 @@
  * touches bytes [$CC_FAULT_LO, $CC_FAULT_HI) fails with EIO, as a failing
  * disk would make it.  The tests aim it at the slot records, to fail the
  * record writes of pinning and unpinning.  QEMU's thread pool writes with
- * pwrite() for one buffer and pwritev() for several.
+ * pwrite() for one buffer and pwritev() for several.  The cache file is
+ * written with io_uring where QEMU can, which no LD_PRELOAD sees: a seccomp
+ * filter set up at load makes io_uring_setup() fail with ENOSYS, so that
+ * QEMU falls back to its thread pool (as on a kernel without io_uring).
  *
  * Copyright (c) 2026 The hybridvm authors
  *
@@ -14,10 +17,34 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
+#include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
+
+/* io_uring_setup() fails with ENOSYS in this process from now on */
+static void __attribute__((constructor)) cc_no_io_uring(void)
+{
+    struct sock_filter f[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_io_uring_setup, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+    };
+    struct sock_fprog prog = { .len = sizeof(f) / sizeof(f[0]), .filter = f };
+
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 ||
+        prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) != 0) {
+        perror("cc-faultinject: seccomp");
+        abort();
+    }
+}
 
 static int cc_fault(int fd, off_t off, size_t len)
 {

@@ -466,6 +466,100 @@ class CloneCacheTest(unittest.TestCase):
         self.qsd.stop()
         self.assertIn('discarded', open(self.tmp('qsd.log')).read())
 
+    def test_hits_read_into_the_request_are_checked_there(self):
+        """A hit of whole 4 KiB pieces is read straight into the request's
+        buffers (no bounce) and checked there: a damaged piece is still
+        found, its slot dropped and the block read from the base; a hit of
+        part of a piece goes through a bounce buffer."""
+        path = self.patterned_base('base.img', 16, 1)
+        bases = [('b0', path, ',base-id=Q')]
+        self.start(bases)
+        self.io('b0', *[f'read -P {b + 1} {b * BS} {BS}' for b in range(16)])
+        self.assertEqual(self.settle()['used'], 16)
+        self.qsd.stop()
+        L = self.layout()
+        self.corrupt(L['data_off'] + 3 * L['bsz'] + 2 * 4096 + 100)
+        self.start(bases, extra=['--trace', 'clone_cache_read_slot'])
+        self.io('b0', *[f'read -P {b + 1} {b * BS + k * 4096} 4096'
+                        for b in range(16) for k in range(16)])
+        c = self.settle()
+        self.assertEqual(c['checksum-errors'], 1)
+        b = self.base('Q')
+        self.assertEqual(b['misses'] + b['merged-misses'] + b['hits'], 256)
+        self.assertGreaterEqual(b['misses'], 1)
+        log = self.log_text()
+        self.assertIn('direct 1', log)
+        self.assertNotIn('direct 0', log)
+        self.io('b0', f'read -P 5 {4 * BS + 1000} 512')
+        self.assertIn('direct 0', self.log_text())
+
+    def test_requests_of_hits_and_misses_return_the_base_bytes(self):
+        """A request over many cache blocks, some cached (one of them
+        damaged) and some not, returns the base's bytes: its hits are read
+        side by side, the damaged one and the misses from the base."""
+        path = self.make_base('base.img', size=1 * MiB)
+        want = open(path, 'rb').read()
+        bases = [('b0', path, ',base-id=M')]
+        self.start(bases)
+        self.io('b0', *[f'read {b * BS} {BS}' for b in range(0, 16, 2)])
+        self.assertEqual(self.settle()['used'], 8)
+        self.qsd.stop()
+        L = self.layout()
+        self.corrupt(L['data_off'] + 3 * L['bsz'] + 5000)
+        self.start(bases)
+        self.assertEqual(self.read_all('b0'), want)
+        c = self.settle()
+        b = self.base('M')
+        self.assertEqual(c['checksum-errors'], 1)
+        self.assertEqual((b['hits'], b['misses']), (7, 9))
+        # and once more, all of them hits now
+        self.assertEqual(self.read_all('b0'), want)
+        self.assertEqual(self.base('M')['hits'], 7 + 16)
+
+    def test_sums_are_crc32c_as_the_format_says(self):
+        """The sum table holds the CRC-32C of every 4 KiB piece
+        (docs/clone-cache-format.rst), whichever way the daemon computes
+        it (the CPU's instruction or a table)."""
+        from test_hybrid import crc32c      # without the final xor
+        path = self.make_base('base.img', size=4 * BS)
+        data = open(path, 'rb').read()
+        self.start([('b0', path, ',base-id=S')])
+        self.read_all('b0')
+        self.assertEqual(self.settle()['used'], 4)
+        self.qsd.stop()
+        L = self.layout()
+        spb = L['bsz'] // 4096
+        with open(self.cache, 'rb') as f:
+            for slot in range(4):
+                f.seek(L['data_off'] + slot * L['bsz'])
+                block = f.read(L['bsz'])
+                self.assertIn(block, [data[i:i + BS] for i in range(0, len(data), BS)])
+                f.seek(L['sum_off'] + slot * spb * 4)
+                row = f.read(spb * 4)
+                for k in range(spb):
+                    piece = block[k * 4096:(k + 1) * 4096]
+                    self.assertEqual(int.from_bytes(row[k * 4:k * 4 + 4], 'little'),
+                                     crc32c(piece) ^ 0xffffffff, (slot, k))
+
+    def test_hits_are_read_with_io_uring(self):
+        """The cache file is read with io_uring (where QEMU has it), not
+        through the thread pool: a base left on the thread pool (aio
+        default) shows which requests are the cache's."""
+        path = self.make_base('base.img', size=1 * MiB)
+        bases = [('b0', path, ',base-id=U')]
+        self.start(bases)
+        self.read_all('b0')
+        self.assertEqual(self.settle()['used'], 16)
+        self.qsd.stop()
+        L = self.layout()
+        self.start(bases, extra=['--trace', 'luring_co_submit'])
+        self.io('b0', f'read 0 {BS}')
+        self.assertEqual(self.base('U')['hits'], 1)
+        reads = [int(m.group(1)) for m in re.finditer(
+            r'luring_co_submit .* offset (\d+) nbytes 65536 type 1', self.log_text())]
+        self.assertTrue(reads and all(r >= L['data_off'] for r in reads),
+                        self.log_text()[-2000:])
+
     def test_damaged_superblock_starts_empty(self):
         path = self.make_base('base.img', size=1 * MiB)
         bases = [('b0', path, '')]
