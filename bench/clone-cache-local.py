@@ -41,8 +41,8 @@ Usage: bench/clone-cache-local.py [--rounds 3] [--runtime 5] [--size 1G]
                                   [--work-dir /var/tmp] [--name NAME]
                                   [--notes FILE] [--out docs/bench]
        bench/clone-cache-local.py --report-only docs/bench/clone-cache-local.json
-Needs fio (with its nbd engine).  Binaries from $HYBRIDVM_BUILD/bin (default
-<repo>/build/bin), copied at start (a rebuild during the run does not change
+Needs fio (with its nbd engine).  qemu-storage-daemon from --binary or
+$HYBRIDVM_BUILD/bin (default <repo>/build/bin), copied at start (a rebuild during the run does not change
 what is measured).  Writes NAME.md, .json and .png in --out (the chart needs
 matplotlib, e.g. build/venv/bin/python3).  About 4 minutes with the defaults.
 """
@@ -165,7 +165,7 @@ class Bench:
         os.makedirs(self.bin_dir)
         self.binaries = {}
         for n in ('qemu-storage-daemon',):
-            src = os.path.realpath(H.binary(n))
+            src = os.path.realpath(self.args.binary or H.binary(n))
             dst = os.path.join(self.bin_dir, n)
             shutil.copy2(src, dst)
             with open(dst, 'rb') as f:
@@ -319,7 +319,9 @@ def report(args, runs, meta, summary):
              f'({when})', '',
              f'Measured by `bench/clone-cache-local.py --rounds {args.rounds} '
              f'--runtime {args.runtime} --size {args.size} --work-dir {args.work_dir} '
-             f'--name {args.name}` (issue 40, target 4).  A base of {args.size} of '
+             f'--name {args.name}'
+             + (f' --binary {args.binary}' if getattr(args, 'binary', None) else '')
+             + f'` (issue 40, target 4).  A base of {args.size} of '
              f'random bytes in a file on {meta.get("disk", "?")}; one '
              'qemu-storage-daemon per configuration exports its node over NBD on '
              'a unix socket, and fio\'s nbd engine reads through the export, '
@@ -441,6 +443,8 @@ def main():
     ap.add_argument('--size', default='1G', help='the base (a multiple of 1 MiB)')
     ap.add_argument('--work-dir', default='/var/tmp',
                     help='where the base and the cache files go (the disk measured)')
+    ap.add_argument('--binary', help='the qemu-storage-daemon to measure '
+                    '(default: the build\'s), e.g. a copy kept from before a change')
     ap.add_argument('--name', default='clone-cache-local',
                     help='the report files in --out: NAME.md, .json, .png')
     add_report_args(ap)
