@@ -160,6 +160,12 @@ static void sliceTimer(RedisModuleCtx *ctx, void *data) {
     (void)ctx;
     (void)data;
     int busy;
+    /* A pass due on a server whose data fits the hot budget is a check of
+     * used_memory and nothing more: made here, so that it arms no bites.
+     * It armed them once a second at the module's defaults (the timer
+     * disarmed them up to 100 ms later), and every round of the event loop
+     * meanwhile paid for the subscription (see hmBitesArm). */
+    if (!hm.pass.cursor && hmNowUs() >= hm.pass.next_us && demotionAllowed()) hmPassSkipIfFits();
     if (backgroundDue(hmNowUs())) hmBitesArm();
     if (hm.bg.bites_armed && hm.filter.served != hm.bg.served_at_tick) {
         hm.bg.served_at_tick = hm.filter.served;

@@ -77,15 +77,35 @@ unsigned long long hmInfoMemoryField(RedisModuleCtx *ctx, const char *field) {
     return err ? 0 : v;
 }
 
-static long long plannedMemory(RedisModuleCtx *ctx) {
+/* planned-memory, else maxmemory ('mm'), else physical RAM. */
+static long long plannedMemory(unsigned long long mm) {
     if (hm.cfg.planned_memory > 0) return hm.cfg.planned_memory;
-    unsigned long long mm = hmInfoMemoryField(ctx, "maxmemory");
     if (mm) return (long long)mm;
     return (long long)sysconf(_SC_PHYS_PAGES) * sysconf(_SC_PAGESIZE);
 }
 
 long long hmHotBudget(RedisModuleCtx *ctx) {
-    return plannedMemory(ctx) / 100 * hm.cfg.hot_percent;
+    unsigned long long mm = hm.cfg.planned_memory > 0 ? 0 : hmInfoMemoryField(ctx, "maxmemory");
+    return plannedMemory(mm) / 100 * hm.cfg.hot_percent;
+}
+
+/* The hot budget, and used_memory in *used, from one INFO memory: Redis
+ * builds the whole section for each field asked (the demotion pass's
+ * check once a second asked twice). */
+long long hmHotBudgetUsed(RedisModuleCtx *ctx, long long *used) {
+    RedisModuleServerInfoData *info = RedisModule_GetServerInfo(ctx, "memory");
+    int err = 0;
+    unsigned long long mm = 0, u = 0;
+    if (info) {
+        mm = RedisModule_ServerInfoGetFieldUnsigned(info, "maxmemory", &err);
+        if (err) mm = 0;
+        err = 0;
+        u = RedisModule_ServerInfoGetFieldUnsigned(info, "used_memory", &err);
+        if (err) u = 0;
+        RedisModule_FreeServerInfo(ctx, info);
+    }
+    *used = (long long)u;
+    return plannedMemory(mm) / 100 * hm.cfg.hot_percent;
 }
 
 void hmFieldInt(Fields *fs, const char *name, long long v) {

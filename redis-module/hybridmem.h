@@ -316,6 +316,7 @@ long long hmProcessPeakRss(void);
 void hmProcessPeakReset(void);
 unsigned long long hmInfoMemoryField(RedisModuleCtx *ctx, const char *field);
 long long hmHotBudget(RedisModuleCtx *ctx);
+long long hmHotBudgetUsed(RedisModuleCtx *ctx, long long *used);
 void hmKeyListPush(KeyList *l, RedisModuleString *s);
 
 /* A reply built once and rendered either as a module reply (a map; RESP2
@@ -369,6 +370,7 @@ void hmPendingPush(RedisModuleCtx *ctx, RedisModuleString *keyname, RedisModuleK
 int hmScanApply(RedisModuleScanCursor *cursor, RedisModuleScanCB cb,
                 int (*fn)(RedisModuleString *), uint64_t deadline);
 void hmPassAbandon(void);
+int hmPassSkipIfFits(void);
 void hmDemoteSlice(uint64_t deadline, long long now_ms);
 int hmDemoteCommand(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
 

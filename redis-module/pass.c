@@ -196,28 +196,36 @@ void hmPassAbandon(void) {
     hm.pass.items = 0;
 }
 
+/* A pass is due (none under way): 1 if it is skipped, because nothing can
+ * be over budget while the whole of used_memory fits in it (its keyspace
+ * walk would be pure overhead); the next one is then due in
+ * HM_PASS_PAUSE_MS. The timer asks this before it looks for work for the
+ * bites (see sliceTimer): a server whose data fits its budget -- the
+ * module's steady state at its defaults -- otherwise armed them once a
+ * second for a check of two INFO fields. */
+int hmPassSkipIfFits(void) {
+    long long used, budget = hmHotBudgetUsed(hm.dctx, &used);
+    /* The second test: a server whose used_memory is above the budget by
+     * Redis's own overhead, not by its keys, walked them for nothing every
+     * pass (docs/redis-module.md, "Design history"). */
+    if (budget > 0 && (used < budget ||
+                       (hm.pass.fits_below && used < hm.pass.fits_below &&
+                        budget == hm.pass.fits_budget && hmNowUs() < hm.pass.fits_until_us))) {
+        hm.pass.threshold = HM_BUCKETS;
+        hm.pass.next_us = hmNowUs() + HM_PASS_PAUSE_MS * 1000ULL;
+        hm.pass.skipped++;
+        if (used < budget) hm.pass.hot_est = used;
+        hm.pass.admit_budget = budget;
+        return 1;
+    }
+    return 0;
+}
+
 /* Run the demotion pass until 'deadline'; 'now_ms': see lruAgeMs. */
 void hmDemoteSlice(uint64_t deadline, long long now_ms) {
     RedisModuleCtx *ctx = hm.dctx;
     if (!hm.pass.cursor) {
-        if (hmNowUs() < hm.pass.next_us) return;
-        /* Nothing can be over budget while the whole of used_memory fits
-         * in it: skip the pass (its keyspace walk would be pure overhead). */
-        long long budget = hmHotBudget(ctx);
-        long long used = (long long)hmInfoMemoryField(ctx, "used_memory");
-        /* The second test: a server whose used_memory is above the budget
-         * by Redis's own overhead, not by its keys, walked them for nothing
-         * every pass (docs/redis-module.md, "Design history"). */
-        if (budget > 0 && (used < budget ||
-                           (hm.pass.fits_below && used < hm.pass.fits_below &&
-                            budget == hm.pass.fits_budget && hmNowUs() < hm.pass.fits_until_us))) {
-            hm.pass.threshold = HM_BUCKETS;
-            hm.pass.next_us = hmNowUs() + HM_PASS_PAUSE_MS * 1000ULL;
-            hm.pass.skipped++;
-            if (used < budget) hm.pass.hot_est = used;
-            hm.pass.admit_budget = budget;
-            return;
-        }
+        if (hmNowUs() < hm.pass.next_us || hmPassSkipIfFits()) return;
         hm.pass.cursor = RedisModule_ScanCursorCreate();
         hm.pass.cpu_us = 0;
         hm.pass.demoted = 0;

@@ -120,6 +120,30 @@ class BackgroundTest(ServerTestCase):
         self.wait_for(working, what='the timer to arm the bites and the bites to work')
         self.assertHealthy(srv)
 
+    def test_passes_that_fit_arm_no_bites(self):
+        """At the defaults, on a server whose data fits the hot budget (30 %
+        of this host's RAM), a pass falls due every second and is skipped
+        after a look at used_memory. The timer makes that check itself:
+        clients served meanwhile see no bites armed for it. Before, every
+        skipped pass armed them for up to 100 ms."""
+        srv = self.server()
+        self.load(srv)
+        c = srv.client()
+        self.wait_for(lambda: self.info(c)['appassist_background_bites_armed'] == 0,
+                      what='the timer to disarm the bites')
+        before = self.info(c)
+        deadline = time.monotonic() + 3.5
+        while time.monotonic() < deadline:
+            c.get('k1')         # a client served all along: bites would run
+        after = self.info(c)
+        self.assertGreaterEqual(after['appassist_skipped_passes'] -
+                                before['appassist_skipped_passes'], 2)
+        self.assertEqual(after['appassist_passes'], before['appassist_passes'])
+        self.assertEqual(after['appassist_background_bite_arms'],
+                         before['appassist_background_bite_arms'])
+        self.assertEqual(after['appassist_cold_items'], 0)
+        self.assertHealthy(srv)
+
     def test_demotion_off_mid_pass_leaves_nothing_under_way(self):
         """Demotion turned off in the middle of a pass ends the pass: its
         cursor left behind kept the background work "under way" for good, so
