@@ -33,12 +33,16 @@ intervals, read only when the whole interval decides:
 
   cc-warm / raw >= 0.8 (every shape), cc-cold / raw >= 0.9 (every shape)
 
-beside the A/A row (raw@aa / raw).  What each cache run did comes from
+beside the A/A row (raw@aa / raw).  With --before BINARY, cc-warm@before
+and cc-cold@before are the same two run by that qemu-storage-daemon (the
+code before a change) in the same rounds, and the report adds their ratios
+to raw and cc-warm / cc-warm@before, cc-cold / cc-cold@before.  What each cache run did comes from
 query-clone-cache (hits, misses, merged misses, fills dropped, per run).
 The 1-minute load average is recorded with every run.
 
 Usage: bench/clone-cache-local.py [--rounds 3] [--runtime 5] [--size 1G]
                                   [--work-dir /var/tmp] [--name NAME]
+                                  [--binary QSD] [--before QSD]
                                   [--notes FILE] [--out docs/bench]
        bench/clone-cache-local.py --report-only docs/bench/clone-cache-local.json
 Needs fio (with its nbd engine).  qemu-storage-daemon from --binary or
@@ -66,6 +70,7 @@ from pooled_stats import geo_mean_ci, mean, mean_ci, ratio_ci, rotated, verdict 
 
 MiB = 1 << 20
 CONFIGS = ['raw', 'raw@aa', 'cc-warm', 'cc-cold']
+BEFORE = ['cc-warm@before', 'cc-cold@before']     # with --before
 # name: (fio rw, block size, queue depth)
 SHAPES = {'4k-rand-qd32': ('randread', '4k', 32),
           '1m-seq-qd1': ('read', '1M', 1),
@@ -87,18 +92,19 @@ class Daemon:
         self.name = name
         self.dir = os.path.join(bench.work, name.replace('@', '-'))
         os.makedirs(self.dir)
+        kind = name.split('@')[0]
         base = (f'file,node-name=f,filename={bench.base},read-only=on,'
                 'cache.direct=on,aio=io_uring')
         args = ['--blockdev', base]
         node = 'f'
-        if name.startswith('cc-'):
-            size = COLD_SIZE if name == 'cc-cold' else \
+        if kind.startswith('cc-'):
+            size = COLD_SIZE if kind == 'cc-cold' else \
                 str(bench.size + bench.size // 32 + 16 * MiB)
             # fill-limit: the warm-up passes queue more (the hit path never
             # looks at it)
             args = ['--object', f'clone-cache,id=cc0,filename={self.dir}/cache,'
                     f'size={size},direct=on'
-                    + (',fill-limit=256M' if name == 'cc-warm' else '')] + args + \
+                    + (',fill-limit=256M' if kind == 'cc-warm' else '')] + args + \
                    ['--blockdev', 'clone-cache,node-name=n,store=cc0,file=f,'
                     'read-only=on,base-id=base']
             node = 'n'
@@ -107,12 +113,12 @@ class Daemon:
                  '--export', f'nbd,id=n,node-name={node},name=n']
         self.tmp = H.TempDir()
         saved = H.BIN
-        H.BIN = bench.bin_dir         # the private copies
+        H.BIN = bench.bin_dirs[name.endswith('@before')]    # the private copies
         try:
             self.qsd = H.StorageDaemon(self.tmp, *args)
         finally:
             H.BIN = saved
-        self.cache = name.startswith('cc-')
+        self.cache = kind.startswith('cc-')
 
     @property
     def pid(self):
@@ -161,12 +167,16 @@ class Bench:
         return r
 
     def copy_binaries(self):
-        self.bin_dir = os.path.join(self.work, 'bin')
-        os.makedirs(self.bin_dir)
+        self.bin_dirs = []
         self.binaries = {}
-        for n in ('qemu-storage-daemon',):
-            src = os.path.realpath(self.args.binary or H.binary(n))
-            dst = os.path.join(self.bin_dir, n)
+        for i, (n, src) in enumerate([
+                ('qemu-storage-daemon', self.args.binary or H.binary('qemu-storage-daemon')),
+                ('before', self.args.before)][:1 + bool(self.args.before)]):
+            src = os.path.realpath(src)
+            d = os.path.join(self.work, f'bin{i}')
+            os.makedirs(d)
+            self.bin_dirs.append(d)
+            dst = os.path.join(d, 'qemu-storage-daemon')
             shutil.copy2(src, dst)
             with open(dst, 'rb') as f:
                 self.binaries[n] = {'path': src, 'mtime': os.stat(src).st_mtime,
@@ -231,15 +241,18 @@ class Bench:
             self.copy_binaries()
             self.make_base()
             print(f'base written ({time.monotonic() - t0:.0f} s)', flush=True)
-            for c in CONFIGS:
+            configs = configs_of(args)
+            for c in configs:
                 daemons[c] = Daemon(self, c)
             meta['warm_passes'] = self.warm(daemons['cc-warm'])
             meta['warm_counters'] = daemons['cc-warm'].counters()
+            if 'cc-warm@before' in daemons:
+                self.warm(daemons['cc-warm@before'])
             print(f'cc-warm filled in {meta["warm_passes"]} passes '
                   f'({time.monotonic() - t0:.0f} s)', flush=True)
             shapes = list(SHAPES)
             for rnd in range(args.rounds):
-                for c in rotated(CONFIGS, rnd):
+                for c in rotated(configs, rnd):
                     d = daemons[c]
                     for shape in rotated(shapes, rnd):
                         before = d.counters() if d.cache else None
@@ -261,14 +274,22 @@ class Bench:
         return runs, meta
 
 
+def configs_of(args):
+    return CONFIGS + (BEFORE if getattr(args, 'before', None) else [])
+
+
 def per_round(runs, config, shape, metric):
     return {r['round']: r[metric] for r in runs if r['config'] == config and r['shape'] == shape}
 
 
-def summarize(runs):
+def summarize(runs, configs):
     cells, ratios = {}, []
+    pairs = [(c, 'raw') for c in ('raw@aa', 'cc-warm', 'cc-cold')]
+    if 'cc-warm@before' in configs:
+        pairs += [('cc-warm@before', 'raw'), ('cc-cold@before', 'raw'),
+                  ('cc-warm', 'cc-warm@before'), ('cc-cold', 'cc-cold@before')]
     for shape in SHAPES:
-        for c in CONFIGS:
+        for c in configs:
             rs = [r for r in runs if r['config'] == c and r['shape'] == shape]
             if not rs:
                 continue
@@ -280,20 +301,22 @@ def summarize(runs):
                 tot = {k: sum(r['cache'][k] for r in rs) for k in rs[0]['cache'] if k != 'used'}
                 blocks = tot['hits'] + tot['misses']
                 s['cache'] = tot | {'hit_share': tot['hits'] / blocks if blocks else 0}
-        for c in ('raw@aa', 'cc-warm', 'cc-cold'):
-            ra, rb = per_round(runs, c, shape, 'iops'), per_round(runs, 'raw', shape, 'iops')
+        for c, base in pairs:
+            ra, rb = per_round(runs, c, shape, 'iops'), per_round(runs, base, shape, 'iops')
             keys = sorted(set(ra) & set(rb))
             if len(keys) < 2:
                 continue
             xa, xb = [ra[k] for k in keys], [rb[k] for k in keys]
             p, lo, hi = ratio_ci(xa, xb)
             gm, glo, ghi = geo_mean_ci([x / y for x, y in zip(xa, xb)])
-            goal = GOALS.get(c)
-            ratios.append({'shape': shape, 'config': c, 'ratio': p, 'lo': lo, 'hi': hi,
+            goal = GOALS.get(c) if base == 'raw' else None
+            ratios.append({'shape': shape, 'config': c, 'baseline': base,
+                           'ratio': p, 'lo': lo, 'hi': hi,
                            'goal': goal, 'paired': gm, 'paired_lo': glo, 'paired_hi': ghi,
                            'verdict': verdict(lo, hi, goal) if goal else
                            ('A/A control: the interval holds 1' if lo <= 1 <= hi else
-                            'A/A control: the interval misses 1 (copies differ)'),
+                            'A/A control: the interval misses 1 (copies differ)')
+                           if c == 'raw@aa' else '-',
                            'paired_verdict': verdict(glo, ghi, goal) if goal else '-'})
     return {'cells': cells, 'ratios': ratios}
 
@@ -315,12 +338,14 @@ def report(args, runs, meta, summary):
     with open(os.path.join(out, f'{args.name}.json'), 'w') as f:
         json.dump(res, f, indent=1)
     loads = [r['load'] for r in runs]
+    configs = configs_of(args)
     lines = [f'# Clone cache, the local limit: hits and misses against the raw base '
              f'({when})', '',
              f'Measured by `bench/clone-cache-local.py --rounds {args.rounds} '
              f'--runtime {args.runtime} --size {args.size} --work-dir {args.work_dir} '
              f'--name {args.name}'
              + (f' --binary {args.binary}' if getattr(args, 'binary', None) else '')
+             + (f' --before {args.before}' if getattr(args, 'before', None) else '')
              + f'` (issue 40, target 4).  A base of {args.size} of '
              f'random bytes in a file on {meta.get("disk", "?")}; one '
              'qemu-storage-daemon per configuration exports its node over NBD on '
@@ -339,7 +364,11 @@ def report(args, runs, meta, summary):
              '* **cc-cold**: the same over a cache of 16 slots, the smallest there '
              'is: every read a miss (a 64 KiB base read per cache block, queued for '
              'filling, filled and evicted again), so that a run does not warm it '
-             'under itself.', '',
+             'under itself.'] + ([
+             '* **cc-warm@before**, **cc-cold@before**: the same two run by the '
+             f'qemu-storage-daemon of --before ({args.before}), the code before '
+             'the change measured, in the same rounds.'] if 'cc-warm@before' in configs
+             else []) + ['',
              'Shapes: 4 KiB random reads at QD32 over the whole base '
              '(`4k-rand-qd32`), 1 MiB sequential reads at QD1 and QD4.', '',
              f'2 cores shared with other work; 1-minute load average '
@@ -350,7 +379,7 @@ def report(args, runs, meta, summary):
              '| shape | configuration | IOPS | MB/s | p50 µs | p99 µs | cache hits / blocks |',
              '|---|---|---:|---:|---:|---:|---:|']
     for shape in SHAPES:
-        for c in CONFIGS:
+        for c in configs:
             s = summary['cells'].get(f'{c}/{shape}')
             if not s:
                 continue
@@ -359,17 +388,17 @@ def report(args, runs, meta, summary):
                 fmt(s, k, 1 if k == 'MBps' else 0) for k in ('iops', 'MBps', 'p50_us', 'p99_us'))
                 + f' | {hs} |')
     lines += ['', '## The targets', '',
-              'IOPS (the same ratio as MB/s) against raw: the ratio of the means '
+              'IOPS (the same ratio as MB/s) against the baseline: the ratio of the means '
               'with a percentile bootstrap 95 % interval (rounds resampled '
               'independently), and paired by round (geometric mean of the per-round '
               'ratios, Student t 95 %).  A target is met or missed only when the '
               'whole interval says so; otherwise it is inside the noise.', '',
-              '| shape | configuration / raw | ratio of means [95 % CI] | verdict '
+              '| shape | configuration / baseline | ratio of means [95 % CI] | verdict '
               '| paired [95 % CI] | verdict | target |',
               '|---|---|---:|---|---:|---|---|']
     for r in summary['ratios']:
         goal = f'{r["goal"][0]} {r["goal"][1]:g}' if r['goal'] else '-'
-        lines.append(f'| {r["shape"]} | {r["config"]} / raw | '
+        lines.append(f'| {r["shape"]} | {r["config"]} / {r.get("baseline", "raw")} | '
                      f'{r["ratio"]:.2f} [{r["lo"]:.2f}, {r["hi"]:.2f}] | {r["verdict"]} | '
                      f'{r["paired"]:.2f} [{r["paired_lo"]:.2f}, {r["paired_hi"]:.2f}] | '
                      f'{r["paired_verdict"]} | {goal} |')
@@ -381,7 +410,7 @@ def report(args, runs, meta, summary):
               '| shape | configuration | hits | misses | merged | fills | fills dropped '
               '| checksum errors |', '|---|---|---:|---:|---:|---:|---:|---:|']
     for shape in SHAPES:
-        for c in ('cc-warm', 'cc-cold'):
+        for c in [c for c in configs if c.startswith('cc-')]:
             s = summary['cells'].get(f'{c}/{shape}', {}).get('cache')
             if s:
                 lines.append(f'| {shape} | {c} | {s["hits"]} | {s["misses"]} | '
@@ -404,10 +433,10 @@ def report(args, runs, meta, summary):
             lines += [f.read()]
     with open(os.path.join(out, f'{args.name}.md'), 'w') as f:
         f.write('\n'.join(lines))
-    chart(os.path.join(out, f'{args.name}.png'), summary)
+    chart(os.path.join(out, f'{args.name}.png'), summary, configs)
 
 
-def chart(path, summary):
+def chart(path, summary, configs):
     plt = charts.pyplot()
     if not plt:
         return
@@ -416,14 +445,14 @@ def chart(path, summary):
                                    gridspec_kw={'width_ratios': [1, 1.2]})
     shapes = list(SHAPES)
     series = [(c, [summary['cells'].get(f'{c}/{s}', {}).get('MBps', {}).get('mean', 0)
-                   for s in shapes]) for c in CONFIGS]
-    w = 0.2
+                   for s in shapes]) for c in configs]
+    w = 0.8 / len(configs)
     charts.grouped_bars(ax1, shapes, series, w)
-    for j, c in enumerate(CONFIGS):
+    for j, c in enumerate(configs):
         for i, s in enumerate(shapes):
             cell = summary['cells'].get(f'{c}/{s}')
             if cell and cell['MBps']['ci'] == cell['MBps']['ci']:
-                ax1.errorbar([i + (j - 1.5) * w], [cell['MBps']['mean']],
+                ax1.errorbar([i + (j - (len(configs) - 1) / 2) * w], [cell['MBps']['mean']],
                              yerr=[cell['MBps']['ci']], fmt='none', ecolor='k', capsize=2)
     ax1.set_ylabel('MB/s read (mean, 95 % CI)')
     ax1.legend(fontsize=8)
@@ -431,7 +460,8 @@ def chart(path, summary):
         charts.ratio_points(ax2, [i], [r], color='tab:red' if r['goal'] else 'tab:gray')
         if r['goal']:
             ax2.plot([r['goal'][1]] * 2, [i - 0.3, i + 0.3], 'k--', lw=1)
-    charts.ratio_rows(ax2, [f'{r["shape"]}: {r["config"]} / raw' for r in rs],
+    charts.ratio_rows(ax2, [f'{r["shape"]}: {r["config"]} / {r.get("baseline", "raw")}'
+                            for r in rs],
                       'ratio of mean IOPS (dashed: target)')
     charts.save(fig, path, dpi=80)
 
@@ -445,20 +475,23 @@ def main():
                     help='where the base and the cache files go (the disk measured)')
     ap.add_argument('--binary', help='the qemu-storage-daemon to measure '
                     '(default: the build\'s), e.g. a copy kept from before a change')
+    ap.add_argument('--before', help='a second qemu-storage-daemon (the code before a '
+                    'change): cc-warm@before and cc-cold@before run it in the same rounds')
     ap.add_argument('--name', default='clone-cache-local',
                     help='the report files in --out: NAME.md, .json, .png')
     add_report_args(ap)
     args = ap.parse_args()
     if args.report_only:
         saved = load_saved(args)
-        report(args, saved['runs'], saved.get('meta', {}), summarize(saved['runs']))
+        report(args, saved['runs'], saved.get('meta', {}),
+               summarize(saved['runs'], configs_of(args)))
         return
     if args.rounds < 2:
         ap.error('--rounds needs at least 2 for an interval')
     if not shutil.which('fio'):
         ap.error('needs fio')
     runs, meta = Bench(args).main()
-    report(args, runs, meta, summarize(runs))
+    report(args, runs, meta, summarize(runs, configs_of(args)))
 
 
 if __name__ == '__main__':
