@@ -350,17 +350,25 @@ def guest_tables(gp, L):
 def write_report(saved, out, notes):
     a = saved['args']
     L = ['# The module in steady state, no migration (bench/redis-module-steady.py, issue 40)', '']
-    L.append('Command: `%s`. Measured %s; 1-min load average %s at the start, %s at the end '
-             '(every run records its own, in the JSON). redis-server %s, 2 shared cores. '
-             'Goals: throughput >= 0.97x stock, p99 <= 1.05x stock.'
-             % (saved['command'], saved['when'], saved['load_start'], saved['load_end'],
-                saved.get('redis_version', '?')))
+    L.append('redis-server %s, 2 cores shared with other engineers\' builds and benchmarks. '
+             'Goals: throughput >= 0.97x stock, p99 <= 1.05x stock. Configurations with '
+             '`@before` run the module as built before the change of this run (`--before`), '
+             'side by side with the current build. Every run records its 1-min load average '
+             'in the JSON.' % saved.get('redis_version', '?'))
     L.append('')
+
+    def run_line(part):
+        r = saved[part].get('run') or {k: saved[k] for k in ('command', 'when', 'load_start', 'load_end')}
+        L.append('Command: `%s`; measured %s; 1-min load average %s at the start, %s at the end.'
+                 % (r['command'], r['when'], r['load_start'], r['load_end']))
+        L.append('')
+        return r
     h = saved.get('host')
     hs = gs = None
     if h:
-        L.append('## Host: redis-benchmark, %d rounds' % a['rounds'])
-        L.append('')
+        hr = run_line('host')
+        L.insert(len(L) - 2, '## Host: redis-benchmark, %d rounds' % hr.get('rounds', a['rounds']))
+        L.insert(len(L) - 2, '')
         L.append('50 clients over a unix socket, 100-byte values, `-r %d`; every server holds the '
                  '%d `key:` keys the tests use and %d `cold:` keys they never touch. module: the '
                  'module at its defaults (nothing cold: the hot budget, 30 %% of this host\'s '
@@ -379,16 +387,17 @@ def write_report(saved, out, notes):
             L.append('')
     g = saved.get('guest')
     if g:
-        L.append('## Guest: the host client against Redis in a TCG guest, %d rounds of %d s'
-                 % (a['guest_rounds'], a['window']))
-        L.append('')
+        gr = run_line('guest')
+        L.insert(len(L) - 2, '## Guest: the host client against Redis in a TCG guest, %d rounds of %d s'
+                 % (gr.get('rounds', a['guest_rounds']), gr.get('window', a['window'])))
+        L.insert(len(L) - 2, '')
         L.append('One 1 GiB TCG guest per configuration, booted and loaded first (%d items of 100 '
                  'bytes, 30 %% of them hot; module-cold: the other 70 %% demoted first, as '
                  'bench/app-assist.py\'s guests), then windows in rotating order in which the '
                  'host client (hvlib.RedisLoad: one connection, GET of random hot keys through '
                  'the forwarded port) reads one guest while the others idle. Guest Redis CPU per '
                  'GET is INFO cpu\'s used_cpu_user + used_cpu_sys over the window / GETs.'
-                 % a['items'])
+                 % gr.get('items', a['items']))
         L.append('')
         gs = guest_tables(g, L)
     if notes and os.path.exists(notes):
@@ -443,6 +452,15 @@ def main():
              'server_cpus': ','.join(map(str, sorted(rmb.SERVER_CPUS or ()))),
              'redis_version': subprocess.run(['redis-server', '--version'], stdout=subprocess.PIPE,
                                              text=True).stdout.split()[2]}
+    # A run of one part keeps the other's last results from the JSON at
+    # --out, with that run's own command, date and load.
+    old_json = os.path.join(a.out, NAME + '.json')
+    if os.path.exists(old_json):
+        with open(old_json) as f:
+            prev = json.load(f)
+        for part, skipped in (('host', a.no_host), ('guest', not a.guest)):
+            if skipped and part in prev:
+                saved[part] = prev[part]
     try:
         if a.before:
             priv = os.path.join(workdir, 'before.so')
@@ -455,6 +473,11 @@ def main():
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     saved['load_end'] = loadavg()
+    for part in ('host', 'guest'):
+        if part in saved and 'run' not in saved[part]:
+            saved[part]['run'] = {k: saved[k] for k in ('command', 'when', 'load_start', 'load_end')}
+            saved[part]['run']['rounds'] = a.rounds if part == 'host' else a.guest_rounds
+            saved[part]['run'].update(window=a.window, items=a.items)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, NAME + '.json'), 'w') as f:
         json.dump(saved, f, indent=1)
