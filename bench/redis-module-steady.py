@@ -63,6 +63,16 @@ _spec = importlib.util.spec_from_file_location('redis_module_bench',
 rmb = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(rmb)
 
+
+def app_assist():
+    """bench/app-assist.py, for its guests' devices (loaded on use: it
+    needs QEMU's python package)."""
+    spec = importlib.util.spec_from_file_location('app_assist_bench',
+                                                  os.path.join(HERE, 'app-assist.py'))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
 NAME = 'redis-module-steady'
 GOAL_RPS = ('>=', 0.97)
 GOAL_P99 = ('<=', 1.05)
@@ -230,6 +240,7 @@ def guest_cpu(client):
 
 def guest_part(a, workdir):
     import hvlib
+    aa = app_assist()
     configs = ['stock', 'module', 'module-cold']
     if a.before:
         configs += ['module@before', 'module-cold@before']
@@ -238,13 +249,17 @@ def guest_part(a, workdir):
     try:
         for name in configs:
             base = name.split('@')[0]
-            kw = dict(mem='1G', module=base != 'stock', balloon=False)
+            # app-assist.py's devices (the module's host port, a balloon)
+            # in every guest, as in its runs before the migration.
+            kw = dict(mem='1G', module=base != 'stock', balloon=False,
+                      args=aa.guest_args('ours'))
             if name.endswith('@before'):
                 kw['paths'] = OverlayPaths(a.before, workdir)
             g = hvlib.Guest(name.replace('@', '-'), logdir, **kw)
             guests[name] = g
             g.launch()
             g.wait_console(r'HV-READY redis', timeout=180)
+            g.run(aa.LINK_PORTS)
             hot = guest_load(g, base == 'module-cold', a.items, 0.3)
         runs = []
         for rnd in range(a.guest_rounds):
@@ -395,7 +410,9 @@ def write_report(saved, out, notes):
                  'bytes, 30 %% of them hot; module-cold: the other 70 %% demoted first, as '
                  'bench/app-assist.py\'s guests), then windows in rotating order in which the '
                  'host client (hvlib.RedisLoad: one connection, GET of random hot keys through '
-                 'the forwarded port) reads one guest while the others idle. Guest Redis CPU per '
+                 'the forwarded port) reads one guest while the others idle. Every guest has '
+                 'bench/app-assist.py\'s devices (virtio-serial with the module\'s host port, a '
+                 'balloon); no migration. Guest Redis CPU per '
                  'GET is INFO cpu\'s used_cpu_user + used_cpu_sys over the window / GETs.'
                  % gr.get('items', a['items']))
         L.append('')
