@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 #include <gio/gio.h>
+#include <zlib.h>
 
 #include "catalog.h"
 
@@ -181,28 +182,10 @@ int hvm_region_free_item(HvmRegion *r, const char *name)
     return 0;
 }
 
+/* CRC-32 (ISO-HDLC, zlib's): every mutation re-checksums the catalogue */
 uint32_t hvm_crc32(uint32_t crc, const void *buf, size_t len)
 {
-    static uint32_t table[256];
-    static gsize once;
-    const uint8_t *p = buf;
-
-    if (g_once_init_enter(&once)) {
-        for (uint32_t i = 0; i < 256; i++) {
-            uint32_t c = i;
-
-            for (int k = 0; k < 8; k++) {
-                c = c & 1 ? 0xedb88320u ^ (c >> 1) : c >> 1;
-            }
-            table[i] = c;
-        }
-        g_once_init_leave(&once, 1);
-    }
-    crc = ~crc;
-    while (len--) {
-        crc = table[(crc ^ *p++) & 0xff] ^ (crc >> 8);
-    }
-    return ~crc;
+    return crc32_z(crc, buf, len);
 }
 
 static gint region_by_id(gconstpointer a, gconstpointer b)
