@@ -246,14 +246,27 @@ class Bench:
               f'{r["from_cluster"] / MiB:7.1f} MiB in, {r["to_cluster"] / MiB:7.1f} MiB out, '
               f'load {load:.1f}', file=sys.stderr)
         self.runs.append(r)
+        self.save_partial()
+
+    def save_partial(self):
+        """The runs so far, in the JSON the report is written from: a run cut
+        short can still be reported (--report-only)."""
+        a = self.args
+        self.meta.update(wall_s=round(time.monotonic() - self.t0), partial=True,
+                         argv=sys.argv[1:])
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, f'{a.name}.json'), 'w') as f:
+            json.dump({'args': {k: v for k, v in vars(a).items()
+                                if k not in ('out', 'notes', 'report_only')},
+                       'meta': self.meta, 'runs': self.runs}, f, indent=1)
 
     def main(self):
         a = self.args
-        meta = {'when': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
+        self.meta = meta = {'when': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
                 'head': subprocess.run(['git', '-C', REPO, 'rev-parse', 'HEAD'],
                                        capture_output=True, text=True).stdout.strip(),
                 'load_start': os.getloadavg()[0], 'nproc': os.cpu_count()}
-        t0 = time.monotonic()
+        self.t0 = t0 = time.monotonic()
         self.setup()
         k = 0
         for rate in a.rates:
@@ -265,6 +278,7 @@ class Bench:
                     k += 1
         meta['wall_s'] = round(time.monotonic() - t0)
         meta['load_end'] = os.getloadavg()[0]
+        meta['partial'] = False
         return self.runs, meta
 
 
@@ -330,7 +344,9 @@ def report(args, runs, meta, summary):
              f'Measured by `{cmd}` (issue 40, target 7) on {meta.get("nproc", "?")} cores '
              f'shared with other work: 1-minute load average {min(loads):.1f} to '
              f'{max(loads):.1f} at the end of the runs ({meta["load_start"]:.1f} at the start); '
-             f'{len(runs)} runs in {meta["wall_s"]} s.  Source: commit '
+             f'{len(runs)} runs in {meta["wall_s"]} s'
+             + (' (cut short: the rounds that finished)' if meta.get('partial') else '')
+             + '.  Source: commit '
              f'{meta.get("head", "?")[:12]}.', '',
              'The cluster is the boot-storm one (bench/boot-storm.py, '
              'bench/shaped_link.py): scripts/ceph-cluster.sh, one monitor and one '
