@@ -53,8 +53,53 @@ HvmCatalog *hvm_catalog_new(void)
     HvmCatalog *cat = g_new0(HvmCatalog, 1);
 
     cat->regions = g_hash_table_new(g_str_hash, g_str_equal);
+    cat->by_id = g_ptr_array_new();
     cat->next_id = 1;
     return cat;
+}
+
+/* Where a region with @id is, or goes, in cat->by_id */
+static guint by_id_index(const HvmCatalog *cat, uint64_t id)
+{
+    guint lo = 0, hi = cat->by_id->len;
+
+    while (lo < hi) {
+        guint mid = lo + (hi - lo) / 2;
+        const HvmRegion *m = g_ptr_array_index(cat->by_id, mid);
+
+        if (m->id < id) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    return lo;
+}
+
+/*
+ * New regions take the next id, so a create appends; every commit then
+ * writes the regions in id order without sorting them.
+ */
+void hvm_catalog_add(HvmCatalog *cat, HvmRegion *r)
+{
+    guint n = cat->by_id->len;
+    const HvmRegion *last = n ? g_ptr_array_index(cat->by_id, n - 1) : NULL;
+
+    g_hash_table_insert(cat->regions, r->name, r);
+    if (!last || last->id < r->id) {
+        g_ptr_array_add(cat->by_id, r);
+    } else {
+        g_ptr_array_insert(cat->by_id, by_id_index(cat, r->id), r);
+    }
+}
+
+void hvm_catalog_remove(HvmCatalog *cat, HvmRegion *r)
+{
+    guint i = by_id_index(cat, r->id);
+
+    g_assert(i < cat->by_id->len && g_ptr_array_index(cat->by_id, i) == r);
+    g_ptr_array_remove_index(cat->by_id, i);
+    g_hash_table_remove(cat->regions, r->name);
 }
 
 void hvm_catalog_free(HvmCatalog *cat)
@@ -70,6 +115,7 @@ void hvm_catalog_free(HvmCatalog *cat)
         hvm_region_free(v);
     }
     g_hash_table_destroy(cat->regions);
+    g_ptr_array_free(cat->by_id, TRUE);
     g_free(cat);
 }
 
@@ -188,28 +234,13 @@ uint32_t hvm_crc32(uint32_t crc, const void *buf, size_t len)
     return crc32_z(crc, buf, len);
 }
 
-static gint region_by_id(gconstpointer a, gconstpointer b)
-{
-    const HvmRegion *ra = *(HvmRegion *const *)a;
-    const HvmRegion *rb = *(HvmRegion *const *)b;
-
-    return ra->id < rb->id ? -1 : ra->id > rb->id;
-}
-
 GByteArray *hvm_catalog_serialize(const HvmCatalog *cat)
 {
     GByteArray *body = g_byte_array_new();
     GByteArray *out = g_byte_array_new();
-    GPtrArray *list = g_ptr_array_new();
-    GHashTableIter hi;
-    gpointer v;
-
-    g_hash_table_iter_init(&hi, cat->regions);
-    while (g_hash_table_iter_next(&hi, NULL, &v)) {
-        g_ptr_array_add(list, v);
-    }
     /* A stable order makes equal catalogues byte-identical. */
-    g_ptr_array_sort(list, region_by_id);
+    const GPtrArray *list = cat->by_id;
+
     for (guint i = 0; i < list->len; i++) {
         HvmRegion *r = g_ptr_array_index(list, i);
 
@@ -243,7 +274,6 @@ GByteArray *hvm_catalog_serialize(const HvmCatalog *cat)
     hvm_put_u32(out, 0);
     g_byte_array_append(out, body->data, body->len);
     g_byte_array_free(body, TRUE);
-    g_ptr_array_free(list, TRUE);
     return out;
 }
 
@@ -327,7 +357,7 @@ HvmCatalog *hvm_catalog_parse(const uint8_t *buf, size_t len, GError **errp)
             BAD("catalogue region '%s': duplicate name or id", name);
         }
         reg = hvm_region_new(name, id, size, mode, uid, gid);
-        g_hash_table_insert(cat->regions, reg->name, reg);
+        hvm_catalog_add(cat, reg);
         g_hash_table_add(ids, &reg->id);
         for (uint16_t j = 0; j < nitems; j++) {
             HvmItem *it = g_new0(HvmItem, 1);

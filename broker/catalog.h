@@ -66,6 +66,7 @@ typedef struct HvmRegion {
 
 typedef struct HvmCatalog {
     GHashTable *regions;    /* name -> HvmRegion *, owns the regions */
+    GPtrArray *by_id;       /* the same regions by id (the file's order) */
     uint64_t next_id;
     uint64_t generation;    /* bumped by every save */
 } HvmCatalog;
@@ -75,6 +76,9 @@ void hvm_catalog_free(HvmCatalog *cat);
 HvmRegion *hvm_region_new(const char *name, uint64_t id, uint64_t size,
                           uint32_t mode, uint32_t uid, uint32_t gid);
 void hvm_region_free(HvmRegion *r);
+/* Put @r in the catalogue (its name and id not in it), or take it out. */
+void hvm_catalog_add(HvmCatalog *cat, HvmRegion *r);
+void hvm_catalog_remove(HvmCatalog *cat, HvmRegion *r);
 
 /* Bytes of @r held by items. */
 uint64_t hvm_region_used(const HvmRegion *r);

@@ -250,11 +250,11 @@ static int op_create(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
              q->name, size, g_strerror(-ret));
     }
     close(fd);
-    g_hash_table_insert(b->cat->regions, r->name, r);
+    hvm_catalog_add(b->cat, r);
     ret = hvmd_save(b, msg, ml);
     if (ret) {
         /* Not committed: the catalogue on disk does not name it. */
-        g_hash_table_remove(b->cat->regions, r->name);
+        hvm_catalog_remove(b->cat, r);
         hvmd_region_unlink(b, r->id);
         hvm_region_free(r);
         return ret;
@@ -315,10 +315,10 @@ static int op_destroy(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
     if (!r) {
         return ret;
     }
-    g_hash_table_remove(b->cat->regions, r->name);
+    hvm_catalog_remove(b->cat, r);
     ret = hvmd_save(b, msg, ml);
     if (ret) {
-        g_hash_table_insert(b->cat->regions, r->name, r);
+        hvm_catalog_add(b->cat, r);
         return ret;
     }
     r->destroyed = true;

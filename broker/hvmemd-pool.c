@@ -392,7 +392,7 @@ bool hvmd_reconcile(Broker *b, bool *dirty, GError **errp)
     for (guint i = 0; i < gone->len; i++) {
         HvmRegion *r = g_ptr_array_index(gone, i);
 
-        g_hash_table_remove(b->cat->regions, r->name);
+        hvm_catalog_remove(b->cat, r);
         hvm_region_free(r);
         *dirty = true;
     }

@@ -630,7 +630,7 @@ static bool provision(Broker *b, const char *file, bool *dirty, GError **errp)
                 r->size = size;
             }
             if (fresh) {
-                g_hash_table_insert(b->cat->regions, r->name, r);
+                hvm_catalog_add(b->cat, r);
                 g_message("provisioned region '%s': %" G_GUINT64_FORMAT
                           " bytes, mode %03o, uid %u", name, size, mode, uid);
             }

@@ -125,7 +125,7 @@ static GByteArray *seed_input(void)
         int e;
 
         hvm_region_alloc_item(r, "hdr", 1, &e);
-        g_hash_table_insert(cat->regions, r->name, r);
+        hvm_catalog_add(cat, r);
         cat->next_id = 2;
         s = hvm_catalog_serialize(cat);
         g_byte_array_append(b, s->data, s->len);

@@ -134,6 +134,53 @@ static void test_crc32(void)
     g_assert_cmphex(hvm_crc32(0, NULL, 0), ==, 0);
 }
 
+/*
+ * The file lists the regions by id whatever order they came in, so equal
+ * catalogues are equal bytes; a parsed one keeps that order.
+ */
+static void test_catalog_order(void)
+{
+    HvmCatalog *a = hvm_catalog_new(), *b = hvm_catalog_new(), *back;
+    static const uint64_t order_a[] = { 3, 1, 4, 2 }, order_b[] = { 1, 2, 3, 4 };
+    static const uint64_t want[] = { 1, 2, 4 };
+    HvmRegion *gone_a = NULL, *gone_b = NULL;
+    GByteArray *ba, *bb;
+
+    a->next_id = b->next_id = 5;
+    for (int i = 0; i < 4; i++) {
+        char name[8];
+        HvmRegion *r;
+
+        snprintf(name, sizeof(name), "r%" G_GUINT64_FORMAT, order_a[i]);
+        hvm_catalog_add(a, r = hvm_region_new(name, order_a[i], 4096, 0600, 0, 0));
+        gone_a = order_a[i] == 3 ? r : gone_a;
+        snprintf(name, sizeof(name), "r%" G_GUINT64_FORMAT, order_b[i]);
+        hvm_catalog_add(b, r = hvm_region_new(name, order_b[i], 4096, 0600, 0, 0));
+        gone_b = order_b[i] == 3 ? r : gone_b;
+    }
+    hvm_catalog_remove(a, gone_a);
+    hvm_catalog_remove(b, gone_b);
+    hvm_region_free(gone_a);
+    hvm_region_free(gone_b);
+    ba = hvm_catalog_serialize(a);
+    bb = hvm_catalog_serialize(b);
+    g_assert_cmpmem(ba->data, ba->len, bb->data, bb->len);
+    back = hvm_catalog_parse(ba->data, ba->len, NULL);
+    g_assert_nonnull(back);
+    g_assert_cmpuint(back->by_id->len, ==, 3);
+    for (guint i = 0; i < back->by_id->len; i++) {
+        const HvmRegion *r = g_ptr_array_index(back->by_id, i);
+
+        g_assert_cmpuint(r->id, ==, want[i]);
+        g_assert_true(g_hash_table_lookup(back->regions, r->name) == r);
+    }
+    g_byte_array_free(ba, TRUE);
+    g_byte_array_free(bb, TRUE);
+    hvm_catalog_free(a);
+    hvm_catalog_free(b);
+    hvm_catalog_free(back);
+}
+
 static void test_header(void)
 {
     GByteArray *b = encode(HVM_OP_LOOKUP, "a", "", 0, 0, 0);
@@ -234,7 +281,7 @@ static void test_catalog(void)
     GError *err = NULL;
     int e;
 
-    g_hash_table_insert(cat->regions, r->name, r);
+    hvm_catalog_add(cat, r);
     hvm_region_alloc_item(r, "hdr", 1, &e);
     hvm_region_alloc_item(r, "data", 10 * MiB, &e);
     cat->next_id = 2;
@@ -285,7 +332,7 @@ static void test_commit_point(void)
 
     g_assert_cmpint(dfd, >=, 0);
     g_assert_cmpint(fsync(dfd), ==, -1);
-    g_hash_table_insert(cat->regions, r->name, r);
+    hvm_catalog_add(cat, r);
     cat->next_id = 2;
     g_test_expect_message(NULL, G_LOG_LEVEL_WARNING,
                           "*committed, but cannot sync directory*");
@@ -338,6 +385,7 @@ int main(int argc, char **argv)
     g_test_add_func("/broker/proto/field-rules", test_field_rules);
     g_test_add_func("/broker/proto/names", test_names);
     g_test_add_func("/broker/catalog/crc32", test_crc32);
+    g_test_add_func("/broker/catalog/order", test_catalog_order);
     g_test_add_func("/broker/proto/header", test_header);
     g_test_add_func("/broker/proto/reply", test_reply);
     g_test_add_func("/broker/catalog/alloc", test_alloc);
