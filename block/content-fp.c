@@ -66,67 +66,20 @@ static uint64_t content_fingerprint_portable(const uint8_t *buf, size_t len)
 
 /*
  * x86-64: the words of one round of the four lanes are the four 64-bit
- * elements of one 256-bit load (x86 is little-endian: they need no swap).  CONFIG_AVX2_OPT is off in our minimal configure, hence the
- * compiler's own test; the target attributes compile these functions
- * for their ISA only, and they are called only where cpuinfo says so.
+ * elements of one 256-bit load (x86 is little-endian: they need no swap).
+ * CONFIG_AVX2_OPT is off in our minimal configure, hence the compiler's
+ * own test; the target attribute compiles the function for its ISA only,
+ * and it is called only where cpuinfo says so.
+ *
+ * No AVX2 version: AVX2 has no 64 x 64 -> 64 multiply, and composed of
+ * three vpmuludq it ran at 0.67x the portable rate on the build machine
+ * (all four chains in one vector), 0.95x with only the data's products
+ * in the vector unit (docs/hybrid.md, "Design measurements").
  */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define CONTENT_FP_X86 1
 #include <immintrin.h>
 #include "host/cpuinfo.h"
-
-/*
- * AVX2 has no 64 x 64 -> 64 multiply (vpmuludq is 32 x 32 -> 64): the low
- * 64 bits of x * k are lo(x) lo(k) + ((hi(x) lo(k) + lo(x) hi(k)) << 32),
- * the hi(x) hi(k) term lying wholly above bit 63.
- */
-static inline __m256i __attribute__((target("avx2")))
-fp_mul64_avx2(__m256i x, __m256i k_lo, __m256i k_hi)
-{
-    __m256i lo = _mm256_mul_epu32(x, k_lo);
-    __m256i cross = _mm256_add_epi64(
-        _mm256_mul_epu32(_mm256_srli_epi64(x, 32), k_lo),
-        _mm256_mul_epu32(x, k_hi));
-
-    return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
-}
-
-/*
- * AVX2: the lanes' chains stay scalar (add, rotate, multiply by PRIME1)
- * and the vector unit computes the products w * PRIME2, which depend on the
- * data only, so that half of the scalar multiplies, which bound the
- * portable code's rate, leave the integer unit.
- *
- * Not chosen on any host: on the build machine (AMD EPYC) it hashes at
- * about 0.95x the portable rate (13.5 against 14.3 GB/s of CPU time),
- * moving each product to a general register costing what the multiply
- * saved.  All four chains in one vector, each multiply composed of three
- * vpmuludq, ran at 0.67x (three dependent steps per multiply in the one
- * chain); its products through memory at 0.7x.  Kept, and checked equal by
- * content-fp-test.c, so that it can be measured again on another host
- * (content-fp-test --bench).
- */
-static G_GNUC_UNUSED uint64_t __attribute__((target("avx2")))
-content_fingerprint_avx2(const uint8_t *buf, size_t len)
-{
-    const __m256i p2_lo = _mm256_set1_epi64x(FP_PRIME2 & 0xffffffff);
-    const __m256i p2_hi = _mm256_set1_epi64x(FP_PRIME2 >> 32);
-    uint64_t a = FP_PRIME1, b = FP_PRIME2, c = 0, d = -FP_PRIME1;
-    size_t i;
-
-    for (i = 0; i < len; i += 32) {
-        __m256i w = _mm256_loadu_si256((const __m256i *)(buf + i));
-        __m256i p = fp_mul64_avx2(w, p2_lo, p2_hi);
-        __m128i lo = _mm256_castsi256_si128(p);
-        __m128i hi = _mm256_extracti128_si256(p, 1);
-
-        a = fp_chain(a, _mm_cvtsi128_si64(lo));
-        b = fp_chain(b, _mm_extract_epi64(lo, 1));
-        c = fp_chain(c, _mm_cvtsi128_si64(hi));
-        d = fp_chain(d, _mm_extract_epi64(hi, 1));
-    }
-    return fp_finish(a, b, c, d, len);
-}
 
 /* AVX-512 DQ + VL on 256-bit vectors: vpmullq multiplies, vprolq rotates */
 static uint64_t __attribute__((target("avx512f,avx512vl,avx512dq")))

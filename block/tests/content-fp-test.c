@@ -14,7 +14,7 @@
  * host can run against the portable one over lengths 0-64 KiB and 2 MiB,
  * random, zero, all-ones and sparse content, at every start offset mod 32,
  * and the dispatched content_fingerprint() likewise.  Prints one line per
- * implementation ("avx2: 123456 equal" or "avx2: not run (no CPU
+ * implementation ("avx512: 123456 equal" or "avx512: not run (no CPU
  * support)") and exits 1 at the first difference.
  *
  * With --bench MiB [NAME]: GB/s (of thread CPU time: the rate while on a
@@ -39,7 +39,6 @@ typedef struct FpImpl {
 static FpImpl impls[] = {
     { "portable", content_fingerprint_portable, true },
 #ifdef CONTENT_FP_X86
-    { "avx2", content_fingerprint_avx2, false },
     { "avx512", content_fingerprint_avx512, false },
 #endif
 };
@@ -231,8 +230,7 @@ int main(int argc, char **argv)
     size_t i;
 
 #ifdef CONTENT_FP_X86
-    impls[1].usable = info & CPUINFO_AVX2;
-    impls[2].usable = (info & (CPUINFO_AVX512F | CPUINFO_AVX512VL |
+    impls[1].usable = (info & (CPUINFO_AVX512F | CPUINFO_AVX512VL |
                                CPUINFO_AVX512DQ)) ==
                       (CPUINFO_AVX512F | CPUINFO_AVX512VL | CPUINFO_AVX512DQ);
 #endif
