@@ -53,7 +53,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(TOP, 'tests'))
 
 import charts  # noqa: E402
-from pooled_stats import mean, mean_ci, ratio_ci, rotated, verdict  # noqa: E402
+from pooled_stats import geo_mean_ci, mean, mean_ci, ratio_ci, rotated, verdict  # noqa: E402
 from procstat import cpu_s  # noqa: E402
 import saved_runs  # noqa: E402
 
@@ -319,6 +319,19 @@ def host_tables(h, L):
             summary.append((test, cfg, rr, rp, rc))
             L.append('| %s | %s | %.0f ± %.0f | %s | %.3f | %s | %.2f | %s |'
                      % (test, cfg, rps[0], rps[1], fmt_r(rr), p99, fmt_r(rp), cpu, fmt_r(rc)))
+    L.append('')
+    L.append('Pooled over the %d tests: the geometric mean of each run\'s ratio to the stock '
+             'run of the same test and round, with its 95 %% interval (%d pairs per configuration):'
+             % (len(TESTS), sum(1 for r in runs if r['config'] == 'stock')))
+    L.append('')
+    L.append('| config | rps | p99 | server CPU per request |')
+    L.append('|---|---:|---:|---:|')
+    idx = {(r['config'], r['test'], r['round']): r for r in runs}
+    for cfg in others:
+        L.append('| %s | %s |' % (cfg, ' | '.join(
+            fmt_r(geo_mean_ci([r[key] / idx[('stock', r['test'], r['round'])][key]
+                               for r in runs if r['config'] == cfg]))
+            for key in ('rps', 'p99_ms', 'cpu_us'))))
     L.append('')
     L.append('Verdicts (the whole bootstrap interval against the goal; stock@aa shows what '
              'the machine alone gives):')
