@@ -627,6 +627,11 @@ void clone_cache_queue_fill(CloneCacheStore *s, int base, uint64_t nonce,
     }
 }
 
+bool clone_cache_fill_room(CloneCacheStore *s, uint64_t len)
+{
+    return s->blk && s->fill_pending + len <= s->fill_limit;
+}
+
 static void cc_fill_free(CloneCacheFill *f)
 {
     qemu_vfree(f->data);

@@ -387,7 +387,8 @@ static int coroutine_fn cc_hit_task(AioTask *task)
  * again while it waits).  Each cache block is a hit (read from the cache
  * file and checked), a merged miss (served from a fill not written yet,
  * or a wait for a base read already in flight) or a miss (a run of
- * adjacent misses is one base read).  Hits go in @hits (*@nb_hits of
+ * adjacent misses is one base read of whole blocks, or of only the bytes
+ * asked for when none of them could be queued for filling).  Hits go in @hits (*@nb_hits of
  * them): the last block's is read here when no other is in flight, any
  * other is started in *@pool (made on first use) so that the hits of a
  * request are read side by side, and with its misses; the caller waits
@@ -468,6 +469,28 @@ cc_serve(BlockDriverState *bs, int64_t offset, int64_t end,
             while ((block + nb) * bsz < end && nb * bsz < CC_MAX_RUN &&
                    cc_is_miss(s, block + nb)) {
                 nb++;
+            }
+            if (!clone_cache_fill_room(store, bsz)) {
+                /*
+                 * Not one of these blocks would be queued for filling (the
+                 * backlog is full): read only the bytes asked for, as
+                 * straight from the base, not whole blocks for nothing.
+                 */
+                int64_t n = MIN((block + nb) * bsz, end) - offset;
+
+                st->misses += nb;
+                st->fills_dropped += nb;
+                qemu_mutex_unlock(&store->lock);
+                trace_clone_cache_miss_uncached(bs, block, nb);
+                ret = bdrv_co_preadv_part(bs->file, offset, n, qiov,
+                                          qiov_offset, 0);
+                qemu_mutex_lock(&store->lock);
+                if (ret == 0) {
+                    st->base_read_bytes += n;
+                }
+                offset += n;
+                qiov_offset += n;
+                continue;
             }
             f = g_new0(CloneCacheInflight, 1);
             f->first = block;

@@ -280,6 +280,8 @@ bool clone_cache_read_pending(CloneCacheStore *s, int base, uint64_t block,
                               QEMUIOVector *qiov, size_t qiov_offset);
 /* Under s->lock: whether a live entry serves (base, block) */
 bool clone_cache_has(CloneCacheStore *s, int base, uint64_t block);
+/* Under s->lock: whether a fill of @len bytes would be queued now */
+bool clone_cache_fill_room(CloneCacheStore *s, uint64_t len);
 void clone_cache_queue_fill(CloneCacheStore *s, int base, uint64_t nonce,
                             uint64_t block, const uint8_t *data,
                             uint32_t len, bool pin);

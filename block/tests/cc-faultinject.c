@@ -4,7 +4,9 @@
  * $CC_FAULT_FLAG exists, a write to the file named by $CC_FAULT_FILE that
  * touches bytes [$CC_FAULT_LO, $CC_FAULT_HI) fails with EIO, as a failing
  * disk would make it.  The tests aim it at the slot records, to fail the
- * record writes of pinning and unpinning.  QEMU's thread pool writes with
+ * record writes of pinning and unpinning.  While the file named by
+ * $CC_STALL_FLAG exists, every write to the cache file waits (the filler
+ * stalls, its backlog stays full).  QEMU's thread pool writes with
  * pwrite() for one buffer and pwritev() for several.  The cache file is
  * written with io_uring where QEMU can, which no LD_PRELOAD sees: a seccomp
  * filter set up at load makes io_uring_setup() fail with ENOSYS, so that
@@ -46,19 +48,35 @@ static void __attribute__((constructor)) cc_no_io_uring(void)
     }
 }
 
+/* Whether @fd is the file named by $CC_FAULT_FILE */
+static int cc_is_cache(int fd)
+{
+    const char *file = getenv("CC_FAULT_FILE");
+    struct stat a, b;
+
+    return file && fstat(fd, &a) == 0 && stat(file, &b) == 0 &&
+           a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+}
+
 static int cc_fault(int fd, off_t off, size_t len)
 {
     const char *flag = getenv("CC_FAULT_FLAG");
-    const char *file = getenv("CC_FAULT_FILE");
     const char *lo = getenv("CC_FAULT_LO"), *hi = getenv("CC_FAULT_HI");
-    struct stat a, b;
 
-    if (!flag || !file || !lo || !hi || access(flag, F_OK) != 0 ||
-        fstat(fd, &a) != 0 || stat(file, &b) != 0 ||
-        a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
+    if (!flag || !lo || !hi || access(flag, F_OK) != 0 || !cc_is_cache(fd)) {
         return 0;
     }
     return off < strtoll(hi, NULL, 0) && off + (off_t)len > strtoll(lo, NULL, 0);
+}
+
+/* While the file named by $CC_STALL_FLAG exists, a write to the cache waits */
+static void cc_stall(int fd)
+{
+    const char *flag = getenv("CC_STALL_FLAG");
+
+    while (flag && access(flag, F_OK) == 0 && cc_is_cache(fd)) {
+        usleep(10000);
+    }
 }
 
 ssize_t pwrite64(int fd, const void *buf, size_t len, off_t off)
@@ -69,6 +87,7 @@ ssize_t pwrite64(int fd, const void *buf, size_t len, off_t off)
         real = (ssize_t (*)(int, const void *, size_t, off_t))
                dlsym(RTLD_NEXT, "pwrite64");
     }
+    cc_stall(fd);
     if (cc_fault(fd, off, len)) {
         errno = EIO;
         return -1;
@@ -89,6 +108,7 @@ ssize_t pwritev64(int fd, const struct iovec *iov, int n, off_t off)
     for (i = 0; i < n; i++) {
         len += iov[i].iov_len;
     }
+    cc_stall(fd);
     if (cc_fault(fd, off, len)) {
         errno = EIO;
         return -1;

@@ -371,6 +371,35 @@ class CloneCacheTest(unittest.TestCase):
         self.qsd.cmd('clone-cache-unpin', **{'node-name': 'b0'})
         self.assertEqual(self.info()['pinned'], 0)
 
+    def test_a_miss_that_cannot_be_cached_reads_only_what_was_asked(self):
+        """While the fill backlog is full (fill-limit), a miss reads only
+        the bytes asked for from the base, not whole blocks that would not
+        be cached; once it drains, a miss reads its whole block again.
+        The filler is held with every write to the cache file waiting
+        (cc-faultinject.c, CC_STALL_FLAG)."""
+        path = self.make_base('base.img', size=1 * MiB)
+        want = open(path, 'rb').read()
+        bases = [('b0', path, ',base-id=F')]
+        self.start(bases)
+        self.qsd.stop()
+        env = self.faulty_records_env()
+        stall = env['CC_STALL_FLAG'] = self.tmp('stall')
+        self.start(bases, cache_opts=f',fill-limit={BS}', env=env)
+        open(stall, 'w').close()
+        self.io('b0', 'read 0 4096')            # a whole block, then queued
+        b = self.base('F')
+        self.assertEqual((b['misses'], b['base-read-bytes']), (1, BS))
+        self.io('b0', f'read {BS} 4096', f'read {3 * BS + 8192} 8192')
+        b = self.base('F')
+        self.assertEqual((b['misses'], b['fills-dropped'], b['base-read-bytes']),
+                         (3, 2, BS + 4096 + 8192))
+        self.assertEqual(self.read_all('b0'), want)
+        os.unlink(stall)
+        self.assertEqual(self.settle()['used'], 1)
+        before = self.base('F')['base-read-bytes']
+        self.io('b0', f'read {BS} 4096')
+        self.assertEqual(self.base('F')['base-read-bytes'] - before, BS)
+
     def test_hostile_traces_are_refused(self):
         path = self.make_base('base.img', size=1 * MiB)
         self.start([('b0', path, '')])
