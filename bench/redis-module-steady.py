@@ -24,8 +24,8 @@ configuration the mean over rounds, ratios of means to stock with bootstrap
 95 % intervals, and the server's CPU time per request (utime + stime of
 redis-server / requests), the steadier figure on a shared machine.
 
-Guest part (--guest): Redis in a 1 GiB TCG guest each (stock, module,
-module-cold; hvlib.Guest), all booted and loaded first, then interleaved
+Guest part (--guest): Redis in a 1 GiB TCG guest each (stock, stock@aa,
+module, module-cold; hvlib.Guest), all booted and loaded first, then interleaved
 windows of --window s in which the host client (tests/hvlib/redisload.py,
 one connection, GET of random hot keys, as bench/app-assist.py's load
 before its migration) reads one guest. The guests' Redis reports its own
@@ -241,7 +241,7 @@ def guest_cpu(client):
 def guest_part(a, workdir):
     import hvlib
     aa = app_assist()
-    configs = ['stock', 'module', 'module-cold']
+    configs = ['stock', 'stock@aa', 'module', 'module-cold']
     if a.before:
         configs += ['module@before', 'module-cold@before']
     logdir = os.path.join(workdir, 'guest-logs')
@@ -251,7 +251,7 @@ def guest_part(a, workdir):
             base = name.split('@')[0]
             # app-assist.py's devices (the module's host port, a balloon)
             # in every guest, as in its runs before the migration.
-            kw = dict(mem='1G', module=base != 'stock', balloon=False,
+            kw = dict(mem='1G', module=base.startswith('module'), balloon=False,
                       args=aa.guest_args('ours'))
             if name.endswith('@before'):
                 kw['paths'] = OverlayPaths(a.before, workdir)
