@@ -52,7 +52,6 @@ matplotlib, e.g. build/venv/bin/python3).  About 4 minutes with the defaults.
 """
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -65,6 +64,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, 'block', 'tests'))
 import hybridlib as H   # noqa: E402  (sets up the path of qemu.qmp)
 import charts   # noqa: E402
+import provenance   # noqa: E402
 from saved_runs import add_report_args, load_saved   # noqa: E402
 from pooled_stats import geo_mean_ci, mean, mean_ci, ratio_ci, rotated, verdict   # noqa: E402
 
@@ -172,19 +172,11 @@ class Bench:
         for i, (n, src) in enumerate([
                 ('qemu-storage-daemon', self.args.binary or H.binary('qemu-storage-daemon')),
                 ('before', self.args.before)][:1 + bool(self.args.before)]):
-            src = os.path.realpath(src)
             d = os.path.join(self.work, f'bin{i}')
             os.makedirs(d)
             self.bin_dirs.append(d)
-            dst = os.path.join(d, 'qemu-storage-daemon')
-            shutil.copy2(src, dst)
-            with open(dst, 'rb') as f:
-                self.binaries[n] = {'path': src, 'mtime': os.stat(src).st_mtime,
-                                    'sha256': hashlib.sha256(f.read()).hexdigest()[:16]}
-
-    def binaries_changed(self):
-        return [n for n, b in self.binaries.items()
-                if not os.path.exists(b['path']) or os.stat(b['path']).st_mtime != b['mtime']]
+            self.binaries[n] = provenance.copy_binary(
+                src, os.path.join(d, 'qemu-storage-daemon'))
 
     def make_base(self):
         self.base = os.path.join(self.work, 'base.img')
@@ -227,12 +219,7 @@ class Bench:
         args = self.args
         t0 = time.monotonic()
         runs, meta = [], {}
-        git = ['git', '-C', REPO]
-        meta['head'] = subprocess.run(git + ['rev-parse', 'HEAD'], capture_output=True,
-                                      text=True).stdout.strip()
-        meta['tree_changes'] = [x for x in subprocess.run(
-            git + ['status', '--porcelain', '--untracked-files=no', '--', 'block'],
-            capture_output=True, text=True).stdout.split('\n') if x.strip()][:20]
+        meta.update(provenance.tree('block'))
         self.work = tempfile.mkdtemp(prefix='cc-local-', dir=args.work_dir)
         meta['disk'] = subprocess.run(['df', '--output=source', self.work], capture_output=True,
                                       text=True).stdout.split()[-1]
@@ -269,7 +256,7 @@ class Bench:
             for d in daemons.values():
                 d.stop()
             shutil.rmtree(self.work, ignore_errors=True)
-        meta.update(binaries=self.binaries, binaries_changed=self.binaries_changed(),
+        meta.update(binaries=self.binaries, binaries_changed=provenance.changed(self.binaries),
                     wall_s=round(time.monotonic() - t0))
         return runs, meta
 
@@ -418,16 +405,8 @@ def report(args, runs, meta, summary):
                              f'{s["checksum-errors"]} |')
     lines += ['', f'![IOPS and the ratios]({args.name}.png)', '']
     if meta.get('binaries'):
-        lines += [f'Source: commit {meta.get("head", "?")[:12]}'
-                  + (f' with uncommitted changes under block/ ({"; ".join(meta["tree_changes"])})'
-                     if meta.get('tree_changes') else '')
-                  + '.  Binaries (copied at start): ' + ', '.join(
-            f'{n} {b["sha256"]} (built '
-            f'{time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(b["mtime"]))})'
-            for n, b in meta['binaries'].items()) +
-            (f'; the build\'s {", ".join(meta["binaries_changed"])} changed during '
-             'the run (the copies were measured)' if meta.get('binaries_changed') else '')
-            + '.', '']
+        # runs saved before provenance.tree() named the paths it looked at
+        lines += [provenance.report_line(dict({'tree_paths': ['block']}, **meta)), '']
     if args.notes and os.path.exists(args.notes):
         with open(args.notes) as f:
             lines += [f.read()]

@@ -55,7 +55,6 @@ docs/bench/hybrid-mirror.md, .json and .png.
 """
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -70,6 +69,7 @@ sys.path.insert(0, os.path.join(REPO, 'block', 'tests'))
 sys.path.insert(0, os.path.join(REPO, 'tests'))
 import hybridlib as H   # noqa: E402  (sets up the path of qemu.qmp)
 import charts   # noqa: E402
+import provenance   # noqa: E402
 from saved_runs import add_report_args, load_saved   # noqa: E402
 from pooled_stats import geo_mean_ci, mean, mean_ci, ratio_ci, rotated, verdict   # noqa: E402
 
@@ -370,19 +370,10 @@ class Bench:
         os.makedirs(d)
         self.binaries = {}
         for n in ('qemu-storage-daemon', 'qemu-img', 'qemu-io'):
-            src = os.path.realpath(H.binary(n))
-            dst = os.path.join(d, n)
-            shutil.copy2(src, dst)
-            with open(dst, 'rb') as f:
-                self.binaries[n] = {'path': src, 'mtime': os.stat(src).st_mtime,
-                                    'sha256': hashlib.sha256(f.read()).hexdigest()[:16]}
+            self.binaries[n] = provenance.copy_binary(H.binary(n), os.path.join(d, n))
         self.qsd = os.path.join(d, 'qemu-storage-daemon')
         self.qemu_img = os.path.join(d, 'qemu-img')
         self.qemu_io = os.path.join(d, 'qemu-io')
-
-    def binaries_changed(self):
-        return [n for n, b in self.binaries.items()
-                if not os.path.exists(b['path']) or os.stat(b['path']).st_mtime != b['mtime']]
 
     def start_mirror_host(self):
         hb = self.hb
@@ -484,12 +475,7 @@ class Bench:
         args = self.args
         t_start = time.monotonic()
         runs, pings, meta = [], [], {}
-        git = ['git', '-C', REPO]
-        meta['head'] = subprocess.run(git + ['rev-parse', 'HEAD'], capture_output=True,
-                                      text=True).stdout.strip()
-        meta['tree_changes'] = subprocess.run(
-            git + ['status', '--porcelain', '--untracked-files=no'],
-            capture_output=True, text=True).stdout.split('\n')[:20]
+        meta.update(provenance.tree())
         with hosts.Network('hmir') as net:
             self.net = net
             self.copy_binaries()
@@ -546,7 +532,7 @@ class Bench:
                         node.qsd.stop()
                 self.mirror_qsd.stop()
                 self.ping_srv.kill()
-        meta.update(binaries=self.binaries, binaries_changed=self.binaries_changed(),
+        meta.update(binaries=self.binaries, binaries_changed=provenance.changed(self.binaries),
                     wall_s=round(time.monotonic() - t_start))
         return runs, pings, meta
 
@@ -761,16 +747,7 @@ def report(args, runs, pings, meta, summary):
                 f'{p["settle_s"]:.1f}{"" if p["drained"] else " (not drained)"} |')
     lines += ['', f'![IOPS and the ratios]({args.name}.png)', '']
     if meta.get('binaries'):
-        lines += [f'Source: commit {meta.get("head", "?")[:12]}'
-                  + (f' with uncommitted changes ({"; ".join(x.strip() for x in meta["tree_changes"] if x.strip())})'
-                     if any(x.strip() for x in meta.get('tree_changes', [])) else '')
-                  + '.  Binaries (copied at start): ' + ', '.join(
-            f'{n} {b["sha256"]} (built '
-            f'{time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(b["mtime"]))})'
-            for n, b in meta['binaries'].items()) +
-            (f'; the build\'s {", ".join(meta["binaries_changed"])} changed during '
-             'the run (the copies were measured)' if meta.get('binaries_changed') else '')
-            + '.', '']
+        lines += [provenance.report_line(meta), '']
     if args.notes and os.path.exists(args.notes):
         with open(args.notes) as f:
             lines += [f.read()]
