@@ -503,8 +503,8 @@ def main():
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     saved['load_end'] = loadavg()
-    for part in ('host', 'guest'):
-        if part in saved and 'run' not in saved[part]:
+    for part, ran in (('host', not a.no_host), ('guest', a.guest)):
+        if ran:
             saved[part]['run'] = {k: saved[k] for k in ('command', 'when', 'load_start', 'load_end')}
             saved[part]['run']['rounds'] = a.rounds if part == 'host' else a.guest_rounds
             saved[part]['run'].update(window=a.window, items=a.items)
