@@ -113,7 +113,12 @@ class CephDoc(unittest.TestCase):
         self.assertIn('file format: hybrid', out)           # qemu-img info over RBD
         self.assertIn('protocol type: rbd', out)
         self.assertNotIn('Pattern verification failed', out)
-        self.assertEqual(out.count('read 1048576/1048576 bytes at offset 0'), 4, out)
+        self.assertEqual(out.count('read 1048576/1048576 bytes at offset 0'), 5, out)
+        # Full clones: scripts/rbd-full-clone.sh's copy has the base's data,
+        # zeros where the base has none, and no parent
+        self.assertIn("rbd image 'vm2'", out)
+        self.assertNotIn('parent:', out)
+        self.assertIn('read 1048576/1048576 bytes at offset 1048576', out)
         # purged: no daemon, no data
         self.assertFalse(os.path.exists(self.ceph_dir))
 
