@@ -375,7 +375,7 @@ def guest_tables(gp, L):
     return summary
 
 
-def write_report(saved, out, notes):
+def write_report(saved, out, notes, name=NAME):
     a = saved['args']
     L = ['# The module in steady state, no migration (bench/redis-module-steady.py, issue 40)', '']
     L.append('redis-server %s, 2 cores shared with other engineers\' builds and benchmarks. '
@@ -432,9 +432,9 @@ def write_report(saved, out, notes):
         gs = guest_tables(g, L)
     if notes and os.path.exists(notes):
         L.append(open(notes).read())
-    L.append('![chart](%s.png)' % NAME)
+    L.append('![chart](%s.png)' % name)
     L.append('')
-    with open(os.path.join(out, NAME + '.md'), 'w') as f:
+    with open(os.path.join(out, name + '.md'), 'w') as f:
         f.write('\n'.join(L))
     plt = charts.pyplot()
     if not plt:
@@ -452,7 +452,7 @@ def write_report(saved, out, notes):
         if goal:
             ax.axvline(goal, color='red', ls='--', lw=0.8)
         ax.set_title(title, fontsize=10)
-    charts.save(fig, os.path.join(out, NAME + '.png'), dpi=90)
+    charts.save(fig, os.path.join(out, name + '.png'), dpi=90)
 
 
 def main():
@@ -464,12 +464,13 @@ def main():
     ap.add_argument('--window', type=int, default=8, help='guest window, s')
     ap.add_argument('--items', type=int, default=300000, help='guest items')
     ap.add_argument('--before', help='an older hybridmem.so, run as NAME@before')
+    ap.add_argument('--name', default=NAME, help='the report\'s file names in --out (NAME.md, .json, .png)')
     saved_runs.add_report_args(ap)
     a = ap.parse_args()
     if a.report_only:
         saved = saved_runs.load_saved(a)
-        write_report(saved, a.out, a.notes)
-        print(open(os.path.join(a.out, NAME + '.md')).read())
+        write_report(saved, a.out, a.notes, a.name)
+        print(open(os.path.join(a.out, a.name + '.md')).read())
         return
     if not os.path.exists(rmb.MODULE):
         sys.exit('build the module first: ninja -C build redis-module/hybridmem.so')
@@ -484,7 +485,7 @@ def main():
                                              text=True).stdout.split()[2]}
     # A run of one part keeps the other's last results from the JSON at
     # --out, with that run's own command, date and load.
-    old_json = os.path.join(a.out, NAME + '.json')
+    old_json = os.path.join(a.out, a.name + '.json')
     if os.path.exists(old_json):
         with open(old_json) as f:
             prev = json.load(f)
@@ -509,10 +510,10 @@ def main():
             saved[part]['run']['rounds'] = a.rounds if part == 'host' else a.guest_rounds
             saved[part]['run'].update(window=a.window, items=a.items)
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, NAME + '.json'), 'w') as f:
+    with open(os.path.join(a.out, a.name + '.json'), 'w') as f:
         json.dump(saved, f, indent=1)
-    write_report(saved, a.out, a.notes)
-    print(open(os.path.join(a.out, NAME + '.md')).read())
+    write_report(saved, a.out, a.notes, a.name)
+    print(open(os.path.join(a.out, a.name + '.md')).read())
 
 
 if __name__ == '__main__':
