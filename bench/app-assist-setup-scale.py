@@ -297,13 +297,14 @@ def stats(rows, col):
 
 def shape_of(fit):
     """Where a fitted column is linear and where not, as a phrase: flat when
-    the line's rise over the range is less than a third of its mean; else
+    the line's rise over the range is less than its mean (less than a
+    doubling over a range of 20x the items) or than 0.5 ms; else
     linear when every step between neighbouring points costs within 1.5x of
     the line's slope per million items, else which steps do not."""
     pts, b = fit['points'], fit['b']
     ys = [y for _, y in pts]
     rise = b * (pts[-1][0] - pts[0][0])
-    if abs(rise) < sum(ys) / len(ys) / 3:
+    if abs(rise) < max(sum(ys) / len(ys), 0.5):
         return f'flat ({min(ys):.2f}-{max(ys):.2f} ms over the range)'
     off = [s for s in fit['steps'] if b <= 0 or not 1 / 1.5 <= s['ms per M'] / b <= 1.5]
     if not off:
@@ -455,7 +456,13 @@ def write_report(runs, args):
 def chart(res, runs, args):
     """NAME.png: set-up time against items, linear axes: the host's parts
     (a line per part through its means, every run a dot, the fitted line
-    dashed) and, in a second panel, the guest's beside the host's."""
+    dashed) and, in a second panel, the guest's beside the host's; log-log
+    (a straight line of slope 1 is linear), the 95 % intervals as error bars
+    where a point has 3 runs or more, cut at 0.1x the mean below."""
+    def yerr(pts):
+        hs = [0 if s['n'] < 3 or math.isnan(s['ci95']) else s['ci95'] for _, s in pts]
+        return [[min(h, 0.9 * s['mean']) for h, (_, s) in zip(hs, pts)], hs]
+
     plt = charts.pyplot()
     if not plt or not (res['host'] or res['guest']):
         return
@@ -470,17 +477,18 @@ def chart(res, runs, args):
                      if v['stats'].get(col))
         if not pts:
             continue
-        ax.errorbar([x for x, _ in pts], [s['mean'] for _, s in pts],
-                    yerr=[0 if s['n'] < 3 or math.isnan(s['ci95']) else s['ci95']
-                          for _, s in pts], marker='o', capsize=3, color=f'C{i}', label=what)
+        ax.errorbar([x for x, _ in pts], [s['mean'] for _, s in pts], yerr=yerr(pts),
+                    marker='o', capsize=3, color=f'C{i}', label=what)
         dots = [(r['items'] / M, r[col]) for r in runs
                 if r.get('kind') == 'host' and '@' not in r['label'] and col in r]
         ax.scatter([x for x, _ in dots], [y for _, y in dots], s=10, alpha=0.4, color=f'C{i}')
         fit = res['fits'].get(col)
         if fit and col in ('set-up (ms)', 'set-up: server CPU (ms)'):
-            xs = [0, max(x for x, _ in pts)]
+            xs = [min(x for x, _ in pts), max(x for x, _ in pts)]
             ax.plot(xs, [fit['a'] + fit['b'] * x for x in xs], '--', color=f'C{i}', lw=0.8,
                     label=f"fit: {fit['a']:.1f} + {fit['b']:.2f} ms/M (r² {fit['r2']:.3f})")
+    ax.set_xscale('log')
+    ax.set_yscale('log')
     ax.set_xlabel('Redis items (millions)')
     ax.set_ylabel('ms')
     ax.set_title('On the host: set-up against items', fontsize=10)
@@ -490,19 +498,21 @@ def chart(res, runs, args):
             ('guest', 'setup time (ms)', "guest: QEMU's setup-time"),
             ('guest', 'page list (ms)', "guest: QEMU's pages-time"),
             ('guest', 'prepare (ms)', "guest: QEMU's prepare-time"),
-            ('host', 'set-up (ms)', 'host: set-up'))):
+            ('host', 'set-up (ms)', 'host: set-up, wall'),
+            ('host', 'set-up: server CPU (ms)', "host: set-up, the server's CPU time"))):
         src = res[kind] if kind == 'guest' else base
         pts = sorted((v['items'] / M, v['stats'][col]) for v in src.values()
                      if v['stats'].get(col))
         if not pts:
             continue
-        ax.errorbar([x for x, _ in pts], [s['mean'] for _, s in pts],
-                    yerr=[0 if s['n'] < 3 or math.isnan(s['ci95']) else s['ci95']
-                          for _, s in pts], marker='o', capsize=3, color=f'C{i}', label=what,
+        ax.errorbar([x for x, _ in pts], [s['mean'] for _, s in pts], yerr=yerr(pts),
+                    marker='o', capsize=3, color=f'C{i}', label=what,
                     linestyle='--' if kind == 'host' else '-')
         dots = [(r['items'] / M, r[col]) for r in runs
                 if r.get('kind') == kind and '@' not in r['label'] and col in r]
         ax.scatter([x for x, _ in dots], [y for _, y in dots], s=10, alpha=0.4, color=f'C{i}')
+    ax.set_xscale('log')
+    ax.set_yscale('log')
     ax.set_xlabel('Redis items (millions)')
     ax.set_ylabel('ms')
     ax.set_title('In a TCG guest (real migrations) and on the host', fontsize=10)
