@@ -298,21 +298,30 @@ def stats(rows, col):
 def shape_of(fit):
     """Where a fitted column is linear and where not, as a phrase: flat when
     the line's rise over the range is less than its mean (less than a
-    doubling over a range of 20x the items) or than 0.5 ms; else
-    linear when every step between neighbouring points costs within 1.5x of
-    the line's slope per million items, else which steps do not."""
+    doubling over a range of 20x the items) or than 0.5 ms; else the range
+    cut into stretches over which each step between neighbouring points
+    costs within 1.5x of the stretch's mean per million items: one stretch
+    is linear, more say where the cost per item changes."""
     pts, b = fit['points'], fit['b']
     ys = [y for _, y in pts]
     rise = b * (pts[-1][0] - pts[0][0])
     if abs(rise) < max(sum(ys) / len(ys), 0.5):
         return f'flat ({min(ys):.2f}-{max(ys):.2f} ms over the range)'
-    off = [s for s in fit['steps'] if b <= 0 or not 1 / 1.5 <= s['ms per M'] / b <= 1.5]
-    if not off:
-        return (f'linear: {b:.2f} ms per million items, every step within 1.5x of that '
+    groups = []
+    for st in fit['steps']:
+        g = groups[-1] if groups else None
+        if g and all(x > 0 for x in g['rates'] + [st['ms per M']]):
+            rates = g['rates'] + [st['ms per M']]
+            if max(rates) / min(rates) <= 1.5:
+                g['rates'], g['to'] = rates, st['to']
+                continue
+        groups.append({'from': st['from'], 'to': st['to'], 'rates': [st['ms per M']]})
+    if len(groups) == 1:
+        return (f'linear: {b:.2f} ms per million items, every step within 1.5x of the others '
                 f'(r² {fit["r2"]:.3f})')
-    return (f'not linear throughout: the line\'s slope is {b:.2f} ms per million items, but '
-            + ', '.join(f"{s['from']:g}->{s['to']:g} M costs {s['ms per M']:.2f}"
-                        for s in off) + ' ms per million')
+    return 'not linear throughout: ' + '; '.join(
+        f"{sum(g['rates']) / len(g['rates']):.2f} ms per million from {g['from']:g} to "
+        f"{g['to']:g} M" for g in groups)
 
 
 def fit_line(xs, ys):
