@@ -395,7 +395,10 @@ def write_report(runs, args):
              f'{args.size} bytes, {int(round(100 * args.hot))} % hot, the data set of '
              '`bench/app-assist.py` (every item demoted, the hot ones read back, one compaction '
              f'pass); PREPARE sent with the deadline QEMU sends by default ({args.deadline} ms).  '
-             f'{args.rounds} interleaved rounds (host points in an order rotated per round).  '
+             f'{len({r["round"] for r in runs if r.get("kind") == "host"})} interleaved rounds '
+             'with the host points (in an order rotated per round), '
+             f'{len({r["round"] for r in runs if r.get("kind") == "guest"})} with the guest '
+             'points (after the host points of their round).  '
              'Mean ± half-width of the 95 % Student t interval over the rounds.', '',
              f'Runs: {len(runs)} ({len(failed)} failed'
              + (': ' + '; '.join(f"{r['kind']} {r['label']} round {r['round']}: "
