@@ -52,6 +52,12 @@ class VMState:
         return {'iops-total': int(self.limit), 'bps-total': int(bps)}
 
 
+def containers_idle(cont, idle_iops):
+    """Whether the containers did (almost) no I/O this period and did not
+    stall on it."""
+    return cont['iops'] <= idle_iops and not (cont.get('pressure') or 0) > 0.01
+
+
 def decide(states, vm_in, cont, target_ms, target_pressure, idle_iops, idle_count):
     """One period.  states: name -> VMState (updated in place);
     vm_in: name -> dict(iops, bytes_per_op, p99_ms) for the VMs measured this
@@ -64,7 +70,7 @@ def decide(states, vm_in, cont, target_ms, target_pressure, idle_iops, idle_coun
         if st.limit is None and m['iops'] > 0:
             st.free_iops = max(0.5 * st.free_iops, m['iops'])
     notes = {}
-    if cont['iops'] <= idle_iops and not (cont.get('pressure') or 0) > 0.01:
+    if containers_idle(cont, idle_iops):
         idle_count += 1
         if idle_count >= IDLE_PERIODS:
             lifted = False

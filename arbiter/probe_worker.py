@@ -2,15 +2,19 @@
 reads at random aligned offsets of a device, IOPS a second, one at a time,
 each timed around the system call and written to stdout as a line
 "S <monotonic s> <latency s>"; "E <reason>" when a read fails; first a line
-"P <policy>" naming the scheduling it runs under.
+"P <policy>" naming the scheduling it runs under.  Samples go out in
+batches, each at most FLUSH_S after it was taken; an error at once.
 
 Why a process of its own, at SCHED_FIFO when it may: inside the daemon the
 probe's thread, woken when its read completed, first waited for the GIL
 and, on a busy 2-core host, for a CPU behind the guests' vCPU threads, so
 its p99 timed its own wake-up more than the device (docs/arbiter.md,
 "The probe").  A real-time thread that sleeps between reads takes the
-next free CPU the moment its read completes; at 200 reads a second it uses
-well under 1 % of one.
+next free CPU the moment its read completes.  At 200 reads a second it
+used 2.1-2.5 % of a core here (bench/arbiter-scale.py, 2026-11-28): about
+150 us a read, nearly all of it the kernel's two sleeps and wake-ups (the
+read's, the pause's), 30-45 us each on this nested-virtualised host;
+probe-iops scales it.
 
 Usage: probe_worker.py DEVICE IOPS PARENT_PID.  It exits when its stdout
 is closed or PARENT_PID is no longer its parent.
@@ -25,6 +29,13 @@ import time
 
 BS = 4096
 PR_SET_PDEATHSIG = 1
+# Samples are written out together, each at most FLUSH_S after it was
+# taken: the daemon's probe thread wakes for every write that reaches its
+# pipe, and a flush after each sample woke it 200 times a second, 1.3 % of
+# a core of the daemon's 2.2 % at a 100 ms period with one VM and one
+# container (bench/arbiter-scale.py, 2026-11-27).  The daemon decides on a
+# window of a second, every 50 ms at the shortest period.
+FLUSH_S = 0.02
 LIBC = ctypes.CDLL(None, use_errno=True)
 
 
@@ -87,21 +98,29 @@ def main(argv):
         out.write(f'P {set_policy()}\n')
         out.flush()
         nxt = time.monotonic()
+        held = None                     # when the oldest sample not written out was taken
         while os.getppid() == parent:
             off = rnd.randrange(blocks) * BS
             t0 = time.perf_counter()
             try:
                 os.preadv(fd, [buf], off)
                 lat = time.perf_counter() - t0
-                out.write(f'S {time.monotonic():.6f} {lat:.9f}\n')
+                now = time.monotonic()
+                out.write(f'S {now:.6f} {lat:.9f}\n')
+                if held is None:
+                    held = now
             except OSError as e:
                 out.write(f'E {path}: probe read at {off}: {e.strerror}\n')
+                held = 0.0              # an error goes out at once
                 nxt = time.monotonic() + 1.0
-            out.flush()
             nxt += interval
             now = time.monotonic()
             if nxt < now:
                 nxt = now               # no catching up after a stall
+            # out now, unless the next sample comes before this batch is due
+            if held is not None and nxt - held >= FLUSH_S:
+                out.flush()
+                held = None
             time.sleep(max(0.0, nxt - now))
     except (BrokenPipeError, KeyboardInterrupt):
         pass

@@ -173,6 +173,40 @@ class VMPath:
         self.qsd.kill()
 
 
+class StandInVM:
+    """What the arbiter manages of a VM, without the guest: a QEMU process
+    (qemu-system-x86_64 -M none: no CPU, no devices) whose BlockBackend
+    disk0 is the device behind throttle group tg0, with a QMP monitor of
+    the arbiter's own.  The arbiter reaches it exactly as a guest's
+    (attach, query-blockstats of disk0, qom-set of tg0's limits); nothing
+    does I/O through it (an NBD export would have a BlockBackend of its
+    own, which query-blockstats does not list), and with no guest device it
+    has no latency histogram.  For counts of VMs that TCG guests cannot
+    reach on a small host (bench/arbiter-scale.py)."""
+
+    def __init__(self, tmp, dev, name):
+        self.name = name
+        self.qmp_path = tmp(f'{name}-arb.qmp')
+        self.qemu = H.StorageDaemon(
+            _Sub(tmp, name),
+            '-object', 'throttle-group,id=tg0',
+            '-drive', f'if=none,id=disk0,driver=throttle,throttle-group=tg0,'
+                      f'file.driver=host_device,file.filename={dev},file.aio=native,'
+                      f'file.cache.direct=on,file.locking=off',
+            '-chardev', f'socket,id=arb,path={self.qmp_path},server=on,wait=off',
+            '-mon', 'chardev=arb,mode=control', system=True)
+
+    @property
+    def pid(self):
+        return self.qemu.proc.pid
+
+    def limits(self):
+        return self.qemu.cmd('qom-get', path='/objects/tg0', property='limits')
+
+    def stop(self):
+        self.qemu.stop()
+
+
 class _Sub:
     """A TempDir view with a name prefix (two daemons in one directory)."""
 

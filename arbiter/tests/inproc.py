@@ -13,19 +13,30 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from arbiter import daemon                  # noqa: E402
 from arbiter.config import Config           # noqa: E402
+from arbiter.sources import percentile      # noqa: E402
 from fakeqmp import FakeQMP                 # noqa: E402
 
 DEVNO = '7:99'
 
 
 class FakeProbe:
+    """Every sample at lat_ms; or, once a test sets samples (a list of
+    (monotonic s, latency s), the window as the real probe keeps it), the
+    percentiles of those of them taken at or after since."""
     policy, restarts, error = 'stand-in', 0, None
 
     def __init__(self, lat_ms):
         self.lat_ms = lat_ms
+        self.samples = None
 
-    def window_stats(self, pct):
-        return dict(samples=200, p50_ms=self.lat_ms, p99_ms=self.lat_ms, pct_ms=self.lat_ms)
+    def window_stats(self, pct, since=None):
+        if self.samples is None:
+            return dict(samples=200, p50_ms=self.lat_ms, p99_ms=self.lat_ms, pct_ms=self.lat_ms)
+        lat = [x for t, x in self.samples if since is None or t >= since]
+        if not lat:
+            return dict(samples=0, p50_ms=None, p99_ms=None, pct_ms=None)
+        return dict(samples=len(lat), p50_ms=percentile(lat, 0.5) * 1e3,
+                    p99_ms=percentile(lat, 0.99) * 1e3, pct_ms=percentile(lat, pct / 100) * 1e3)
 
     def stop(self):
         pass

@@ -38,6 +38,7 @@ class Scenario:
             self.loop.close()
             raise
         self.daemon = None
+        self.runs = 0               # daemons started: each its own state directory
         self.ctr = f'arb-{os.getpid()}'
         self.fio = None
 
@@ -100,10 +101,15 @@ class Scenario:
         return min(got) if got else None
 
     def start_arbiter(self, target_ms, gap=1.0, period_ms=100):
+        """A daemon with a state directory (and decision log) of its own:
+        a later phase's records (solo_with_probe's median) are never mixed
+        with an earlier one's."""
+        self.runs += 1
+        state = f'state{self.runs}'
         conf = A.config(self.tmp, self.loop.dev, [('vm0', self.vm.qmp_path)], [self.ctr],
-                        target_ms=target_ms, period_ms=period_ms,
+                        target_ms=target_ms, period_ms=period_ms, state=state,
                         extra_device=f'gap = {gap}\n', extra_vm='device = disk0\n')
-        self.daemon = A.Daemon(conf, self.tmp)
+        self.daemon = A.Daemon(conf, self.tmp, state=state)
         return self.daemon
 
     def stop_arbiter(self):

@@ -8,10 +8,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import arblib as A   # noqa: E402
+from arbiter.probe_worker import FLUSH_S   # noqa: E402
 from arbiter.sources import Probe, SourceError   # noqa: E402
 
 WHY = None if os.geteuid() == 0 else 'needs root (a loop device)'
@@ -85,6 +87,45 @@ class ProbeTest(A.LoopTestCase):
         d.kill()
         d.wait()
         wait_for(lambda: not alive(pid), timeout=5, what='the probe to die with its daemon')
+
+    def test_samples_come_in_batches_never_held_long(self):
+        """The worker writes its samples out together (the daemon's probe
+        thread wakes once a batch, not 200 times a second), and holds none
+        longer than FLUSH_S: read as they come for a second and a half, the
+        200 samples a second arrive in at most half as many reads, each
+        sample at most FLUSH_S (plus the scheduler's slack) after the time
+        it carries.  Skipped where the device is too slow for three samples
+        to fall in FLUSH_S."""
+        w = subprocess.Popen([sys.executable, '-I', Probe.WORKER, self.loop.dev, '200',
+                              str(os.getpid())], stdout=subprocess.PIPE)
+        self.addCleanup(w.wait)
+        self.addCleanup(w.kill)
+        fd = w.stdout.fileno()
+        reads, samples, late, times, buf = 0, 0, [], [], b''
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            d = os.read(fd, 65536)
+            got = time.monotonic()
+            self.assertTrue(d, 'the worker ended')
+            reads += 1
+            *lines, buf = (buf + d).split(b'\n')
+            for line in lines:
+                kind, *f = line.decode().split()
+                if kind == 'S':
+                    samples += 1
+                    times.append(float(f[0]))
+                    late.append(got - float(f[0]))
+        w.stdout.close()
+        self.assertGreater(samples, 20)
+        gaps = sorted(b - a for a, b in zip(times, times[1:]))
+        if gaps[len(gaps) // 2] > FLUSH_S / 3:
+            # reads this slow (a loaded host's disk) leave fewer than three
+            # samples to a batch: nothing to tell batches from single lines
+            self.skipTest(f'probe reads {gaps[len(gaps) // 2] * 1e3:.1f} ms apart here')
+        self.assertLessEqual(reads, samples / 2, f'{reads} reads for {samples} samples')
+        late.sort()
+        # the 95th: a busy 2-core host may keep this process off a CPU
+        self.assertLess(late[int(0.95 * len(late))], FLUSH_S + 0.03, late[-10:])
 
     def test_bad_device_is_refused(self):
         with self.assertRaisesRegex(SourceError, 'cannot open for the latency probe'):

@@ -9,10 +9,12 @@ import os
 import shutil
 import sys
 import tempfile
+import tracemalloc
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from arbiter.sources import MAX_FILE, SourceError, cgroup_io, io_pressure_us   # noqa: E402
+from arbiter.sources import (MAX_FILE, SourceError, cgroup_io, io_pressure_us,   # noqa: E402
+                             read_small)
 
 PRESSURE = ('some avg10=1.50 avg60=0.20 avg300=0.05 total=123456\n'
             'full avg10=0.00 avg60=0.00 avg300=0.00 total=789\n')
@@ -58,6 +60,27 @@ class SourcesTest(unittest.TestCase):
         self.put('io.stat', '7:0 rbytes=x wbytes=1 rios=1 wios=1\n')
         with self.assertRaisesRegex(SourceError, 'malformed line'):
             cgroup_io(self.d, '7:0')
+
+    def test_a_small_file_costs_a_small_read(self):
+        """Each period reads a few files of each container, of a few hundred
+        bytes each: a read allocates about what the file holds, never a
+        buffer of the MAX_FILE bound (a 1 MiB allocation and release for
+        each one was most of what a period cost a container: 46 us a read
+        against 11, measured 2026-11-27).  A file over the bound is still
+        refused."""
+        self.put('io.pressure', PRESSURE)
+        path = os.path.join(self.d, 'io.pressure')
+        tracemalloc.start()
+        self.addCleanup(tracemalloc.stop)
+        tracemalloc.reset_peak()
+        self.assertEqual(read_small(path), PRESSURE)
+        _, peak = tracemalloc.get_traced_memory()
+        self.assertLess(peak, 128 * 1024)
+        self.put('big', 'x' * (MAX_FILE + 1))
+        with self.assertRaisesRegex(SourceError, 'larger than'):
+            read_small(os.path.join(self.d, 'big'))
+        self.put('exact', 'y' * MAX_FILE)
+        self.assertEqual(len(read_small(os.path.join(self.d, 'exact'))), MAX_FILE)
 
     def test_neither_or_gone(self):
         with self.assertRaisesRegex(SourceError, 'neither blkio'):
