@@ -94,3 +94,12 @@ def rotated(seq, k):
         return seq
     k %= len(seq)
     return seq[k:] + seq[:k]
+
+
+def linear_fit(xs, ys):
+    """Least-squares line through the points: (intercept, slope).  A growth
+    chart's 'cost = a + b n' (bench/arbiter-scale.py)."""
+    mx, my = mean(xs), mean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - b * mx, b
