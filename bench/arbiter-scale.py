@@ -71,10 +71,11 @@ other jobs rebuild the tree, point it at a copy of the build (its bin/,
 guest/, qemu-src/python, and podman/ with the image's tar) so that the
 binaries do not change under a run.
 
-Writes arbiter-scale.{md,json,png} in --out (default docs/bench).  Needs
-root.  Usage:
+Writes arbiter-scale.{md,json,png} (--name) in --out (default docs/bench).
+Needs root.  Usage:
   bench/arbiter-scale.py [--rounds 3] [--counts 1,2,4,8,16,32] [--out DIR]
-  bench/arbiter-scale.py --report-only docs/bench/arbiter-scale.json
+  bench/arbiter-scale.py --report-only docs/bench/arbiter-scale.json \
+      --notes docs/bench/arbiter-scale-notes.md      (and --name for the others)
   bench/arbiter-scale.py --quick        (a smoke run; /tmp/arbiter-scale-quick)
 """
 
@@ -690,7 +691,70 @@ def verdict(words):
     return 'faster than linear' if 'faster' in words else 'not linear'
 
 
-def report(d, out_dir, notes=None):
+def growth_reading(d, s, counts, rows_n):
+    """The Reading's lines on how the points grow with N."""
+    lines = []
+    cpts = [(n, e['idle_per_period_ms']['mean']) for n, e in zip(counts, rows_n)]
+    a0, b0 = linear_fit([n for n, _ in cpts], [v for _, v in cpts])
+    lines.append(f'- **Daemon CPU per period** (idle containers): {cpts[0][1]:.2f} ms at N = '
+                 f'{counts[0]} ({rows_n[0]["idle_cpu_pct"]["mean"]:.2f} % of a core), '
+                 f'{cpts[-1][1]:.2f} ms at N = {counts[-1]} '
+                 f'({rows_n[-1]["idle_cpu_pct"]["mean"]:.2f} %): {growth_words(cpts, "ms")}.  '
+                 f'On that line, the configuration\'s cap (256 VMs and 256 containers) would '
+                 f'cost {a0 + 256 * b0:.0f} ms a period, {(a0 + 256 * b0) / PERIOD_MS * 100:.0f} % '
+                 'of a core at a 100 ms period.')
+    rpts = [(n, e['reaction_periods']['mean']) for n, e in zip(counts, rows_n)
+            if e['reaction_periods']]
+    rcis = [e['reaction_periods']['ci'] for e in rows_n if e['reaction_periods']]
+    if rpts:
+        lags = {}
+        for t in d['trials']:
+            if t['reaction_s'] is not None and t['decision_s'] is not None and \
+                    not t['target_ms'] > BURST_TARGET_MS:
+                lags.setdefault(t['n'], []).append((t['reaction_s'] - t['decision_s']) * 1e3)
+        med = {n: sorted(v)[len(v) // 2] for n, v in lags.items()}
+        lines.append(f'- **Reaction** (burst to the first cut in QEMU): {rpts[0][1]:.2f} periods '
+                     f'at N = {counts[0]}, {rpts[-1][1]:.2f} at N = {counts[-1]}: '
+                     f'{growth_words(rpts, "periods", rcis)}.  It is the wait for the next '
+                     'period (0-1 period: the first period whose counters show the burst '
+                     'decides, see *decision*) and then the cut\'s way to QEMU: from the '
+                     'decision log\'s line to the guest\'s limits, median '
+                     + ', '.join(f'{med[n]:.0f} ms at N = {n}' for n in counts if n in med)
+                     + ' (every VM\'s thread is handed its cut at once, and they share one '
+                     'interpreter lock and the host\'s two cores with the guest\'s TCG; the '
+                     'limits are polled every 5 ms, 100-150 times a second under this load).')
+    miss = [(n, e['idle_missing'] / max(1, n * e['idle_periods']) * 100,
+             e['idle_late']) for n, e in zip(counts, rows_n)]
+    def missed(r):
+        return 100 * (r['idle']['missing'] or 0) / max(1, r['n'] * r['idle']['periods'])
+    worst = max(rows_n[-1]['rows'], key=missed)
+    others = [r for r in rows_n[-1]['rows'] if r is not worst]
+    lines.append('- **VM samples left out** of a period (not in within the period\'s wait, half '
+                 'the period: the VM is neither cut nor raised that period), over the idle '
+                 'windows: ' + ', '.join(f'{m:.1f} % at N = {n}' for n, m, _ in miss) +
+                 f'.  At N = {counts[-1]}, by round: '
+                 + ', '.join(f'{missed(r):.1f} % at a load average of {r["load"]:.1f}'
+                             for r in [worst] + others) + '.')
+    rpts2 = [(n, e['ready_s']['mean']) for n, e in zip(counts, rows_n) if e['ready_s']]
+    rcis2 = [e['ready_s']['ci'] for e in rows_n if e['ready_s']]
+    lines.append(f'- **Start-up** (the daemon started to every VM attached and every container '
+                 f'found through `podman container inspect`): {rpts2[0][1]:.1f} s at N = '
+                 f'{counts[0]}, {rpts2[-1][1]:.1f} s at N = {counts[-1]}: '
+                 f'{growth_words(rpts2, "s", rcis2)}: one `podman container inspect` for each '
+                 'container, one after the other.')
+    lpts = [(n, e['bursts_log_bytes_per_period']['mean'] / 1024) for n, e in zip(counts, rows_n)
+            if e.get('bursts_log_bytes_per_period')]
+    if lpts:
+        top = lpts[-1][1] * 1024 * (1000 / PERIOD_MS)
+        lines.append(f'- **Decision log**: {lpts[0][1]:.2f} KiB a period at N = {lpts[0][0]}, '
+                     f'{lpts[-1][1]:.2f} KiB at N = {lpts[-1][0]}: {growth_words(lpts, "KiB")}.  '
+                     f'At N = {lpts[-1][0]} and a 100 ms period that is {top / 1024:.0f} KiB/s: '
+                     f'the default `log-max-bytes` (16 MiB, one old file kept) holds '
+                     f'{2 * 16 * 1024 * 1024 / top / 60:.0f} minutes of decisions.')
+    return lines
+
+
+def report(d, out_dir, notes=None, name='arbiter-scale'):
     a = argparse.Namespace(**d['args'])
     s = summarise(d)
     counts = sorted({p['n'] for p in d['points']})
@@ -855,63 +919,10 @@ def report(d, out_dir, notes=None):
             f'{fmt(e["bursts_log_bytes_per_period"], 2, 1 / 1024)} |')
     lines += ['', '## Reading', '']
     rows_n = [s[f'N={n}'] for n in counts]
-    cpts = [(n, e['idle_per_period_ms']['mean']) for n, e in zip(counts, rows_n)]
-    a0, b0 = linear_fit([n for n, _ in cpts], [v for _, v in cpts])
-    lines.append(f'- **Daemon CPU per period** (idle containers): {cpts[0][1]:.2f} ms at N = '
-                 f'{counts[0]} ({rows_n[0]["idle_cpu_pct"]["mean"]:.2f} % of a core), '
-                 f'{cpts[-1][1]:.2f} ms at N = {counts[-1]} '
-                 f'({rows_n[-1]["idle_cpu_pct"]["mean"]:.2f} %): {growth_words(cpts, "ms")}.  '
-                 f'On that line, the configuration\'s cap (256 VMs and 256 containers) would '
-                 f'cost {a0 + 256 * b0:.0f} ms a period, {(a0 + 256 * b0) / PERIOD_MS * 100:.0f} % '
-                 'of a core at a 100 ms period.')
-    rpts = [(n, e['reaction_periods']['mean']) for n, e in zip(counts, rows_n)
-            if e['reaction_periods']]
-    rcis = [e['reaction_periods']['ci'] for e in rows_n if e['reaction_periods']]
-    if rpts:
-        lags = {}
-        for t in d['trials']:
-            if t['reaction_s'] is not None and t['decision_s'] is not None and \
-                    not t['target_ms'] > BURST_TARGET_MS:
-                lags.setdefault(t['n'], []).append((t['reaction_s'] - t['decision_s']) * 1e3)
-        med = {n: sorted(v)[len(v) // 2] for n, v in lags.items()}
-        lines.append(f'- **Reaction** (burst to the first cut in QEMU): {rpts[0][1]:.2f} periods '
-                     f'at N = {counts[0]}, {rpts[-1][1]:.2f} at N = {counts[-1]}: '
-                     f'{growth_words(rpts, "periods", rcis)}.  It is the wait for the next '
-                     'period (0-1 period: the first period whose counters show the burst '
-                     'decides, see *decision*) and then the cut\'s way to QEMU: from the '
-                     'decision log\'s line to the guest\'s limits, median '
-                     + ', '.join(f'{med[n]:.0f} ms at N = {n}' for n in counts if n in med)
-                     + ' (every VM\'s thread is handed its cut at once, and they share one '
-                     'interpreter lock and the host\'s two cores with the guest\'s TCG; the '
-                     'limits are polled every 5 ms, 100-150 times a second under this load).')
-    miss = [(n, e['idle_missing'] / max(1, n * e['idle_periods']) * 100,
-             e['idle_late']) for n, e in zip(counts, rows_n)]
-    def missed(r):
-        return 100 * (r['idle']['missing'] or 0) / max(1, r['n'] * r['idle']['periods'])
-    worst = max(rows_n[-1]['rows'], key=missed)
-    others = [r for r in rows_n[-1]['rows'] if r is not worst]
-    lines.append('- **VM samples left out** of a period (not in within the period\'s wait, half '
-                 'the period: the VM is neither cut nor raised that period), over the idle '
-                 'windows: ' + ', '.join(f'{m:.1f} % at N = {n}' for n, m, _ in miss) +
-                 f'.  At N = {counts[-1]}, by round: '
-                 + ', '.join(f'{missed(r):.1f} % at a load average of {r["load"]:.1f}'
-                             for r in [worst] + others) + '.')
-    rpts2 = [(n, e['ready_s']['mean']) for n, e in zip(counts, rows_n) if e['ready_s']]
-    rcis2 = [e['ready_s']['ci'] for e in rows_n if e['ready_s']]
-    lines.append(f'- **Start-up** (the daemon started to every VM attached and every container '
-                 f'found through `podman container inspect`): {rpts2[0][1]:.1f} s at N = '
-                 f'{counts[0]}, {rpts2[-1][1]:.1f} s at N = {counts[-1]}: '
-                 f'{growth_words(rpts2, "s", rcis2)}: one `podman container inspect` for each '
-                 'container, one after the other.')
-    lpts = [(n, e['bursts_log_bytes_per_period']['mean'] / 1024) for n, e in zip(counts, rows_n)
-            if e.get('bursts_log_bytes_per_period')]
-    if lpts:
-        top = lpts[-1][1] * 1024 * (1000 / PERIOD_MS)
-        lines.append(f'- **Decision log**: {lpts[0][1]:.2f} KiB a period at N = {lpts[0][0]}, '
-                     f'{lpts[-1][1]:.2f} KiB at N = {lpts[-1][0]}: {growth_words(lpts, "KiB")}.  '
-                     f'At N = {lpts[-1][0]} and a 100 ms period that is {top / 1024:.0f} KiB/s: '
-                     f'the default `log-max-bytes` (16 MiB, one old file kept) holds '
-                     f'{2 * 16 * 1024 * 1024 / top / 60:.0f} minutes of decisions.')
+    if len(counts) > 1:
+        lines += growth_reading(d, s, counts, rows_n)
+    else:
+        lines.append(f'- One point (N = {counts[0]}): no growth to read.')
     if mid:
         mt = [t for t in d['trials'] if t['target_ms'] > BURST_TARGET_MS]
         rs = [t['reaction_s'] * 1e3 / PERIOD_MS for t in mt if t['reaction_s'] is not None]
@@ -928,14 +939,14 @@ def report(d, out_dir, notes=None):
             'under the target for seconds: the probe did not tell the burst from the host\'s '
             'noise, a matter of the signal, not of the window (the window restarts at the '
             'burst: `docs/arbiter.md`).')
-    lines += ['', '![CPU and reaction against N; the 60 s runs\' windows](arbiter-scale.png)', '']
+    lines += ['', f'![CPU and reaction against N; the 60 s runs\' windows]({name}.png)', '']
     if notes:
         with open(notes) as f:
             lines += [f.read().rstrip(), '']
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, 'arbiter-scale.md'), 'w') as f:
+    with open(os.path.join(out_dir, f'{name}.md'), 'w') as f:
         f.write('\n'.join(lines))
-    chart(os.path.join(out_dir, 'arbiter-scale.png'), d, s, counts)
+    chart(os.path.join(out_dir, f'{name}.png'), d, s, counts)
     print('\n'.join(lines))
 
 
@@ -1018,12 +1029,14 @@ def main():
     ap.add_argument('--target-x', type=float, default=1.5)
     ap.add_argument('--no-mid-target', dest='mid_target', action='store_false',
                     help='no N = 1 point with a target the VM alone does not reach')
+    ap.add_argument('--name', default='arbiter-scale',
+                    help='the report\'s files: NAME.md, NAME.json, NAME.png in --out')
     ap.add_argument('--quick', action='store_true')
     add_report_args(ap)
     a = ap.parse_args()
     if a.report_only:
-        out = a.out             # this call's, not the saved run's
-        report(load_saved(a), out, a.notes)
+        out, name = a.out, a.name   # this call's, not the saved run's
+        report(load_saved(a), out, a.notes, name)
         return
     a.argv = sys.argv[1:]
     # a SIGTERM unwinds (the finally below: containers, QEMUs, the loop device)
@@ -1043,10 +1056,10 @@ def main():
         # what was measured is kept, a failed run's too
         if b.points:
             os.makedirs(a.out, exist_ok=True)
-            with open(os.path.join(a.out, 'arbiter-scale.json'), 'w') as f:
+            with open(os.path.join(a.out, f'{a.name}.json'), 'w') as f:
                 json.dump(b.data(), f, indent=1)
         b.close()
-    report(b.data(), a.out, a.notes)
+    report(b.data(), a.out, a.notes, a.name)
 
 
 if __name__ == '__main__':
