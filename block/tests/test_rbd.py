@@ -17,11 +17,9 @@ Skips, with the reason, where Ceph or QEMU's rbd driver is missing."""
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import unittest
 
@@ -29,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, '..', '..', 'tests'))
 import hybridlib as H   # noqa: E402
-from hvlib.ceph import CephCluster, unavailable   # noqa: E402
+from hvlib.ceph import purge_for_class, start_for_class   # noqa: E402
 
 MiB = 1024 * 1024
 OP_TIMEOUT = 5
@@ -41,27 +39,12 @@ class RbdTest(H.ToolTest):
     def setUpClass(cls):
         if not H.have_binaries():
             raise unittest.SkipTest(f'QEMU tools not built in {H.BIN}')
-        why = unavailable(H.binary('qemu-img'))
-        if why:
-            raise unittest.SkipTest(why)
-        # BlueStore needs O_DIRECT: the build directory, not /tmp (tmpfs?)
-        cls.dir = tempfile.mkdtemp(prefix='ceph-', dir=H.BUILD)
-        cls.ceph = CephCluster(cls.dir, port=3301 + os.getpid() % 500,
-                               op_timeout=OP_TIMEOUT)
-        t0 = time.monotonic()
-        try:
-            cls.ceph.start()
-        except Exception:
-            cls.ceph.purge()
-            shutil.rmtree(cls.dir, ignore_errors=True)
-            raise
-        print(f'ceph cluster up in {time.monotonic() - t0:.1f} s',
-              file=sys.stderr)
+        start_for_class(cls, H.binary('qemu-img'), H.BUILD,
+                        3301 + os.getpid() % 500, op_timeout=OP_TIMEOUT)
 
     @classmethod
     def tearDownClass(cls):
-        cls.ceph.purge()
-        shutil.rmtree(cls.dir, ignore_errors=True)
+        purge_for_class(cls)
 
     def qemu_io(self, opts, *cmds, check=True, env=None):
         args = [H.binary('qemu-io'), '--image-opts', opts]

@@ -13,18 +13,16 @@ Skips, with the reason, where Ceph is missing."""
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, '..', '..', 'tests'))
 import hybridlib as H   # noqa: E402
-from hvlib.ceph import CephCluster, unavailable   # noqa: E402
+from hvlib.ceph import purge_for_class, start_for_class   # noqa: E402
 
 SCRIPT = os.path.join(H.REPO, 'scripts', 'rbd-full-clone.sh')
 MiB = 1024 * 1024
@@ -36,19 +34,8 @@ class RbdFullCloneTest(unittest.TestCase):
     def setUpClass(cls):
         if not H.have_binaries():
             raise unittest.SkipTest(f'QEMU tools not built in {H.BIN}')
-        why = unavailable(H.binary('qemu-img'))
-        if why:
-            raise unittest.SkipTest(why)
-        cls.dir = tempfile.mkdtemp(prefix='ceph-', dir=H.BUILD)
-        cls.ceph = CephCluster(cls.dir, port=3301 + (os.getpid() + 250) % 500)
-        t0 = time.monotonic()
-        try:
-            cls.ceph.start()
-        except Exception:
-            cls.ceph.purge()
-            shutil.rmtree(cls.dir, ignore_errors=True)
-            raise
-        print(f'ceph cluster up in {time.monotonic() - t0:.1f} s', file=sys.stderr)
+        start_for_class(cls, H.binary('qemu-img'), H.BUILD,
+                        3301 + (os.getpid() + 250) % 500)
         # a 20 MiB base with data in objects 0, 1 and 3 (4 MiB objects),
         # object 2 and 4 never written; object 1 only in part
         cls.data = {0: os.urandom(4 * MiB), 1: os.urandom(MiB), 3: os.urandom(4 * MiB)}
@@ -64,8 +51,7 @@ class RbdFullCloneTest(unittest.TestCase):
 
     @classmethod
     def tearDownClass(cls):
-        cls.ceph.purge()
-        shutil.rmtree(cls.dir, ignore_errors=True)
+        purge_for_class(cls)
 
     @classmethod
     def write(cls, image, offset, data):

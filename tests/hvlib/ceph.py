@@ -11,6 +11,9 @@ passes silently)."""
 import os
 import shutil
 import subprocess
+import sys
+import tempfile
+import time
 import unittest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -99,3 +102,28 @@ class CephCluster:
     def filename(self, image, user='qemu', pool='rbd'):
         """The rbd: pseudo-filename (qemu-img create/convert)."""
         return f'rbd:{pool}/{image}:id={user}:conf={self.conf}'
+
+
+def start_for_class(cls, qemu_img, build_dir, port, **kw):
+    """A test class's cluster, in cls.ceph (its files in cls.dir, under
+    @build_dir: BlueStore needs O_DIRECT, which /tmp's tmpfs may not have);
+    unittest.SkipTest with the reason where Ceph cannot run.  Pair with
+    purge_for_class() in tearDownClass."""
+    why = unavailable(qemu_img)
+    if why:
+        raise unittest.SkipTest(why)
+    cls.dir = tempfile.mkdtemp(prefix='ceph-', dir=build_dir)
+    cls.ceph = CephCluster(cls.dir, port=port, **kw)
+    t0 = time.monotonic()
+    try:
+        cls.ceph.start()
+    except Exception:
+        cls.ceph.purge()
+        shutil.rmtree(cls.dir, ignore_errors=True)
+        raise
+    print(f'ceph cluster up in {time.monotonic() - t0:.1f} s', file=sys.stderr)
+
+
+def purge_for_class(cls):
+    cls.ceph.purge()
+    shutil.rmtree(cls.dir, ignore_errors=True)
