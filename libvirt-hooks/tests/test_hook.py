@@ -143,6 +143,32 @@ class HookTest(HookCase):
         self.assertEqual(cp.returncode, 0, cp.stderr)
         self.assertIn(f'hybrid {self.image} ram-size 64 MiB', self.log())
 
+    def test_no_broker_no_header_read_of_a_tier_that_is_not_a_file(self):
+        """Whether a hybrid disk's newest writes are in a RAM region (to take
+        a mirror over) is read from a file tier directly, from any other
+        through qemu-img beside the emulator (an RBD connection): not at
+        every start of a host without a broker, which could not take the
+        region over anyway (QEMU's open names it).  A stand-in qemu-img
+        records whether it ran."""
+        calls = os.path.join(self.dir, 'qemu-img.calls')
+        with open(os.path.join(self.dir, 'qemu-img'), 'w') as f:
+            f.write(f'#!/bin/sh\necho "$1" >> {calls}\necho "{{}}"\n')
+        os.chmod(os.path.join(self.dir, 'qemu-img'), 0o755)
+        sock = os.path.join(self.dir, 'nbd.sock')
+        open(sock, 'w').close()
+        args = ['-blockdev', 'driver=hybrid,node-name=hd0,file.driver=nbd,file.server.type=unix,'
+                             f'file.server.path={sock},file.export=hd0,ram-size=64M']
+        cp = self.hook('prepare', 'begin', domain(qemu_args=args, emulator=self.emulator))
+        self.assertEqual(cp.returncode, 0, cp.stderr)
+        self.assertFalse(os.path.exists(calls), 'qemu-img ran without a broker')
+        # with a broker configured it is read (nothing held: started as usual)
+        with open(self.config, 'a') as f:
+            f.write(f'[broker]\nsocket = {self.dir}/broker.sock\n')
+        cp = self.hook('prepare', 'begin', domain(qemu_args=args, emulator=self.emulator))
+        self.assertEqual(cp.returncode, 0, cp.stderr)
+        with open(calls) as f:
+            self.assertEqual(f.read().split(), ['info'])
+
     def test_refuse_unreachable_nbd_tier(self):
         args = ['-blockdev', 'driver=hybrid,node-name=hd0,file.driver=nbd,file.server.type=inet,'
                              'file.server.host=127.0.0.1,file.server.port=1,ram-size=64M']
