@@ -5,7 +5,8 @@ libvirt runs it at `prepare begin`, finds the region by the image's region
 token, writes its blocks back into the image, and the start goes on.  What
 must not happen: a takeover while the region is still held (the mirror's
 export), on an incoming migration's prepare (the source is alive), or
-without the region."""
+without the region.  The same takeover with the image in RBD (the hook reads
+the header through qemu-img), the dead writer fenced first."""
 import json
 import os
 import shutil
@@ -22,6 +23,8 @@ sys.path.insert(0, os.path.join(HERE, '..', '..', 'block', 'tests'))
 import brokerlib as B   # noqa: E402
 import hybridlib as H   # noqa: E402
 from test_hook import domain   # noqa: E402
+sys.path.insert(0, os.path.join(HERE, '..', '..', 'tests'))
+from hvlib.ceph import purge_for_class, start_for_class   # noqa: E402
 from test_hook_broker import BrokerHookCase   # noqa: E402
 
 MiB = 1 << 20
@@ -191,6 +194,70 @@ class HookMirrorTest(BrokerHookCase):
         r = self.hook('prepare', 'begin', self.xml)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn('mirror region g1-mirror taken over', self.log())
+
+
+@unittest.skipIf(why_not(), why_not())
+class HookMirrorRbdTest(BrokerHookCase):
+    """The same takeover when the persistent tier is an RBD image (the
+    failover the mirror is for: the image in Ceph, reachable from the
+    mirror's host): the hook reads the header through qemu-img beside the
+    emulator and writes the region back into RBD."""
+
+    capacity = '64M'
+
+    @classmethod
+    def setUpClass(cls):
+        start_for_class(cls, H.binary('qemu-img'), H.BUILD,
+                        3301 + (os.getpid() + 125) % 500)
+
+    @classmethod
+    def tearDownClass(cls):
+        purge_for_class(cls)
+
+    def info(self, opts):
+        r = H.qemu_img('info', '-U', '--output=json', '--image-opts', opts, check=False)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        return json.loads(r.stdout)['format-specific']['data']
+
+    def test_prepare_takes_the_mirror_over_from_rbd(self):
+        H.qemu_img('create', '-q', '-f', 'hybrid', '-o', f'mode=async,ram-size={RAM}',
+                   self.ceph.filename('g1disk'), str(SIZE))
+        tier = self.ceph.blockdev('g1disk', prefix='file.')
+        opts = 'driver=hybrid,' + tier
+        c = self.broker.client()
+        c.create('g1-mirror', RAM + 2 * MiB)
+        _, fd = c.map('g1-mirror', rw=True)
+        try:
+            io = H.QemuIo(
+                'driver=hybrid,mode=async,file.driver=throttle,file.throttle-group=tg0,'
+                + self.ceph.blockdev('g1disk', prefix='file.file.') +
+                f',mirror.driver=file,mirror.filename=/proc/self/fd/{fd}',
+                ['--object', 'throttle-group,id=tg0,x-bps-write=4096'], pass_fds=(fd,))
+            for i in range(4):
+                self.assertNotRegex(io.cmd(f'write -P {0x50 + i} {i * BLOCK} {BLOCK}'),
+                                    H.FAILED_RE)
+            io.kill()
+        finally:
+            os.close(fd)
+            c.close()
+        # the dead writer fenced, as docs/hybrid.md says (here only its own
+        # client: the hook's qemu-io runs from the same address)
+        status = json.loads(self.ceph.rbd('status', '--format', 'json', 'rbd/g1disk').stdout)
+        for w in status.get('watchers', []):
+            self.ceph.ceph('osd', 'blocklist', 'add', w['address'])
+        self.assertTrue(self.info(opts)['region-held'],
+                        'the writes were written back before the kill: nothing to test')
+        xml = domain(emulator=H.binary('qemu-system-x86_64'),
+                     qemu_args=['-blockdev', f'node-name=hd0,ram-size={RAM},' + opts])
+        r = self.hook('prepare', 'begin', xml)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn('mirror region g1-mirror taken over', self.log())
+        self.assertFalse(self.info(opts).get('region-held'))
+        out = os.path.join(self.dir, 'verify.raw')
+        H.qemu_img('convert', '-O', 'raw', '--image-opts', opts, out)
+        with open(out, 'rb') as f:
+            data = f.read(4 * BLOCK)
+        self.assertEqual(data, b''.join(bytes([0x50 + i]) * BLOCK for i in range(4)))
 
 
 if __name__ == '__main__':
