@@ -62,6 +62,26 @@ class RbdTest(H.ToolTest):
         self.ceph.rbd('create', '--size', size, f'rbd/{name}')
         return name
 
+    def nbd_read_all(self, sock, export):
+        """Every byte of an NBD export on a unix socket."""
+        out = self.tmp('out')
+        H.qemu_img('convert', '-f', 'raw', '-O', 'raw',
+                   f'nbd+unix:///{export}?socket={sock}', out)
+        with open(out, 'rb') as f:
+            return f.read()
+
+    def cache_base(self, d, base_id=None):
+        """query-clone-cache's base @base_id (else its only one) of daemon
+        @d, once the fills queued so far are written."""
+        deadline = time.monotonic() + 30
+        while d.cmd('query-clone-cache')[0]['fill-pending']:
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.05)
+        time.sleep(0.1)     # the last batch is published after it is written
+        bases = d.cmd('query-clone-cache')[0]['bases']
+        [b] = [b for b in bases if base_id is None or b['base-id'] == base_id]
+        return b
+
     # -- the rbd driver and cephx --
 
     def test_rbd_blockdev_as_qemu_user(self):
@@ -219,7 +239,6 @@ class RbdTest(H.ToolTest):
         snap_id = [x['id'] for x in snaps if x['name'] == 's1'][0]
         want = data + bytes(8 * MiB)
         sock = self.tmp('nbd.sock')
-        uri = f'nbd+unix:///gold?socket={sock}'
 
         def start():
             d = H.StorageDaemon(
@@ -235,18 +254,10 @@ class RbdTest(H.ToolTest):
             return d
 
         def read_all():
-            out = self.tmp('out')
-            H.qemu_img('convert', '-f', 'raw', '-O', 'raw', uri, out)
-            with open(out, 'rb') as f:
-                return f.read()
+            return self.nbd_read_all(sock, 'gold')
 
         def stats(d):
-            deadline = time.monotonic() + 30
-            while d.cmd('query-clone-cache')[0]['fill-pending']:
-                self.assertLess(time.monotonic(), deadline)
-                time.sleep(0.05)
-            time.sleep(0.1)
-            return d.cmd('query-clone-cache')[0]['bases'][0]
+            return self.cache_base(d)
 
         info = json.loads(H.qemu_img(
             'info', '--output=json', '--image-opts',
@@ -323,27 +334,11 @@ class RbdTest(H.ToolTest):
             '--export', 'nbd,id=e1,node-name=copy')
         self.procs.append(d)
 
-        def read_all(name):
-            out = self.tmp('out')
-            H.qemu_img('convert', '-f', 'raw', '-O', 'raw',
-                       f'nbd+unix:///{name}?socket={sock}', out)
-            with open(out, 'rb') as f:
-                return f.read()
-
-        def base(name):
-            deadline = time.monotonic() + 30
-            while d.cmd('query-clone-cache')[0]['fill-pending']:
-                self.assertLess(time.monotonic(), deadline)
-                time.sleep(0.05)
-            time.sleep(0.1)
-            [b] = [b for b in d.cmd('query-clone-cache')[0]['bases']
-                   if b['base-id'] == name]
-            return b
-
-        self.assertEqual(read_all('origin'), data)
-        self.assertEqual(base(f'rbd/{img}@s1')['base-read-bytes'], 8 * MiB)
-        self.assertEqual(read_all('copy'), data)
-        copy = base('rbd/copy@s1')
+        self.assertEqual(self.nbd_read_all(sock, 'origin'), data)
+        self.assertEqual(self.cache_base(d, f'rbd/{img}@s1')['base-read-bytes'],
+                         8 * MiB)
+        self.assertEqual(self.nbd_read_all(sock, 'copy'), data)
+        copy = self.cache_base(d, 'rbd/copy@s1')
         self.assertEqual((copy['base-read-bytes'], copy['misses']), (0, 0))
         self.assertEqual(copy['hits'], 8 * MiB // (64 * 1024))
 
