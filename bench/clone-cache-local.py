@@ -64,6 +64,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, 'block', 'tests'))
 import hybridlib as H   # noqa: E402  (sets up the path of qemu.qmp)
 import charts   # noqa: E402
+from sizes import parse_size   # noqa: E402
 import provenance   # noqa: E402
 from saved_runs import add_report_args, load_saved   # noqa: E402
 from pooled_stats import geo_mean_ci, mean, mean_ci, ratio_ci, rotated, verdict   # noqa: E402
@@ -78,11 +79,6 @@ SHAPES = {'4k-rand-qd32': ('randread', '4k', 32),
 GOALS = {'cc-warm': ('>=', 0.8), 'cc-cold': ('>=', 0.9)}
 BLOCK = 64 * 1024               # the cache's default block size
 COLD_SIZE = '1216K'             # 16 slots of 64 KiB (docs/clone-cache-format.rst)
-
-
-def parse_size(s):
-    units = {'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30}
-    return int(s[:-1]) * units[s[-1].upper()] if s[-1].upper() in units else int(s)
 
 
 class Daemon:

@@ -84,6 +84,7 @@ sys.path.insert(0, os.path.join(REPO, 'block', 'tests'))
 import hybridlib as H   # noqa: E402  (sets up the path of qemu.qmp)
 import test_content_fp   # noqa: E402
 import charts   # noqa: E402
+from sizes import parse_size   # noqa: E402
 from saved_runs import add_report_args, load_saved   # noqa: E402
 from pooled_stats import mean, mean_ci, ratio_ci, rotated, verdict   # noqa: E402
 
@@ -107,11 +108,6 @@ GOALS = [
     ('dedup', 'dedup-on', 'dedup-off', ('>=', 0.8)),
     ('dedup', 'dedup-off@aa', 'dedup-off', None),
 ]
-
-
-def parse_size(s):
-    m = re.fullmatch(r'(\d+)([KMG]?)', s)
-    return int(m.group(1)) * {'': 1, 'K': KiB, 'M': MiB, 'G': 1024 * MiB}[m.group(2)]
 
 
 def node(config):

@@ -69,6 +69,7 @@ sys.path.insert(0, os.path.join(REPO, 'block', 'tests'))
 sys.path.insert(0, os.path.join(REPO, 'tests'))
 import hybridlib as H   # noqa: E402  (sets up the path of qemu.qmp)
 import charts   # noqa: E402
+from sizes import parse_size   # noqa: E402
 import provenance   # noqa: E402
 from saved_runs import add_report_args, load_saved   # noqa: E402
 from pooled_stats import geo_mean_ci, mean, mean_ci, ratio_ci, rotated, verdict   # noqa: E402
@@ -152,12 +153,6 @@ for size in (64, 4096):
     out[size] = ts
 print(json.dumps(out))
 '''
-
-
-def parse_size(s):
-    mult = {'K': 1024, 'M': MiB, 'G': 1024 * MiB}
-    return int(s[:-1]) * mult[s[-1].upper()] if s[-1].upper() in mult \
-        else int(s)
 
 
 def pct(xs, p):

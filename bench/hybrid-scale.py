@@ -91,6 +91,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, 'block', 'tests'))
 import hybridlib as H   # noqa: E402
 import charts   # noqa: E402
+from sizes import parse_size   # noqa: E402
 from pooled_stats import mean, mean_ci, rotated   # noqa: E402
 
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
@@ -101,14 +102,6 @@ READ = 4 * KiB                  # the probe read
 POLL = 0.01                     # query-hybrid poll interval, s
 CONFIGS = ('raw', 'norestore', 'restore', 'buffered', 'region', 'whole')
 STATUS_KEYS = ('VmRSS', 'RssAnon', 'RssFile', 'RssShmem', 'VmHWM', 'VmSize')
-
-
-def parse_size(s):
-    s = str(s).strip()
-    mult = {'K': KiB, 'M': MiB, 'G': GiB}
-    if s[-1].upper() in mult:
-        return int(float(s[:-1]) * mult[s[-1].upper()])
-    return int(s)
 
 
 def human(n):

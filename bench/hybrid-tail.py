@@ -49,6 +49,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, 'block', 'tests'))
 import hybridlib as H   # noqa: E402
 import charts   # noqa: E402
+from sizes import parse_size   # noqa: E402
 from saved_runs import add_report_args, load_saved   # noqa: E402
 from pooled_stats import geo_mean_ci, mean, mean_ci, ratio_ci, rotated, verdict   # noqa: E402
 
@@ -74,12 +75,6 @@ RATIOS = [
     ('iops', 'hybrid-async', 'hybrid-before', None),
     ('iops', 'hybrid-disk', 'raw-tmpfs', None),
 ]
-
-
-def parse_size(s):
-    mult = {'K': 1024, 'M': MiB, 'G': 1024 * MiB}
-    return int(s[:-1]) * mult[s[-1].upper()] if s[-1].upper() in mult \
-        else int(s)
 
 
 class Node:

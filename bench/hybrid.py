@@ -36,15 +36,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, 'block', 'tests'))
 import hybridlib as H   # noqa: E402
 import charts   # noqa: E402
+from sizes import parse_size   # noqa: E402
 from pooled_stats import mean, ratio_ci, rotated, verdict   # noqa: E402
 
 MiB = 1024 * 1024
-
-
-def parse_size(s):
-    mult = {'K': 1024, 'M': MiB, 'G': 1024 * MiB}
-    return int(s[:-1]) * mult[s[-1].upper()] if s[-1].upper() in mult \
-        else int(s)
 
 
 def sh(*args, **kw):
