@@ -125,6 +125,22 @@ class RbdFullCloneTest(unittest.TestCase):
         self.assertIn('removing rbd/g1 rbd/g2', r.stderr)
         self.assertEqual(self.images(), before)
 
+    def test_a_reader_cannot_make_copies(self):
+        """Run as a client that may only read the pool (cephx caps `profile
+        rbd-read-only`): the cluster refuses the copies, the script exits
+        1, and nothing is left behind; the base is untouched."""
+        keyring = os.path.join(self.dir, 'client.reader.keyring')
+        self.ceph.ceph('auth', 'get-or-create', 'client.reader', 'mon', 'profile rbd',
+                       'osd', 'profile rbd-read-only pool=rbd', '-o', keyring)
+        env = dict(self.ceph.env, CEPH_ARGS=f'--id reader --keyring {keyring}')
+        before = self.images()
+        r = subprocess.run([SCRIPT, 'rbd/base@gold', 'rbd/stolen'], capture_output=True,
+                           text=True, env=env, timeout=300)
+        self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
+        self.assertIn('Operation not permitted', r.stderr)
+        self.assertEqual(self.images(), before)
+        self.assertEqual(self.sha('rbd/base@gold'), self.raw_sha)
+
     def test_bad_arguments(self):
         """Usage errors exit 2 and make nothing."""
         before = self.images()
