@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "client.h"
+#include "psk.h"
 
 struct HvmClient {
     int fd;
@@ -489,4 +490,50 @@ int hvm_region_map(HvmClient *c, const char *name, bool rw, HvmRegionInfo *out,
         fail(c, EPROTO, "map reply carried no descriptor", errp);
     }
     return fd;
+}
+
+bool hvm_region_export_keys(HvmClient *c, const char *name, bool rw,
+                            char ***lines, GError **errp)
+{
+    g_autofree uint8_t *body = NULL;
+    g_autoptr(GPtrArray) a = g_ptr_array_new_with_free_func(g_free);
+    HvmRequest q;
+    HvmReply rep;
+    HvmReader r;
+    uint32_t n;
+
+    if (!check_names(name, NULL, errp)) {
+        return false;
+    }
+    req_init(&q, HVM_OP_EXPORT_KEYS, name, NULL);
+    q.flags = rw ? HVM_MAP_RW : 0;
+    if (!call(c, &q, &rep, &body, NULL, errp)) {
+        return false;
+    }
+    hvm_reader_init(&r, rep.data, rep.data_len);
+    n = hvm_get_u32(&r);
+    if (r.err || n > HVM_MAX_REMOTES) {
+        return fail(c, EPROTO, "malformed export keys", errp);
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        uint16_t len = hvm_get_u16(&r);
+        const uint8_t *p = hvm_get_bytes(&r, len);
+        char *line;
+
+        if (r.err || len > HVM_PSK_IDENTITY_MAX + 1 + HVM_PSK_DERIVED_HEX) {
+            return fail(c, EPROTO, "malformed export keys", errp);
+        }
+        line = g_strndup((const char *)p, len);
+        g_ptr_array_add(a, line);
+        /* one line of the PSK file each: IDENTITY:HEX, nothing else */
+        if (strlen(line) != len || strchr(line, '\n') || !strchr(line, ':')) {
+            return fail(c, EPROTO, "malformed export keys", errp);
+        }
+    }
+    if (r.off != r.len) {
+        return fail(c, EPROTO, "malformed export keys", errp);
+    }
+    g_ptr_array_add(a, NULL);
+    *lines = (char **)g_ptr_array_free(g_steal_pointer(&a), FALSE);
+    return true;
 }

@@ -65,4 +65,13 @@ int hvm_region_map(HvmClient *c, const char *name, bool rw, HvmRegionInfo *out,
                    GError **errp);
 bool hvm_region_release(HvmClient *c, const char *name, GError **errp);
 
+/*
+ * The "IDENTITY:KEY" lines of the remote clients that may attach to an
+ * export of region @name (read-write when @rw), for a PSK file; this
+ * connection must have mapped it (@rw: holding its lease).  *@lines: a
+ * NUL-terminated string array (g_strfreev()), possibly empty.
+ */
+bool hvm_region_export_keys(HvmClient *c, const char *name, bool rw,
+                            char ***lines, GError **errp);
+
 #endif

@@ -10,6 +10,7 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +18,7 @@
 #include <unistd.h>
 
 #include "client.h"
+#include "hvmem-export.h"
 #include "hvmem-podman.h"
 
 static const char usage[] =
@@ -25,9 +27,14 @@ static const char usage[] =
     "  lookup NAME | destroy NAME | resize NAME SIZE | chmod NAME OCTAL\n"
     "  alloc REGION ITEM SIZE | item-lookup REGION ITEM | free REGION ITEM\n"
     "  stat [NAME]   (no NAME: the pool) | list\n"
-    "  map NAME [--rw] -- COMMAND [ARGS]   run COMMAND with the region's fd in\n"
-    "      $HVMEM_FD (O_RDONLY, or O_RDWR holding the read-write lease until\n"
-    "      COMMAND exits) and its size in $HVMEM_SIZE; exits with its status\n"
+    "  map NAME [--rw] [--psk-dir DIR] -- COMMAND [ARGS]   run COMMAND with\n"
+    "      the region's fd in $HVMEM_FD (O_RDONLY, or O_RDWR holding the\n"
+    "      read-write lease until COMMAND exits) and its size in $HVMEM_SIZE;\n"
+    "      exits with its status.  --psk-dir: DIR/keys.psk holds the keys of\n"
+    "      the remote clients the broker admits to an export of the region\n"
+    "      (a tls-creds-psk dir), kept current while COMMAND runs\n"
+    "  psk NAME --identity ID --key-file FILE --dir DIR   on a remote\n"
+    "      client's host: DIR/keys.psk with ID's key for exports of NAME\n"
     "  podman-run NAME [--rw] -- PODMAN [OPTIONS] run [RUN-OPTIONS] IMAGE [ARGS]\n"
     "      run a podman container with the region bind-mounted at\n"
     "      /run/hvmem/NAME (read-only unless --rw; $HVMEM_REGION_PATH,\n"
@@ -74,20 +81,30 @@ static bool parse_size(const char *s, uint64_t *size)
 }
 
 /*
- * map NAME [--rw] -- COMMAND...: the connection (and so the lease) stays
- * open in this process while COMMAND runs with the descriptor.
+ * map NAME [--rw] [--psk-dir DIR] -- COMMAND...: the connection (and so the
+ * lease) stays open in this process while COMMAND runs with the descriptor;
+ * with --psk-dir, DIR/keys.psk holds the keys of the remote clients the
+ * broker admits to COMMAND's export of the region, kept current meanwhile.
  */
 static int map_and_run(HvmClient *c, int argc, char **argv, GError **err)
 {
     bool rw = false;
+    const char *psk_dir = NULL;
+    HvmExportKeys *ek = NULL;
+    sigset_t chld, old;
     int i = 2, fd, status;
     HvmRegionInfo ri;
     char buf[32];
     pid_t pid;
 
-    if (argc > i && !strcmp(argv[i], "--rw")) {
-        rw = true;
-        i++;
+    for (; argc > i && strcmp(argv[i], "--"); i++) {
+        if (!strcmp(argv[i], "--rw")) {
+            rw = true;
+        } else if (!strcmp(argv[i], "--psk-dir") && argc > i + 1) {
+            psk_dir = argv[++i];
+        } else {
+            break;
+        }
     }
     if (argc < i + 2 || strcmp(argv[i], "--")) {
         fputs(usage, stderr);
@@ -97,13 +114,29 @@ static int map_and_run(HvmClient *c, int argc, char **argv, GError **err)
     if (fd < 0) {
         return 1;
     }
+    hvm_export_keys_sigset(&chld);
+    if (!psk_dir) {
+        sigemptyset(&chld);
+    }
+    sigprocmask(SIG_BLOCK, &chld, &old);
+    if (psk_dir) {
+        ek = hvm_export_keys_start(c, argv[1], rw, psk_dir, err);
+        if (!ek) {
+            close(fd);
+            return 1;
+        }
+    }
     pid = fork();
     if (pid < 0) {
         perror("hvmem: fork");
         close(fd);
+        if (ek) {
+            hvm_export_keys_stop(ek);
+        }
         return 1;
     }
     if (pid == 0) {
+        sigprocmask(SIG_SETMASK, &old, NULL);
         fcntl(fd, F_SETFD, 0);      /* COMMAND inherits it */
         snprintf(buf, sizeof(buf), "%d", fd);
         setenv("HVMEM_FD", buf, 1);
@@ -115,12 +148,26 @@ static int map_and_run(HvmClient *c, int argc, char **argv, GError **err)
         _exit(127);
     }
     close(fd);
-    while (waitpid(pid, &status, 0) < 0) {
-        if (errno != EINTR) {
-            perror("hvmem: waitpid");
-            return 1;
+    if (ek) {
+        int sig = hvm_export_keys_wait(ek, pid, &status);
+
+        /* Asked to go: no key left behind admits anyone new.  COMMAND runs on. */
+        hvm_export_keys_stop(ek);
+        if (sig) {
+            signal(sig, SIG_DFL);
+            sigprocmask(SIG_SETMASK, &old, NULL);
+            raise(sig);
+            return 128 + sig;
+        }
+    } else {
+        while (waitpid(pid, &status, 0) < 0) {
+            if (errno != EINTR) {
+                perror("hvmem: waitpid");
+                return 1;
+            }
         }
     }
+    sigprocmask(SIG_SETMASK, &old, NULL);
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
@@ -264,6 +311,9 @@ int main(int argc, char **argv)
     if (argc < 1 || !strcmp(argv[0], "-h") || !strcmp(argv[0], "--help")) {
         fputs(usage, argc < 1 ? stderr : stdout);
         return argc < 1 ? 2 : 0;
+    }
+    if (!strcmp(argv[0], "psk")) {
+        return hvm_psk_verb(argc, argv);    /* no broker on the client's host */
     }
     c = hvm_client_connect(sock, &err);
     if (!c) {

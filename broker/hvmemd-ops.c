@@ -88,34 +88,31 @@ static int admit(Broker *b, uint32_t uid, uint64_t delta, char *msg, size_t ml)
 
 /* ---- permissions: POSIX rules on the region's mode bits; uid 0 passes ---- */
 
-static bool in_group(Conn *c, uint32_t gid)
-{
-    if (c->cred.gid == gid) {
-        return true;
-    }
-    for (int i = 0; i < c->ngroups; i++) {
-        if (c->groups[i] == gid) {
-            return true;
-        }
-    }
-    return false;
-}
-
-static bool may(Conn *c, HvmRegion *r, unsigned want)
+bool hvmd_may(uint32_t uid, uint32_t gid, const gid_t *groups, int ngroups,
+              HvmRegion *r, unsigned want)
 {
     unsigned bits;
+    bool in_group = gid == r->gid;
 
-    if (c->cred.uid == 0) {
+    for (int i = 0; i < ngroups && !in_group; i++) {
+        in_group = groups[i] == r->gid;
+    }
+    if (uid == 0) {
         return true;
     }
-    if (c->cred.uid == r->uid) {
+    if (uid == r->uid) {
         bits = (r->mode >> 6) & 7;
-    } else if (in_group(c, r->gid)) {
+    } else if (in_group) {
         bits = (r->mode >> 3) & 7;
     } else {
         bits = r->mode & 7;
     }
     return (bits & want) == want;
+}
+
+static bool may(Conn *c, HvmRegion *r, unsigned want)
+{
+    return hvmd_may(c->cred.uid, c->cred.gid, c->groups, c->ngroups, r, want);
 }
 
 static bool is_owner(Conn *c, HvmRegion *r)
@@ -706,6 +703,43 @@ static int op_release(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
     return 0;
 }
 
+/*
+ * The keys an export of the region takes from remote clients: only for the
+ * connection that mapped it (read-write: holding the lease), and only of the
+ * clients its mode bits admit as they would a local process of their user.
+ */
+static int op_export_keys(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
+                          size_t ml)
+{
+    bool rw = q->flags & HVM_MAP_RW;
+    g_autoptr(GString) who = g_string_new(NULL);
+    int ret;
+    HvmRegion *r = checked(c, q, rw ? 6 : 4, &ret, msg, ml);
+
+    if (!r) {
+        return ret;
+    }
+    if (rw && r->lease != c) {
+        FAIL(-ENOLCK, "export-keys of region '%s' for writing: this connection "
+             "holds no read-write lease on it (map it read-write first)",
+             r->name);
+    }
+    if (!g_hash_table_contains(c->attached, r)) {
+        FAIL(-ENOLCK, "export-keys of region '%s': this connection has not "
+             "mapped it (an export serves what its process mapped)", r->name);
+    }
+    g_string_printf(who, "region '%s': %s export keys to pid %d for ", r->name,
+                    rw ? "read-write" : "read-only", c->cred.pid);
+    hvmd_remote_keys(c->b, r, rw ? 6 : 4, data, who);
+    if (g_strcmp0(who->str, c->exported)) {
+        /* an exporter asks again and again: log what changed */
+        g_message("%s", who->str);
+        g_free(c->exported);
+        c->exported = g_strdup(who->str);
+    }
+    return 0;
+}
+
 typedef int HvmdOp(Conn *c, HvmRequest *q, GByteArray *data, char *msg,
                    size_t ml);
 
@@ -722,6 +756,7 @@ static HvmdOp *const ops[HVM_OP__MAX] = {
     [HVM_OP_STAT] = op_stat,
     [HVM_OP_LIST] = op_list,
     [HVM_OP_RELEASE] = op_release,
+    [HVM_OP_EXPORT_KEYS] = op_export_keys,
 };
 
 int hvmd_dispatch(Conn *c, HvmRequest *q, GByteArray *data, int *fd_out,

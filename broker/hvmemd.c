@@ -149,6 +149,7 @@ static void conn_close(Conn *c)
         g_hash_table_remove(b->uid_conns, GUINT_TO_POINTER(c->cred.uid));
     }
     g_hash_table_remove(b->conns, c);
+    g_free(c->exported);
     g_free(c);
 }
 
@@ -484,7 +485,7 @@ static gboolean accept_ready(gint lfd, GIOCondition cond, gpointer opaque)
 
 /* ---- start-up ---- */
 
-static bool parse_uid(const char *s, uint32_t *uid, uint32_t *gid)
+bool hvmd_parse_uid(const char *s, uint32_t *uid, uint32_t *gid)
 {
     struct passwd *pw;
     char *end;
@@ -506,7 +507,7 @@ static bool parse_uid(const char *s, uint32_t *uid, uint32_t *gid)
     return true;
 }
 
-static bool parse_gid(const char *s, uint32_t *gid)
+bool hvmd_parse_gid(const char *s, uint32_t *gid)
 {
     struct group *gr;
     char *end;
@@ -524,8 +525,8 @@ static bool parse_gid(const char *s, uint32_t *gid)
 }
 
 /*
- * Static provisioning: [region NAME] size= mode= owner= group=, and
- * [quota] UID-or-user=SIZE.  A region the catalogue lacks is created; one
+ * Static provisioning: [region NAME] size= mode= owner= group=,
+ * [quota] UID-or-user=SIZE, and [remote-client NAME] (hvmemd-remote.c).  A region the catalogue lacks is created; one
  * it has keeps its data and size (never shrunk) and takes the file's mode
  * and owner; a larger size grows it.
  */
@@ -550,7 +551,7 @@ static bool provision(Broker *b, const char *file, bool *dirty, GError **errp)
                 uint32_t uid, gid;
                 uint64_t *q = g_new(uint64_t, 1);
 
-                if (!parse_uid(keys[k], &uid, &gid) || hvm_parse_size(v, q)) {
+                if (!hvmd_parse_uid(keys[k], &uid, &gid) || hvm_parse_size(v, q)) {
                     g_free(q);
                     g_set_error(errp, G_KEY_FILE_ERROR,
                                 G_KEY_FILE_ERROR_INVALID_VALUE,
@@ -594,8 +595,8 @@ static bool provision(Broker *b, const char *file, bool *dirty, GError **errp)
                     return false;
                 }
             }
-            if ((owner_s && !parse_uid(owner_s, &uid, &gid)) ||
-                (group_s && !parse_gid(group_s, &gid))) {
+            if ((owner_s && !hvmd_parse_uid(owner_s, &uid, &gid)) ||
+                (group_s && !hvmd_parse_gid(group_s, &gid))) {
                 g_set_error(errp, G_KEY_FILE_ERROR, G_KEY_FILE_ERROR_INVALID_VALUE,
                             "%s: [%s]: unknown owner or group", file, g);
                 return false;
@@ -638,10 +639,14 @@ static bool provision(Broker *b, const char *file, bool *dirty, GError **errp)
             r->uid = uid;
             r->gid = gid;
             *dirty = true;
+        } else if (g_str_has_prefix(g, "remote-client ")) {
+            if (!hvmd_remote_parse(b, kf, file, g, errp)) {
+                return false;
+            }
         } else {
             g_set_error(errp, G_KEY_FILE_ERROR, G_KEY_FILE_ERROR_GROUP_NOT_FOUND,
-                        "%s: unknown group [%s] (expected [region NAME] or "
-                        "[quota])", file, g);
+                        "%s: unknown group [%s] (expected [region NAME], "
+                        "[quota] or [remote-client NAME])", file, g);
             return false;
         }
     }
@@ -787,6 +792,7 @@ int main(int argc, char **argv)
     b->state_dir = state ? g_strdup(state) : g_strdup(b->pool_dir);
     b->sock_path = sock ? g_strdup(sock) : g_strdup("/run/hybridvm-broker.sock");
     b->quotas = g_hash_table_new_full(NULL, NULL, NULL, g_free);
+    b->remotes = g_ptr_array_new_with_free_func(hvmd_remote_free);
     b->zombies = g_ptr_array_new();
     b->conns = g_hash_table_new(NULL, NULL);
     b->uid_conns = g_hash_table_new(NULL, NULL);

@@ -17,10 +17,21 @@
 
 #include "catalog.h"
 #include "proto.h"
+#include "psk.h"
 
 #define MAX_GROUPS           256
 /* Regions only uid 0 may create once the table is this close to full. */
 #define HVMD_ROOT_REGIONS    64
+
+/* A remote client ([remote-client NAME] in the config; docs/broker.md). */
+typedef struct HvmRemote {
+    char *name;                 /* its PSK identity */
+    uint32_t uid, gid;          /* whom it acts as on this broker */
+    gid_t groups[MAX_GROUPS];   /* and the user's supplementary groups */
+    int ngroups;
+    uint8_t key[HVM_PSK_KEY_MAX];
+    size_t klen;
+} HvmRemote;
 
 typedef struct Broker {
     char *pool_dir;
@@ -32,6 +43,7 @@ typedef struct Broker {
     uint64_t quota;             /* per uid, 0 = none; [quota] overrides */
     bool quota_set;             /* --quota given: it applies to uid 0 too */
     GHashTable *quotas;         /* uid -> uint64_t * */
+    GPtrArray *remotes;         /* HvmRemote *, from the config */
     unsigned max_conns;
     unsigned max_conns_per_uid; /* uid 0 exempt */
     unsigned reserved_conns;    /* the last slots, for uid 0 only */
@@ -64,6 +76,7 @@ typedef struct Conn {
     gint64 out_since;           /* monotonic us of the queue's last progress */
     bool closing;               /* a last reply is queued: close when written */
     GHashTable *attached;       /* HvmRegion * this connection mapped */
+    char *exported;             /* its last export-keys answer, as logged */
 } Conn;
 
 /*
@@ -90,6 +103,29 @@ static inline uint64_t hvmd_round_up(uint64_t v, uint64_t a)
 {
     return (v + a - 1) / a * a;
 }
+
+/* POSIX rules on @r's mode bits for these ids (4 read, 2 write); uid 0 passes. */
+bool hvmd_may(uint32_t uid, uint32_t gid, const gid_t *groups, int ngroups,
+              HvmRegion *r, unsigned want);
+
+/* hvmemd.c: a user name or uid (and its primary group), a group name or gid. */
+bool hvmd_parse_uid(const char *s, uint32_t *uid, uint32_t *gid);
+bool hvmd_parse_gid(const char *s, uint32_t *gid);
+
+/*
+ * hvmemd-remote.c.  Parse [remote-client NAME] of config @file into
+ * @b->remotes (false with @errp set: refuse to start).
+ */
+bool hvmd_remote_parse(Broker *b, GKeyFile *kf, const char *file,
+                       const char *group, GError **errp);
+/*
+ * The reply data of export-keys: u32 count, then per remote client that
+ * @want (4, or 6 for read-write) on @r admits: u16 length, "NAME:KEY" with
+ * the key derived for @r's name.  Their names are appended to @who (the log).
+ */
+void hvmd_remote_keys(Broker *b, HvmRegion *r, unsigned want,
+                      GByteArray *data, GString *who);
+void hvmd_remote_free(gpointer p);
 
 /* Save the catalogue: 0, or a negative errno with @msg (and a warning). */
 int hvmd_save(Broker *b, char *msg, size_t ml);

@@ -88,6 +88,7 @@ static const char *const op_names[HVM_OP__MAX] = {
     [HVM_OP_LIST] = "list",
     [HVM_OP_MAP] = "map",
     [HVM_OP_RELEASE] = "release",
+    [HVM_OP_EXPORT_KEYS] = "export-keys",
 };
 
 const char *hvm_op_name(unsigned op)
@@ -118,6 +119,7 @@ static const unsigned op_fields[HVM_OP__MAX] = {
     [HVM_OP_LIST] = 0,
     [HVM_OP_MAP] = F_NAME | F_MAPFLAGS,
     [HVM_OP_RELEASE] = F_NAME,
+    [HVM_OP_EXPORT_KEYS] = F_NAME | F_MAPFLAGS,
 };
 
 const char *hvm_name_check(const char *name, size_t len)

@@ -57,6 +57,9 @@ typedef enum HvmOp {
     HVM_OP_LIST,            /* nothing */
     HVM_OP_MAP,             /* name, flags (HVM_MAP_RW); the reply carries an fd */
     HVM_OP_RELEASE,         /* name: give up this connection's read-write lease */
+    HVM_OP_EXPORT_KEYS,     /* name, flags (HVM_MAP_RW): the keys of the remote
+                             * clients that may attach to an export of the
+                             * region this connection mapped (psk.h) */
     HVM_OP__MAX,
 } HvmOp;
 

@@ -44,7 +44,7 @@ LEASED = 1
 DESTROYED = 2
 ITEM_ALIGN = 2 << 20
 OPS = dict(create=1, lookup=2, destroy=3, resize=4, alloc=5, item_lookup=6,
-           free=7, chmod=8, stat=9, list=10, map=11, release=12)
+           free=7, chmod=8, stat=9, list=10, map=11, release=12, export_keys=13)
 
 
 class BrokerError(Exception):
@@ -188,6 +188,19 @@ class Client:
         data, fds = self.call('map', name=name, flags=MAP_RW if rw else 0)
         assert len(fds) == 1, fds
         return decode_region(data)[0], fds[0]
+
+    def export_keys(self, name, rw=False):
+        """The "IDENTITY:KEY" lines of the remote clients the broker admits
+        to an export of `name` (docs/broker.md, "Remote clients")."""
+        data, _ = self.call('export_keys', name=name, flags=MAP_RW if rw else 0)
+        (n,) = struct.unpack_from('<I', data)
+        off, lines = 4, []
+        for _ in range(n):
+            (ln,) = struct.unpack_from('<H', data, off)
+            lines.append(data[off + 2:off + 2 + ln].decode())
+            off += 2 + ln
+        assert off == len(data), (off, len(data))
+        return lines
 
     def release(self, name):
         self.call('release', name=name)

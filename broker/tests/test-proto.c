@@ -16,6 +16,7 @@
 
 #include "../catalog.h"
 #include "../proto.h"
+#include "../psk.h"
 
 static GByteArray *encode(HvmOp op, const char *name, const char *item,
                           uint64_t size, uint32_t mode, uint32_t flags)
@@ -59,6 +60,50 @@ static void test_roundtrip(void)
     g_byte_array_free(b, TRUE);
 }
 
+/* Remote clients' keys: identities, key text, the derivation's vector. */
+static void test_psk(void)
+{
+    static const char *const good[] = { "hostA", "a", "host-1.example_2" };
+    static const char *const bad[] = {
+        "", "a:b", "a b", "a\nb", "h\xc3\xa9", "a/b",
+        "0123456789012345678901234567890123456789012345678901234567890123x",
+    };
+    uint8_t key[HVM_PSK_KEY_MAX], k16[16];
+    char out[HVM_PSK_DERIVED_HEX + 1];
+    const char *why = NULL;
+    g_autofree char *long_hex = g_strnfill(2 * HVM_PSK_KEY_MAX + 2, 'a');
+
+    for (size_t i = 0; i < G_N_ELEMENTS(good); i++) {
+        g_assert_null(hvm_psk_identity_check(good[i]));
+    }
+    for (size_t i = 0; i < G_N_ELEMENTS(bad); i++) {
+        g_assert_nonnull(hvm_psk_identity_check(bad[i]));
+    }
+    g_assert_cmpuint(hvm_psk_key_parse(" 000102030405060708090a0b0c0d0e0f\n", 34,
+                                       key, &why), ==, 16);
+    g_assert_cmpmem(key, 16, "\x00\x01\x02\x03\x04\x05\x06\x07\x08\x09\x0a"
+                    "\x0b\x0c\x0d\x0e\x0f", 16);
+    g_assert_cmpuint(hvm_psk_key_parse("0001", 4, key, &why), ==, 0);
+    g_assert_cmpstr(why, ==, "shorter than 16 bytes (32 hex digits)");
+    g_assert_cmpuint(hvm_psk_key_parse("000102030405060708090a0b0c0d0e0", 31, key,
+                                       &why), ==, 0);
+    g_assert_cmpuint(hvm_psk_key_parse("zz0102030405060708090a0b0c0d0e0f", 32, key,
+                                       &why), ==, 0);
+    g_assert_cmpuint(hvm_psk_key_parse("0001020304050607 08090a0b0c0d0e0f00", 35, key,
+                                       &why), ==, 0);
+    g_assert_cmpuint(hvm_psk_key_parse(long_hex, strlen(long_hex), key, &why), ==, 0);
+    g_assert_cmpuint(hvm_psk_key_parse(long_hex, 2 * HVM_PSK_KEY_MAX, key, &why),
+                     ==, HVM_PSK_KEY_MAX);
+    /* Python: hmac.new(bytes(range(16)), b"hybridvm-broker-export-v1:m0", sha256) */
+    for (int i = 0; i < 16; i++) {
+        k16[i] = i;
+    }
+    hvm_psk_derive(k16, 16, "m0", out);
+    g_assert_cmpstr(out, ==, "e729616f9dbdfaed87edfe231d56630429e667533ab1d50c2a2b7ee28edcaa82");
+    hvm_psk_derive(k16, 16, "m1", out);
+    g_assert_cmpstr(out, !=, "e729616f9dbdfaed87edfe231d56630429e667533ab1d50c2a2b7ee28edcaa82");
+}
+
 static void test_field_rules(void)
 {
     struct {
@@ -83,6 +128,11 @@ static void test_field_rules(void)
         { HVM_OP_STAT, "", "", 0, 0, 0, 0 },                    /* the pool */
         { HVM_OP_LIST, "a", "", 0, 0, 0, -EINVAL },
         { HVM_OP_LIST, "", "", 0, 0, 0, 0 },
+        { HVM_OP_EXPORT_KEYS, "a", "", 0, 0, HVM_MAP_RW, 0 },
+        { HVM_OP_EXPORT_KEYS, "a", "", 0, 0, 0, 0 },
+        { HVM_OP_EXPORT_KEYS, "", "", 0, 0, 0, -EINVAL },       /* no name */
+        { HVM_OP_EXPORT_KEYS, "a", "", 1, 0, 0, -EINVAL },      /* size */
+        { HVM_OP_EXPORT_KEYS, "a", "", 0, 0, 4, -EINVAL },      /* flags */
     };
 
     for (size_t i = 0; i < G_N_ELEMENTS(cases); i++) {
@@ -392,5 +442,6 @@ int main(int argc, char **argv)
     g_test_add_func("/broker/catalog/snapshot", test_catalog);
     g_test_add_func("/broker/catalog/commit-point", test_commit_point);
     g_test_add_func("/broker/proto/sizes", test_sizes);
+    g_test_add_func("/broker/psk", test_psk);
     return g_test_run();
 }
