@@ -39,8 +39,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, '..', '..', 'tests'))
 import hybridlib as H           # noqa: E402
 from hvlib import hosts         # noqa: E402
-from hvlib.mirror import (MirrorHost, USER_TIMEOUT_MS, client_psk_object,   # noqa: E402
-                          write_psk)
+from hvlib.mirror import (MirrorHost, USER_TIMEOUT_MS, client_psk,   # noqa: E402
+                          client_psk_object, write_key, write_psk)
 sys.path.insert(0, os.path.join(HERE, '..', '..', 'broker', 'tests'))
 import brokerlib as B           # noqa: E402
 
@@ -75,8 +75,12 @@ class MirrorHostsTest(unittest.TestCase):
         self.net = hosts.Network('mir')
         self.addCleanup(self.net.close)
         self.a, self.b = self.net.host('a'), self.net.host('b')
-        self.psk = write_psk(os.path.join(self.net.shared, 'psk'), KEY)
-        self.bad_psk = write_psk(os.path.join(self.net.shared, 'bad-psk'), KEY[::-1])
+        # a's secret, which b's broker knows too (docs/broker.md, "Remote clients")
+        self.key = write_key(os.path.join(self.net.shared, 'a.key'))
+        self.psk = client_psk(HVMEM, 'vm1-mirror', self.key, os.path.join(self.net.shared, 'psk'))
+        self.bad_psk = write_psk(os.path.join(self.net.shared, 'bad-psk'), KEY)
+        self.other_psk = client_psk(HVMEM, 'other-region', self.key,
+                                    os.path.join(self.net.shared, 'psk-other'))
         self.img = os.path.join(self.net.shared, 'd.hyb')
         H.qemu_img('create', '-q', '-f', 'hybrid', '-o', f'mode=async,ram-size={RAM}',
                    self.img, str(SIZE))
@@ -92,7 +96,7 @@ class MirrorHostsTest(unittest.TestCase):
         """On b: its broker, the region vm1-mirror, and qemu-storage-daemon
         exporting it over NBD with TLS (PSK) under `hvmem map --rw`
         (hvlib.mirror); returns once it takes connections."""
-        self.mirror = MirrorHost(self.b, 'vm1-mirror', MIRROR_SIZE, self.psk, HVMEMD, HVMEM,
+        self.mirror = MirrorHost(self.b, 'vm1-mirror', MIRROR_SIZE, self.key, HVMEMD, HVMEM,
                                  H.binary('qemu-storage-daemon')).start()
 
     def start_export(self):
@@ -248,9 +252,11 @@ class MirrorHostsTest(unittest.TestCase):
         model.check(self.image_bytes(), 'both hosts gone: ')
 
     def test_no_key_no_mirror(self):
-        """A client with another key, or without TLS, never gets the export."""
+        """A client with another key, with its own key for another region of
+        b's broker, or without TLS, never gets the export."""
         self.start_mirror_host()
         for kw, msg in ((dict(psk=self.bad_psk), r'TLS|handshake|decrypt|Error in the pull'),
+                        (dict(psk=self.other_psk), r'TLS|handshake|decrypt|Error in the pull'),
                         (dict(tls=False), r'TLS')):
             with self.assertRaises(EOFError) as cm:
                 self.writer(**kw)

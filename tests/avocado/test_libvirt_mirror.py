@@ -35,7 +35,6 @@ import brokerlib as B   # noqa: E402
 MiB = 1 << 20
 RAM = 16 * MiB
 SIZE = 64 * MiB
-KEY = '5c0ffee1d2b3a4958677a8b9cadbecfd'
 FILES = 4                       # of 512 KiB each
 
 
@@ -76,7 +75,7 @@ class VirshMirrorFailover(HybridVMTest):
 
     def test_guest_restarts_on_the_mirror_host(self):
         from hvlib.libvirt import qemu_dir, qemu_ids, serial_console
-        from hvlib.mirror import MirrorHost, client_psk_object, write_psk
+        from hvlib.mirror import MirrorHost, client_psk, client_psk_object, write_key
         a, b = self.net.host('a'), self.net.host('b')
         shared = self.net.shared
         os.chmod(shared, 0o755)
@@ -92,12 +91,16 @@ class VirshMirrorFailover(HybridVMTest):
                         '-o', f'mode=async,ram-size={RAM}', raw, img], check=True)
         os.unlink(raw)
 
-        # b keeps the mirror; a's QEMU (libvirt-qemu) reads the same key
-        mirror = MirrorHost(b, 'vm1-mirror', RAM + 2 * MiB,
-                            write_psk(os.path.join(shared, 'psk-server'), KEY),
+        # b keeps the mirror; a is a remote client of b's broker, and a's
+        # QEMU (libvirt-qemu) reads a's key for the region
+        key = write_key(os.path.join(shared, 'a.key'))
+        mirror = MirrorHost(b, 'vm1-mirror', RAM + 2 * MiB, key,
                             os.path.abspath(B.HVMEMD), os.path.abspath(B.HVMEM),
                             self.paths.binary('qemu-storage-daemon')).start()
-        psk = write_psk(qemu_dir(prefix='psk-', parent=a.files), KEY)
+        psk = client_psk(os.path.abspath(B.HVMEM), 'vm1-mirror', key,
+                         os.path.join(qemu_dir(prefix='psk-', parent=a.files), 'psk'))
+        os.chown(psk, 0, gid)
+        os.chmod(psk, 0o710)
         os.chown(os.path.join(psk, 'keys.psk'), 0, gid)
         os.chmod(os.path.join(psk, 'keys.psk'), 0o640)
 
