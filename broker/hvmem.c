@@ -91,7 +91,7 @@ static int map_and_run(HvmClient *c, int argc, char **argv, GError **err)
     bool rw = false;
     const char *psk_dir = NULL;
     HvmExportKeys *ek = NULL;
-    sigset_t chld, old;
+    sigset_t sigs, old;
     int i = 2, fd, status;
     HvmRegionInfo ri;
     char buf[32];
@@ -114,11 +114,11 @@ static int map_and_run(HvmClient *c, int argc, char **argv, GError **err)
     if (fd < 0) {
         return 1;
     }
-    hvm_export_keys_sigset(&chld);
+    hvm_export_keys_sigset(&sigs);
     if (!psk_dir) {
-        sigemptyset(&chld);
+        sigemptyset(&sigs);
     }
-    sigprocmask(SIG_BLOCK, &chld, &old);
+    sigprocmask(SIG_BLOCK, &sigs, &old);
     if (psk_dir) {
         ek = hvm_export_keys_start(c, argv[1], rw, psk_dir, err);
         if (!ek) {
