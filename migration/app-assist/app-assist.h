@@ -25,6 +25,14 @@ void app_assist_source_run(MigrationState *s);
  */
 void app_assist_source_pages(MigrationState *s);
 
+/*
+ * Destination, incoming RAM set-up and clean-up (incoming.c): with the
+ * app-assist capability, guest RAM is filled without transparent huge pages
+ * until the incoming migration ends.
+ */
+void app_assist_incoming_setup(void);
+void app_assist_incoming_cleanup(void);
+
 /* query-migrate: add the app-assist section when there is one. */
 void app_assist_fill_info(MigrationInfo *info);
 
