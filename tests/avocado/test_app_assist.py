@@ -103,6 +103,20 @@ def balloon_actual(guest):
     return guest.qmp('query-balloon')['actual']
 
 
+def start_assisted(src, dst, **params):
+    """Post-copy and app-assist on both sides, `params` on the source, and
+    the migration started (not switched to post-copy)."""
+    import hvlib
+    caps = [{'capability': 'postcopy-ram', 'state': True},
+            {'capability': 'app-assist', 'state': True}]
+    for g in (src, dst):
+        g.qmp('migrate-set-capabilities', capabilities=caps)
+    src.qmp('migrate-set-parameters', **params)
+    uri = f'tcp:127.0.0.1:{hvlib.free_port()}'
+    dst.qmp('migrate-incoming', uri=uri)
+    src.qmp('migrate', uri=uri)
+
+
 def ram_vma_flags(pid, size):
     """The VmFlags of the process's mappings of at least `size` bytes (guest
     RAM), from /proc/PID/smaps."""
@@ -323,16 +337,8 @@ class AppAssist(HybridVMTest):
         start_app(src, 'good', 0, 64 * MiB)
         start_app(src, 'sleeper', 1)
         src.run('while [ ! -e /tmp/app-1.log ]; do sleep 0.1; done')
-        caps = [{'capability': 'postcopy-ram', 'state': True},
-                {'capability': 'app-assist', 'state': True}]
-        for g in (src, dst):
-            g.qmp('migrate-set-capabilities', capabilities=caps)
-        src.qmp('migrate-set-parameters', **{'app-assist-deadline': 20000})
-        import hvlib
-        uri = f'tcp:127.0.0.1:{hvlib.free_port()}'
-        dst.qmp('migrate-incoming', uri=uri)
         t0 = time.monotonic()
-        src.qmp('migrate', uri=uri)
+        start_assisted(src, dst, **{'app-assist-deadline': 20000})
         wait_for(lambda: 'PREPARE' in src.run('cat /tmp/app-0.log'), 30, 'PREPARE in the app')
         self.assertEqual(src.qmp('query-migrate')['status'], 'setup')
         src.qmp('migrate_cancel')
@@ -420,7 +426,6 @@ class AppAssist(HybridVMTest):
         huge pages on guest RAM while it runs (a page that arrives allocates
         4 KiB, not a cleared 2 MiB area: migration/app-assist/incoming.c) and
         for them again once it completes; a stock destination keeps them."""
-        import hvlib
         mem = 512 * MiB
         src = self.guest('src', mem=self.MEM, redis=False).boot()
         dst = self.guest('dst', mem=self.MEM, redis=False, incoming='defer',
@@ -428,14 +433,7 @@ class AppAssist(HybridVMTest):
         pid = dst.vm.get_pid()
         self.assertTrue(any('hg' in f for f in ram_vma_flags(pid, mem)),
                         ram_vma_flags(pid, mem))
-        caps = [{'capability': 'postcopy-ram', 'state': True},
-                {'capability': 'app-assist', 'state': True}]
-        for g in (src, dst):
-            g.qmp('migrate-set-capabilities', capabilities=caps)
-        src.qmp('migrate-set-parameters', **{'max-bandwidth': 4_000_000})
-        uri = f'tcp:127.0.0.1:{hvlib.free_port()}'
-        dst.qmp('migrate-incoming', uri=uri)
-        src.qmp('migrate', uri=uri)
+        start_assisted(src, dst, **{'max-bandwidth': 4_000_000})
         wait_for(lambda: any('nh' in f for f in ram_vma_flags(pid, mem)), 60,
                  'guest RAM without huge pages on the destination')
         self.assertEqual(src.qmp('query-migrate')['status'], 'active')
