@@ -7,7 +7,10 @@ under `hvmem map --rw --psk-dir` (docs/broker.md, "Remote clients"): the
 broker holds the region's read-write lease for as long as the export runs,
 and decides which remote client may attach -- the writer is a remote client
 of this host's broker (PSK identity PSK_USER, a secret key of its own),
-acting as REMOTE_USER, who owns the region.  The writer on another host
+acting as REMOTE_USER, whose group may write the region.  The region is
+root's: the libvirt hook takes over only root's regions (a region another
+user owns holds what that user wrote), and root grants the writer its
+group's access.  The writer on another host
 makes its key for the region with client_psk() and names the export with
 mirror_opts().  A takeover on this host maps the region the same way, so it
 cannot happen while the export still holds it."""
@@ -19,7 +22,8 @@ import time
 PORT = 10809
 EXPORT = 'm0'
 PSK_USER = 'hybrid'
-REMOTE_USER = 'nobody'
+REMOTE_USER = 'nobody'           # acts in its primary group, nogroup
+REMOTE_GROUP = 'nogroup'
 USER_TIMEOUT_MS = 3000
 
 
@@ -66,13 +70,13 @@ class MirrorHost:
             time.sleep(0.1)
 
     def start(self):
-        """The host's broker (the region, REMOTE_USER's, and the remote
-        client in its config), the export; returns once the export takes
-        connections."""
+        """The host's broker (the region, root's, writable by REMOTE_GROUP,
+        and the remote client in its config), the export; returns once the
+        export takes connections."""
         config = os.path.join(self.host.files, 'hvmemd.conf')
         with open(config, 'w') as f:
-            f.write(f'[region {self.region}]\nsize={self.size}\nowner={REMOTE_USER}\n'
-                    'mode=0600\n\n'
+            f.write(f'[region {self.region}]\nsize={self.size}\ngroup={REMOTE_GROUP}\n'
+                    'mode=0660\n\n'
                     f'[remote-client {PSK_USER}]\nkey-file={self.key_file}\n'
                     f'user={REMOTE_USER}\n')
         self.log = os.path.join(self.host.files, 'hvmemd.log')
