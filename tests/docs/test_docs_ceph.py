@@ -30,7 +30,7 @@ import unittest
 TOP = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(TOP, 'tests'))
 from hvlib import docblocks                                 # noqa: E402
-from hvlib.ceph import SCRIPT, CephCluster, unavailable     # noqa: E402
+from hvlib.ceph import SCRIPT, start_cluster, unavailable   # noqa: E402
 from hvlib.paths import BuildPaths, MissingBuild            # noqa: E402
 
 CEPH_MD = os.path.join(TOP, 'docs', 'ceph.md')
@@ -133,15 +133,7 @@ class CloneCacheDoc(unittest.TestCase):
             raise unittest.SkipTest('needs root: the doc runs with tmpfs over '
                                     + ' and '.join(TMPFS) + ' in a mount namespace')
         cls.tmp = tempfile.mkdtemp(prefix='docs-clone-cache-', dir=build)
-        cls.ceph = CephCluster(os.path.join(cls.tmp, 'ceph'), port=free_port())
-        t0 = time.monotonic()
-        try:
-            cls.ceph.start()
-        except Exception:
-            cls.ceph.purge()
-            shutil.rmtree(cls.tmp, ignore_errors=True)
-            raise
-        print(f'\nceph cluster up in {time.monotonic() - t0:.1f} s', file=sys.stderr)
+        cls.ceph = start_cluster(os.path.join(cls.tmp, 'ceph'), cls.tmp, free_port())
 
     @classmethod
     def tearDownClass(cls):

@@ -113,15 +113,23 @@ def start_for_class(cls, qemu_img, build_dir, port, **kw):
     if why:
         raise unittest.SkipTest(why)
     cls.dir = tempfile.mkdtemp(prefix='ceph-', dir=build_dir)
-    cls.ceph = CephCluster(cls.dir, port=port, **kw)
+    cls.ceph = start_cluster(cls.dir, cls.dir, port, **kw)
+
+
+def start_cluster(directory, owned, port, **kw):
+    """A started CephCluster with its files in @directory; if it does not
+    start, it is purged and @owned (the directory the caller made for it)
+    removed before the error goes on."""
+    ceph = CephCluster(directory, port=port, **kw)
     t0 = time.monotonic()
     try:
-        cls.ceph.start()
+        ceph.start()
     except Exception:
-        cls.ceph.purge()
-        shutil.rmtree(cls.dir, ignore_errors=True)
+        ceph.purge()
+        shutil.rmtree(owned, ignore_errors=True)
         raise
-    print(f'ceph cluster up in {time.monotonic() - t0:.1f} s', file=sys.stderr)
+    print(f'\nceph cluster up in {time.monotonic() - t0:.1f} s', file=sys.stderr)
+    return ceph
 
 
 def purge_for_class(cls):
