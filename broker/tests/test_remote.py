@@ -127,6 +127,39 @@ class RemoteClientsTest(RemoteBase):
                          self.expect('m0', 'hostA', 'hostB'))
         self.assertBrokerError(errno.ENOENT, self.c.export_keys, 'nope')
 
+    def test_psk_verb_refuses_what_could_leak(self):
+        """`hvmem psk` on a client's host: it writes the derived key, never
+        from a key file others may read or that is a link, never into a
+        directory others could swap files in, never for a bad identity."""
+        d = self.workdir
+        ok = os.path.join(d, 'psk-ok')
+        self.hvmem('psk', 'm0', '--identity', 'hostA', '--key-file', f'{d}/hostA.key',
+                   '--dir', ok)
+        with open(os.path.join(ok, 'keys.psk')) as f:
+            self.assertEqual(f.read(), f'hostA:{derived(self.keys["hostA"], "m0")}\n')
+        self.assertEqual(os.stat(ok).st_mode & 0o777, 0o700)
+        self.assertEqual(os.stat(os.path.join(ok, 'keys.psk')).st_mode & 0o777, 0o600)
+        self.write_key('loose', os.urandom(32).hex(), mode=0o640)
+        os.symlink(f'{d}/hostA.key', f'{d}/link.key')
+        loose_dir = os.path.join(d, 'loose-dir')
+        os.makedirs(loose_dir)
+        os.chmod(loose_dir, 0o755)
+        for args, rc, words in (
+                (['--key-file', f'{d}/loose.key', '--dir', f'{d}/p1'], 1, 'group or others'),
+                (['--key-file', f'{d}/link.key', '--dir', f'{d}/p2'], 1, 'symbolic link'),
+                (['--key-file', f'{d}/hostA.key', '--dir', loose_dir], 1,
+                 'closed to group and others'),
+        ):
+            with self.subTest(args=args):
+                p = self.hvmem('psk', 'm0', '--identity', 'hostA', *args, check=False)
+                self.assertEqual(p.returncode, rc, p.stderr)
+                self.assertIn(words, p.stderr)
+        self.assertEqual(os.listdir(loose_dir), [])
+        p = self.hvmem('psk', 'm0', '--identity', 'a:b', '--key-file', f'{d}/hostA.key',
+                       '--dir', f'{d}/p3', check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn('only letters', p.stderr)
+
     def test_bad_remote_config_refused(self):
         """A remote client whose key would be worth more than it should, or
         a config that cannot be meant, stops the start with the reason: a
