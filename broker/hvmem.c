@@ -114,9 +114,9 @@ static int map_and_run(HvmClient *c, int argc, char **argv, GError **err)
     if (fd < 0) {
         return 1;
     }
-    hvm_export_keys_sigset(&sigs);
-    if (!psk_dir) {
-        sigemptyset(&sigs);
+    sigemptyset(&sigs);
+    if (psk_dir) {
+        hvm_export_keys_sigset(&sigs);
     }
     sigprocmask(SIG_BLOCK, &sigs, &old);
     if (psk_dir) {
