@@ -342,6 +342,48 @@ void coroutine_fn GRAPH_RDLOCK hybrid_mirror_clean(BDRVHybridState *s)
 }
 
 /*
+ * A failed mirror keeps counting the blocks it held when it failed, with
+ * the copies they had then: a failover on its host would write them over
+ * whatever the persistent tier got since, and a write completed in
+ * degraded mode goes there.  So no such write completes before the old
+ * mirror is retired: every dirty block written back, the tier flushed,
+ * then the image's binding cleared (token 0, REGION off, flushed): from
+ * then on the old mirror is refused as a stale region is, and until then
+ * it still holds every write acknowledged before the failure.  One
+ * retirement per failure; writers wait for it.  A failure is returned to
+ * the writer (the persistent tier's error) and the next write tries again.
+ */
+int coroutine_fn GRAPH_RDLOCK hybrid_mirror_retire(BDRVHybridState *s)
+{
+    int ret;
+
+    if (!s->mirror_name || !s->mirror_error || s->mirror_retired) {
+        return 0;
+    }
+    if (s->mirror_retiring) {
+        qemu_co_queue_wait(&s->mirror_retire_queue, NULL);
+        return s->mirror_retired ? 0 : -EIO;
+    }
+    s->mirror_retiring = true;
+    ret = hybrid_co_flush_to_os(s->bs);
+    if (ret == 0) {
+        ret = bdrv_co_flush(s->bs->file->bs);
+    }
+    if (ret == 0) {
+        WITH_QEMU_LOCK_GUARD(&s->header_lock) {
+            s->header.region_token = 0;
+            s->header.incompat_features &= ~HYBRID_INCOMPAT_REGION;
+            ret = hybrid_write_header(s, s->header.flags);
+        }
+    }
+    s->mirror_retired = ret == 0;
+    s->mirror_retiring = false;
+    trace_hybrid_mirror_retired(s, ret);
+    qemu_co_queue_restart_all(&s->mirror_retire_queue);
+    return ret;
+}
+
+/*
  * The image was resized: the mirror's header follows (same blocks), or a
  * failover would find it laid out for another disk.
  */
@@ -422,6 +464,7 @@ static void mirror_init_state(BDRVHybridState *s)
     s->mirror_sectors = g_new0(HybridMirrorSector, s->mirror_nb_sectors);
     s->mirror_written_back = bitmap_new(s->ram_blocks);
     qemu_co_queue_init(&s->mirror_queue);
+    qemu_co_queue_init(&s->mirror_retire_queue);
     s->mirror_detach_bh = qemu_bh_new(mirror_detach_bh, s);
 }
 
@@ -797,6 +840,7 @@ int hybrid_mirror_replace(BlockDriverState *bs, BlockDriverState *mbs,
     g_free(s->mirror_name);
     s->mirror_name = g_strdup(bdrv_get_node_name(mbs));
     s->mirror_error = 0;
+    s->mirror_retired = false;
     /* query-hybrid's figures are this mirror's */
     s->mirror_writes = s->mirror_block_writes = s->mirror_bytes = 0;
     s->mirror_uncounted = 0;

@@ -368,6 +368,15 @@ int hybrid_region_judge(BDRVHybridState *s, const char *what,
             return 1;
         }
     }
+    if (r && dirty && r->token != image_token && !image_token) {
+        /* e.g. a mirror that failed, retired by writes made without it */
+        error_setg(errp, "%s holds %" PRIu64 " blocks not yet written back "
+                   "to another image, or to this one before it was written "
+                   "without them (region token %016" PRIx64 "; the image is "
+                   "bound to no region); refusing to overwrite them", what,
+                   dirty, r->token);
+        return -EBUSY;
+    }
     if (r && dirty && r->token != image_token) {
         error_setg(errp, "%s holds %" PRIu64 " blocks not yet written back "
                    "to another image (region token %016" PRIx64 ", this "

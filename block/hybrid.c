@@ -354,6 +354,10 @@ out:
     if (!sync) {
         hybrid_flusher_kick(s);
     }
+    if (ret == 0 && s->mirror_name && s->mirror_error) {
+        /* Degraded: not before the old mirror can no longer be replayed */
+        ret = hybrid_mirror_retire(s);
+    }
     return ret;
 }
 

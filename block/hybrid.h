@@ -306,6 +306,9 @@ typedef struct BDRVHybridState {
     uint64_t mirror_counted;    /* blocks MIRRORED now */
     uint64_t mirror_writes, mirror_block_writes, mirror_bytes;
     uint64_t mirror_uncounted;
+    bool mirror_retired;        /* degraded, and the image no longer bound */
+    bool mirror_retiring;
+    CoQueue mirror_retire_queue;    /* writers waiting for the retirement */
 
     /*
      * Backing file and allocation bitmap (hybrid-backing.c); alloc is NULL
@@ -381,6 +384,7 @@ hybrid_mirror_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
                     uint32_t len, QEMUIOVector *qiov, size_t qoff);
 void hybrid_mirror_written_back(BDRVHybridState *s, uint64_t idx);
 void coroutine_fn GRAPH_RDLOCK hybrid_mirror_clean(BDRVHybridState *s);
+int coroutine_fn GRAPH_RDLOCK hybrid_mirror_retire(BDRVHybridState *s);
 
 /* Does an async write of a block need its mirror copy before completing? */
 static inline bool hybrid_mirror_active(BDRVHybridState *s)

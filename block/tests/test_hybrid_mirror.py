@@ -17,7 +17,8 @@ tier and the mirror, as the mirror's host would.
 - A stale mirror (another image's, not yet written back) is refused, as
   ram-file and as mirror.
 - A mirror that fails degrades the node: the event, query-hybrid, and
-  writes that still complete and are in the persistent tier.
+  writes that still complete and are in the persistent tier; and a
+  failover cannot replay the failed mirror over them.
 - Bad options: dedup, raw, ram-file together, a mirror too small.
 HYBRIDVM_LONG=1 runs more kill rounds."""
 
@@ -333,6 +334,57 @@ class MirrorTest(unittest.TestCase):
             data = f.read(9 * BLOCK)
         self.assertEqual(data[:8 * BLOCK], b'\x33' * 8 * BLOCK)
         self.assertEqual(data[8 * BLOCK:9 * BLOCK], b'\x34' * BLOCK)
+
+    def test_writes_after_the_mirror_failed_are_not_undone_by_a_failover(self):
+        """The mirror fails while it counts blocks; a block it counts is
+        written again, in degraded mode (the write completes in the
+        persistent tier), and the host dies.  The old mirror must not be
+        replayed over that write: the write completes only once everything
+        dirty is written back and the image no longer bound to the old
+        mirror, so a failover with it is refused, and the image opened with
+        an empty region holds every acknowledged write.  (Before: the
+        failover took the old mirror and wrote its older copy back.)"""
+        img, mirror = self.image(), self.mirror()
+        sector = (2 * MiB + 5 * BLOCK) // 512
+        blockdevs = ['file,node-name=mf,filename=' + mirror, failing_mirror(sector),
+                     'file,node-name=f1,filename=' + img,
+                     '{"driver": "throttle", "node-name": "f0", "file": "f1", '
+                     '"throttle-group": "tg0"}',
+                     'hybrid,node-name=h0,file=f0,mirror=m0,mode=async']
+        # a slow persistent tier: the blocks are still counted (not yet
+        # written back) when the mirror fails
+        qsd = H.StorageDaemon(
+            self.tmp, '--object', 'throttle-group,id=tg0,x-bps-write=131072',
+            *[x for b in blockdevs for x in ('--blockdev', b)],
+            '--nbd-server', f'addr.type=unix,addr.path={self.tmp("nbd.sock")}',
+            '--export', 'nbd,id=e0,node-name=h0,writable=on')
+        try:
+            io = self.nbd_io()
+            for i in range(10, 18):
+                io.cmd(f'write -P 0x60 {i * BLOCK} {BLOCK}')
+            io.cmd(f'write -P 0x61 0 {BLOCK}')
+            [info] = qsd.cmd('query-hybrid')
+            self.assertEqual(info['mirror']['counted-blocks'], 9, info['mirror'])
+            io.cmd(f'write -P 0x34 {5 * BLOCK} {BLOCK}')     # the mirror fails
+            qsd.wait_event('HYBRID_MIRROR_DEGRADED', timeout=30)
+            self.assertNotRegex(io.cmd(f'write -P 0x62 0 {BLOCK}'), H.FAILED_RE)
+        finally:
+            qsd.kill()          # the host dies
+        self.procs.remove(io)
+        out = self.fails_to_open(f'driver=hybrid,file.driver=file,file.filename={img},'
+                                 f'ram-file={mirror}')
+        self.assertRegex(out, r"holds \d+ blocks not yet written back to another image, "
+                              r"or to this one before it was written without them")
+        empty = self.mirror('empty')
+        io = H.QemuIo(f'driver=hybrid,file.driver=file,file.filename={img},'
+                      f'ram-file={empty}')
+        self.procs.append(io)
+        self.assertEqual(io.quit(), 0)
+        self.procs.remove(io)
+        data = self.image_bytes(img)
+        self.assertEqual(data[:BLOCK], b'\x62' * BLOCK, 'the degraded write was undone')
+        self.assertEqual(data[5 * BLOCK:6 * BLOCK], b'\x34' * BLOCK)
+        self.assertEqual(data[10 * BLOCK:18 * BLOCK], b'\x60' * 8 * BLOCK)
 
     def set_mirror(self, qsd, node, mirror):
         """hybrid-set-mirror, once the failed mirror has left the graph."""
