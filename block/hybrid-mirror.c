@@ -36,6 +36,7 @@
 #include "qemu/bitmap.h"
 #include "qemu/error-report.h"
 #include "qemu/memalign.h"
+#include "qemu/units.h"
 #include "block/block-io.h"
 #include "block/block_int.h"
 #include "hybrid.h"
@@ -48,6 +49,10 @@
  * twice as many again (4096).
  */
 #define HYBRID_MIRROR_SECTOR    512
+
+/* Bytes per prefill request: data, and zero blocks (no data sent) */
+#define HYBRID_MIRROR_PREFILL       (1 * MiB)
+#define HYBRID_MIRROR_PREFILL_ZERO  (64 * MiB)
 
 static void mirror_detach_bh(void *opaque);
 
@@ -147,44 +152,79 @@ static int coroutine_fn GRAPH_RDLOCK mirror_commit(BDRVHybridState *s,
     return 0;
 }
 
-typedef struct MirrorCommitCo {
+/*
+ * Bytes of a guest write to the mirror's copy, at @off: from @qiov, or
+ * zeroes when it is NULL
+ */
+static int coroutine_fn GRAPH_RDLOCK
+mirror_put_bytes(BDRVHybridState *s, uint64_t off, uint32_t len,
+                 QEMUIOVector *qiov, size_t qoff)
+{
+    s->mirror_bytes += len;
+    return qiov ? bdrv_co_pwritev_part(s->mirror, off, len, qiov, qoff, 0)
+                : bdrv_co_pwrite_zeroes(s->mirror, off, len, 0);
+}
+
+/*
+ * One mirror request made beside the caller's own, in a coroutine of its
+ * own: a bitmap sector (mirror_commit of @sec) or, with @bytes, a write's
+ * bytes (mirror_put_bytes).
+ */
+typedef struct MirrorSideCo {
     BDRVHybridState *s;
+    bool bytes;
     uint32_t sec;
+    uint64_t off;
+    uint32_t len;
+    QEMUIOVector *qiov;
+    size_t qoff;
     int ret;
     bool done;
     Coroutine *waiter;
-} MirrorCommitCo;
+} MirrorSideCo;
 
-static void coroutine_fn mirror_commit_entry(void *opaque)
+static void coroutine_fn mirror_side_entry(void *opaque)
 {
-    MirrorCommitCo *c = opaque;
+    MirrorSideCo *c = opaque;
 
     GRAPH_RDLOCK_GUARD();
-    c->ret = mirror_commit(c->s, c->sec);
+    c->ret = c->bytes ? mirror_put_bytes(c->s, c->off, c->len, c->qiov, c->qoff)
+                      : mirror_commit(c->s, c->sec);
     c->done = true;
     if (c->waiter) {
         aio_co_wake(c->waiter);
     }
 }
 
+static void mirror_side_start(MirrorSideCo *c)
+{
+    aio_co_enter(bdrv_get_aio_context(c->s->bs),
+                 qemu_coroutine_create(mirror_side_entry, c));
+}
+
+static int coroutine_fn mirror_side_join(MirrorSideCo *c)
+{
+    while (!c->done) {
+        c->waiter = qemu_coroutine_self();
+        qemu_coroutine_yield();
+    }
+    return c->ret;
+}
+
 /* Sectors @a and @b to the mirror, both in flight at once */
 static int coroutine_fn GRAPH_RDLOCK mirror_commit2(BDRVHybridState *s,
                                                     uint32_t a, uint32_t b)
 {
-    MirrorCommitCo c = { .s = s, .sec = b };
-    int ret;
+    MirrorSideCo c = { .s = s, .sec = b };
+    int ret, ret2;
 
     if (a == b) {
         return mirror_commit(s, a);
     }
-    aio_co_enter(bdrv_get_aio_context(s->bs),
-                 qemu_coroutine_create(mirror_commit_entry, &c));
+    mirror_side_start(&c);
     ret = mirror_commit(s, a);
-    while (!c.done) {
-        c.waiter = qemu_coroutine_self();
-        qemu_coroutine_yield();
-    }
-    return ret < 0 ? ret : c.ret;
+    ret2 = mirror_side_join(&c);
+    return ret < 0 ? ret : ret2;
 }
 
 /* Block @idx's copy in the mirror: the whole block as the RAM tier has it */
@@ -234,12 +274,38 @@ static int coroutine_fn GRAPH_RDLOCK mirror_put_counted(BDRVHybridState *s,
 }
 
 /*
+ * First write of block @idx since its copy in the mirror was found to be
+ * the persistent tier's (MATCHED): the request's bytes and the block's
+ * bits go at once, one round trip.  A crash that lands the bits without
+ * the bytes leaves a counted copy equal to the persistent tier's block:
+ * written back at a failover, it changes nothing (and the write was not
+ * acknowledged).
+ */
+static int coroutine_fn GRAPH_RDLOCK
+mirror_put_matched(BDRVHybridState *s, uint64_t idx, uint64_t off,
+                   uint32_t len, QEMUIOVector *qiov, size_t qoff)
+{
+    MirrorSideCo c = { .s = s, .bytes = true, .off = off, .len = len,
+                       .qiov = qiov, .qoff = qoff };
+    int ret, ret2;
+
+    s->slots[idx].flags &= ~HYBRID_SLOT_MATCHED;
+    s->mirror_matched--;
+    s->mirror_matched_writes++;
+    mirror_side_start(&c);
+    ret = mirror_mark(s, idx);
+    ret2 = mirror_side_join(&c);
+    return ret < 0 ? ret : ret2;
+}
+
+/*
  * Put the async write of [boff, boff + len) of block @idx, which the RAM
  * tier took, in the mirror too; the write completes when this returns 0.
- * A block not yet counted in the mirror goes whole (the caller holds its
- * BUSY, so no older copy of it can land after a newer one), then its
- * bits; a counted one takes the request's bytes only.  On failure the
- * node is degraded and the caller completes the write as in sync mode.
+ * A counted block takes the request's bytes; a MATCHED one its bytes and
+ * its bits at once; any other goes whole (the caller holds its BUSY, so no
+ * older copy of it can land after a newer one), then its bits.  On
+ * failure the node is degraded and the caller completes the write as in
+ * sync mode.
  */
 int coroutine_fn GRAPH_RDLOCK
 hybrid_mirror_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
@@ -247,23 +313,53 @@ hybrid_mirror_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
 {
     HybridSlot *slot = &s->slots[idx];
     uint64_t off = mirror_data_offset(s) + (idx << s->block_shift) + boff;
+    const char *how;
     int ret;
 
     if (!hybrid_mirror_active(s)) {
         return s->mirror_error;
     }
     if (slot->flags & HYBRID_SLOT_MIRRORED) {
+        how = "bytes";
         s->mirror_writes++;
-        s->mirror_bytes += len;
-        ret = qiov ? bdrv_co_pwritev_part(s->mirror, off, len, qiov, qoff, 0)
-                   : bdrv_co_pwrite_zeroes(s->mirror, off, len, 0);
-        trace_hybrid_mirror_write(s, idx, boff, len, false, ret);
-        return mirror_fail(s, ret);
+        ret = mirror_put_bytes(s, off, len, qiov, qoff);
+    } else if (slot->flags & HYBRID_SLOT_MATCHED) {
+        assert(slot->flags & HYBRID_SLOT_BUSY);
+        how = "matched";
+        s->mirror_writes++;
+        ret = mirror_put_matched(s, idx, off, len, qiov, qoff);
+    } else {
+        assert(slot->flags & HYBRID_SLOT_BUSY);
+        how = "whole";
+        ret = mirror_put_counted(s, idx);
     }
-    assert(slot->flags & HYBRID_SLOT_BUSY);
-    ret = mirror_put_counted(s, idx);
-    trace_hybrid_mirror_write(s, idx, boff, len, true, ret);
+    trace_hybrid_mirror_write(s, idx, boff, len, how, ret);
     return mirror_fail(s, ret);
+}
+
+/*
+ * A write of block @idx that goes to the persistent tier itself (sync
+ * mode, a write-back error pending) while the mirror serves: a counted
+ * copy takes the bytes too (a failover would write an older one back over
+ * them), a MATCHED one no longer is.  Returns as hybrid_mirror_write().
+ */
+int coroutine_fn GRAPH_RDLOCK
+hybrid_mirror_write_through(BDRVHybridState *s, uint64_t idx, uint32_t boff,
+                            uint32_t len, QEMUIOVector *qiov, size_t qoff)
+{
+    HybridSlot *slot = &s->slots[idx];
+
+    if (!hybrid_mirror_active(s)) {
+        return 0;
+    }
+    if (slot->flags & HYBRID_SLOT_MATCHED) {
+        slot->flags &= ~HYBRID_SLOT_MATCHED;
+        s->mirror_matched--;
+    }
+    if (!(slot->flags & HYBRID_SLOT_MIRRORED)) {
+        return 0;
+    }
+    return hybrid_mirror_write(s, idx, boff, len, qiov, qoff);
 }
 
 /* Block @idx was written back: uncount it after the next tier flush */
@@ -322,8 +418,11 @@ void coroutine_fn GRAPH_RDLOCK hybrid_mirror_clean(BDRVHybridState *s)
         if (slot->flags & HYBRID_SLOT_DIRTY) {
             continue;   /* written again: its next write-back comes back */
         }
-        slot->flags &= ~HYBRID_SLOT_MIRRORED;
+        /* Its copy there is what the tier holds now */
+        slot->flags = (slot->flags & ~HYBRID_SLOT_MIRRORED) |
+                      HYBRID_SLOT_MATCHED;
         s->mirror_counted--;
+        s->mirror_matched++;
         clear_bit(idx, mirror_valid(s));
         s->mirror_sectors[mirror_sector(s, 0, idx)].gen++;
         set_bit(mirror_sector(s, 0, idx), touched);
@@ -339,6 +438,104 @@ void coroutine_fn GRAPH_RDLOCK hybrid_mirror_clean(BDRVHybridState *s)
     s->mirror_uncounted += n;
     trace_hybrid_mirror_clean(s, n, s->mirror_counted);
     s->mirror_cleaning = false;
+}
+
+/* ---- prefill ---- */
+
+/* A clean block the RAM tier holds, its copy in the mirror unknown */
+static bool mirror_prefillable(HybridSlot *slot)
+{
+    return (slot->flags & (HYBRID_SLOT_LOADED | HYBRID_SLOT_BUSY |
+                           HYBRID_SLOT_DIRTY | HYBRID_SLOT_LISTED |
+                           HYBRID_SLOT_MIRRORED | HYBRID_SLOT_MATCHED)) ==
+           HYBRID_SLOT_LOADED;
+}
+
+/*
+ * Copy clean blocks into the mirror in the background, so that it holds
+ * what the persistent tier holds (MATCHED) and a block's first write
+ * sends its bits with its bytes.  Runs of blocks under BUSY, as many
+ * bytes per request as HYBRID_MIRROR_PREFILL (zero blocks as write-zeroes,
+ * HYBRID_MIRROR_PREFILL_ZERO); one request at a time, so that guest
+ * writes keep most of the link.  Stops when drained (the end of the
+ * drained section starts it again).
+ */
+static void coroutine_fn GRAPH_RDLOCK mirror_prefill_run(BDRVHybridState *s)
+{
+    while (s->mirror_prefill_cursor < s->ram_blocks &&
+           hybrid_mirror_active(s) && !s->quiesced && !s->inactive) {
+        uint64_t first = s->mirror_prefill_cursor, n = 0, max, off, len;
+        bool zero;
+        int ret;
+
+        if (!mirror_prefillable(&s->slots[first])) {
+            s->mirror_prefill_cursor++;
+            continue;
+        }
+        zero = !hybrid_ram_peek(s, first);
+        max = MAX((zero ? HYBRID_MIRROR_PREFILL_ZERO : HYBRID_MIRROR_PREFILL) >>
+                  s->block_shift, 1);
+        while (n < max && first + n < s->ram_blocks &&
+               mirror_prefillable(&s->slots[first + n]) &&
+               !hybrid_ram_peek(s, first + n) == zero) {
+            s->slots[first + n].flags |= HYBRID_SLOT_BUSY;
+            n++;
+        }
+        s->mirror_prefill_cursor = first + n;
+        off = mirror_data_offset(s) + (first << s->block_shift);
+        len = MIN(n << s->block_shift, s->size - (first << s->block_shift));
+        ret = zero ? bdrv_co_pwrite_zeroes(s->mirror, off, len, 0)
+                   : bdrv_co_pwrite(s->mirror, off, len,
+                                    hybrid_ram_plain_ptr(s, first), 0);
+        trace_hybrid_mirror_prefill(s, first, n, zero, ret);
+        for (uint64_t i = 0; i < n; i++) {
+            HybridSlot *slot = &s->slots[first + i];
+
+            /* Under BUSY the block stayed clean: its copy is the tier's */
+            if (ret == 0) {
+                slot->flags |= HYBRID_SLOT_MATCHED;
+                s->mirror_matched++;
+            }
+            hybrid_slot_unlock(s, slot);
+        }
+        if (ret < 0) {
+            mirror_fail(s, ret);
+            break;
+        }
+    }
+}
+
+static void coroutine_fn mirror_prefill_entry(void *opaque)
+{
+    BDRVHybridState *s = opaque;
+    BlockDriverState *bs = s->bs;
+
+    WITH_GRAPH_RDLOCK_GUARD() {
+        mirror_prefill_run(s);
+    }
+    s->mirror_prefilling = false;
+    if (s->mirror_prefill_cursor >= s->ram_blocks) {
+        trace_hybrid_mirror_prefilled(s, s->mirror_matched);
+    }
+    bdrv_dec_in_flight(bs);
+}
+
+/*
+ * Start the prefill (node's AioContext): with a mirror that serves, once
+ * the restore has loaded the tier (blocks it has not loaded are not taken).
+ */
+void hybrid_mirror_prefill_kick(BDRVHybridState *s)
+{
+    if (!s->mirror_prefill || !hybrid_mirror_active(s) || s->mirror_prefilling ||
+        s->mirror_prefill_cursor >= s->ram_blocks || s->quiesced ||
+        s->inactive || bdrv_is_read_only(s->bs) ||
+        (s->restore_enabled && !s->restore_done)) {
+        return;
+    }
+    s->mirror_prefilling = true;
+    bdrv_inc_in_flight(s->bs);
+    aio_co_enter(bdrv_get_aio_context(s->bs),
+                 qemu_coroutine_create(mirror_prefill_entry, s));
 }
 
 /*
@@ -576,7 +773,12 @@ static void mirror_forget(BDRVHybridState *s)
     memset(s->mirror_sectors, 0,
            s->mirror_nb_sectors * sizeof(*s->mirror_sectors));
     bitmap_zero(s->mirror_written_back, s->ram_blocks);
+    for (uint64_t idx = 0; idx < s->ram_blocks; idx++) {
+        s->slots[idx].flags &= ~(HYBRID_SLOT_MIRRORED | HYBRID_SLOT_MATCHED);
+    }
     s->mirror_counted = 0;
+    s->mirror_matched = 0;
+    s->mirror_prefill_cursor = 0;
     s->mirror_recovered = false;
     s->mirror_dirty_found = 0;
 }
@@ -843,10 +1045,7 @@ int hybrid_mirror_replace(BlockDriverState *bs, BlockDriverState *mbs,
     s->mirror_retired = false;
     /* query-hybrid's figures are this mirror's */
     s->mirror_writes = s->mirror_block_writes = s->mirror_bytes = 0;
-    s->mirror_uncounted = 0;
-    for (uint64_t idx = 0; idx < s->ram_blocks; idx++) {
-        s->slots[idx].flags &= ~HYBRID_SLOT_MIRRORED;
-    }
+    s->mirror_uncounted = s->mirror_matched_writes = 0;
 
     bdrv_graph_rdlock_main_loop();
     ret = mirror_bind(s, errp);

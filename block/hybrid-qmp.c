@@ -102,6 +102,9 @@ static HybridInfo *hybrid_get_info(BlockDriverState *bs)
         m->block_writes = s->mirror_block_writes;
         m->bytes = s->mirror_bytes;
         m->uncounted_blocks = s->mirror_uncounted;
+        m->matched_blocks = s->mirror_matched;
+        m->matched_writes = s->mirror_matched_writes;
+        m->prefilling = s->mirror_prefilling;
         info->mirror = m;
     }
     if (s->flush_error) {

@@ -151,6 +151,7 @@ static void hybrid_restore_stopped(BDRVHybridState *s)
             bdrv_get_node_name(s->bs), s->restore_bytes,
             (s->restore_end_ns - s->restore_start_ns) / SCALE_MS,
             s->restore_error ? strerror(-s->restore_error) : NULL);
+        hybrid_mirror_prefill_kick(s);
     }
 }
 

@@ -313,6 +313,8 @@ hybrid_write_ram_block(BDRVHybridState *s, uint64_t idx, uint32_t boff,
         uint64_t host = hybrid_host_offset(s, (idx << s->block_shift) + boff);
         const uint8_t *p = cow ? hybrid_ram_peek(s, idx) : NULL;
 
+        /* A mirror that fails here degrades the node; the tier still */
+        hybrid_mirror_write_through(s, idx, boff, len, qiov, qoff);
         if (p) {
             ret = bdrv_co_pwrite(s->bs->file, host, len, p, 0);
         } else if (qiov) {
@@ -546,6 +548,7 @@ static void hybrid_drain_end_bh(void *opaque)
 
     hybrid_restore_kick(s);
     hybrid_flusher_kick(s);
+    hybrid_mirror_prefill_kick(s);
     bdrv_dec_in_flight(bs);
 }
 
@@ -614,6 +617,7 @@ static BlockdevOptionsHybrid *hybrid_parse_options(QDict *options,
     qdict_del(options, HYBRID_OPT_BLOCK_SIZE);
     qdict_del(options, HYBRID_OPT_PROMOTE_SIZE);
     qdict_del(options, HYBRID_OPT_RAM_FILE);
+    qdict_del(options, HYBRID_OPT_MIRROR_PREFILL);
     return ret;
 }
 
@@ -701,6 +705,7 @@ static void hybrid_start_background(BDRVHybridState *s)
     hybrid_restore_kick(s);
     /* Dirty blocks a region brought back are written back at once */
     hybrid_flusher_kick(s);
+    hybrid_mirror_prefill_kick(s);
 }
 
 static int hybrid_open(BlockDriverState *bs, QDict *options, int flags,
@@ -764,6 +769,7 @@ static int hybrid_open(BlockDriverState *bs, QDict *options, int flags,
         goto fail;
     }
 
+    s->mirror_prefill = !o->has_mirror_prefill || o->mirror_prefill;
     ret = hybrid_mirror_open(s, options, flags & BDRV_O_RDWR, o->ram_file,
                              errp);
     if (ret < 0) {

@@ -44,6 +44,7 @@
 #define HYBRID_OPT_BLOCK_SIZE   "block-size"
 #define HYBRID_OPT_PROMOTE_SIZE "promote-size"
 #define HYBRID_OPT_RAM_FILE     "ram-file"
+#define HYBRID_OPT_MIRROR_PREFILL "mirror-prefill"
 
 /* The header's stored settings: creation options, and amend options */
 #define HYBRID_HEADER_OPTIONS                                           \
@@ -158,6 +159,7 @@ enum {
     HYBRID_SLOT_LISTED  = 1 << 3,  /* on s->dirty_list (dirty or flushing) */
     HYBRID_SLOT_ZERO    = 1 << 4,  /* plain mode: known zero, no pages */
     HYBRID_SLOT_MIRRORED = 1 << 5, /* counted in the mirror (valid, dirty) */
+    HYBRID_SLOT_MATCHED = 1 << 6,  /* not counted, its copy there = child's */
 };
 
 /* A region's layout: its bitmaps start here (docs/hybrid-format.rst) */
@@ -306,6 +308,11 @@ typedef struct BDRVHybridState {
     uint64_t mirror_counted;    /* blocks MIRRORED now */
     uint64_t mirror_writes, mirror_block_writes, mirror_bytes;
     uint64_t mirror_uncounted;
+    uint64_t mirror_matched;    /* blocks MATCHED now */
+    uint64_t mirror_matched_writes; /* first writes of MATCHED blocks */
+    uint64_t mirror_prefill_cursor;
+    bool mirror_prefill;        /* the mirror-prefill option */
+    bool mirror_prefilling;
     bool mirror_retired;        /* degraded, and the image no longer bound */
     bool mirror_retiring;
     CoQueue mirror_retire_queue;    /* writers waiting for the retirement */
@@ -385,6 +392,10 @@ hybrid_mirror_write(BDRVHybridState *s, uint64_t idx, uint32_t boff,
 void hybrid_mirror_written_back(BDRVHybridState *s, uint64_t idx);
 void coroutine_fn GRAPH_RDLOCK hybrid_mirror_clean(BDRVHybridState *s);
 int coroutine_fn GRAPH_RDLOCK hybrid_mirror_retire(BDRVHybridState *s);
+int coroutine_fn GRAPH_RDLOCK
+hybrid_mirror_write_through(BDRVHybridState *s, uint64_t idx, uint32_t boff,
+                            uint32_t len, QEMUIOVector *qiov, size_t qoff);
+void hybrid_mirror_prefill_kick(BDRVHybridState *s);
 
 /* Does an async write of a block need its mirror copy before completing? */
 static inline bool hybrid_mirror_active(BDRVHybridState *s)

@@ -51,6 +51,11 @@ REGION_ATTACH_RE = re.compile(r'hybrid_region_attach .*reused (\d) loaded (\d+) 
 MIRROR_ATTACH_RE = re.compile(r'hybrid_mirror_attach .*recovered (\d) blocks (\d+)')
 
 
+# h0 over f0 with the mirror m0 of failing_mirror(): no prefill, whose
+# writes would meet the failing sector before the test's own
+FAILING_H0 = 'hybrid,node-name=h0,file=f0,mirror=m0,mode=async,mirror-prefill=off'
+
+
 def failing_mirror(sector):
     """The mirror m0 over the file node mf, every write touching @sector
     failing with EIO (blkdebug)."""
@@ -244,11 +249,13 @@ class MirrorTest(unittest.TestCase):
 
     def test_written_back_blocks_leave_the_mirror(self):
         """After a flush the written-back blocks stop counting: the
-        mirror's valid bitmap is empty, and a failover finds nothing."""
+        mirror's valid bitmap is empty, and a failover finds nothing.
+        Without the prefill, a block's first write sends it whole."""
         img, mirror = self.image(), self.mirror()
         qsd = self.daemon('file,node-name=m0,filename=' + mirror,
                           'file,node-name=f0,filename=' + img,
-                          'hybrid,node-name=h0,file=f0,mirror=m0,mode=async')
+                          'hybrid,node-name=h0,file=f0,mirror=m0,mode=async,'
+                          'mirror-prefill=off')
         try:
             io = self.nbd_io()
             io.cmd(f'write -P 0x5a 0 {4 * BLOCK}')
@@ -268,6 +275,153 @@ class MirrorTest(unittest.TestCase):
             qsd.kill()
         self.assertEqual(self.failover(img, mirror), (True, 0))
         self.assertEqual(self.image_bytes(img)[:4 * BLOCK], b'\x5a' * 4 * BLOCK)
+
+    def prefilled(self, qsd):
+        """query-hybrid's mirror once the prefill has run to its end."""
+        deadline = time.monotonic() + 60
+        while True:
+            [m] = [i['mirror'] for i in qsd.cmd('query-hybrid')]
+            if not m['prefilling'] and m['matched-blocks'] + m['counted-blocks'] == RAM // BLOCK:
+                return m
+            self.assertLess(time.monotonic(), deadline, f'the prefill did not end: {m}')
+            time.sleep(0.05)
+
+    def mirror_data(self, mirror):
+        with open(mirror, 'rb') as f:
+            f.seek(MIRROR_SIZE - RAM)
+            return f.read(RAM)
+
+    def test_prefill_matches_the_tier_and_first_writes_send_their_bits_with_them(self):
+        """The prefill copies the tier's clean blocks into the mirror (its
+        data area equals the image's), then a block's first write sends
+        only its bytes with its bits (matched-writes, no whole-block
+        copy); after a flush every copy there is the image's again, and a
+        failover after a kill takes every write."""
+        img, mirror = self.image(), self.mirror()
+        io = self.qemu_io(f'driver=hybrid,file.driver=file,file.filename={img}')
+        io.cmd(f'write -P 0x33 0 {64 * BLOCK}')
+        self.assertEqual(io.quit(), 0)
+        self.procs.remove(io)
+        tier = self.image_bytes(img)[:RAM]
+        qsd = self.daemon('file,node-name=m0,filename=' + mirror,
+                          'file,node-name=f0,filename=' + img,
+                          'hybrid,node-name=h0,file=f0,mirror=m0,mode=async')
+        try:
+            m = self.prefilled(qsd)
+            self.assertEqual((m['matched-blocks'], m['counted-blocks']), (RAM // BLOCK, 0), m)
+            self.assertEqual(self.mirror_data(mirror), tier,
+                             "the prefilled mirror's data is not the image's")
+            io = self.nbd_io()
+            io.cmd(f'write -P 0x5a {100 * BLOCK} {4 * BLOCK}')
+            io.cmd(f'write -P 0x5b {10 * BLOCK + 4096} 4096')
+            [m] = [i['mirror'] for i in qsd.cmd('query-hybrid')]
+            self.assertEqual((m['matched-writes'], m['block-writes'], m['counted-blocks'],
+                              m['matched-blocks'], m['bytes']),
+                             (5, 0, 5, RAM // BLOCK - 5, 4 * BLOCK + 4096), m)
+            block10 = self.mirror_data(mirror)[10 * BLOCK:11 * BLOCK]
+            self.assertEqual(block10, b'\x33' * 4096 + b'\x5b' * 4096 + b'\x33' * (BLOCK - 8192))
+            io.cmd('flush')
+            [m] = [i['mirror'] for i in qsd.cmd('query-hybrid')]
+            self.assertEqual((m['counted-blocks'], m['matched-blocks'], m['uncounted-blocks']),
+                             (0, RAM // BLOCK, 5), m)
+            io.cmd(f'write -P 0x5c {100 * BLOCK} 4096')     # matched again
+        finally:
+            qsd.kill()
+        self.assertEqual(self.failover(img, mirror), (True, 1))
+        data = self.image_bytes(img)
+        self.assertEqual(data[100 * BLOCK:101 * BLOCK], b'\x5c' * 4096 + b'\x5a' * (BLOCK - 4096))
+        self.assertEqual(data[101 * BLOCK:104 * BLOCK], b'\x5a' * 3 * BLOCK)
+        self.assertEqual(data[10 * BLOCK + 4096:10 * BLOCK + 8192], b'\x5b' * 4096)
+        self.assertEqual(data[:10 * BLOCK], b'\x33' * 10 * BLOCK)
+
+    def test_bits_without_the_bytes_change_nothing(self):
+        """What a matched first write relies on: a kill that lands a
+        block's bits in the mirror but not its bytes (set here by hand in
+        the killed writer's mirror) leaves a counted copy that is the
+        image's own block: the failover takes it and the image is
+        unchanged."""
+        img, mirror = self.image(), self.mirror()
+        io = self.qemu_io(f'driver=hybrid,file.driver=file,file.filename={img}')
+        for i in range(16):
+            io.cmd(f'write -P {0x20 + i} {i * BLOCK} {BLOCK}')
+        self.assertEqual(io.quit(), 0)
+        self.procs.remove(io)
+        before = self.image_bytes(img)
+        qsd = self.daemon('file,node-name=m0,filename=' + mirror,
+                          'file,node-name=f0,filename=' + img,
+                          'hybrid,node-name=h0,file=f0,mirror=m0,mode=async')
+        try:
+            self.prefilled(qsd)
+        finally:
+            qsd.kill()
+        bitmap = RAM // BLOCK // 8
+        with open(mirror, 'r+b') as f:
+            for which in (0, 1):                    # valid, dirty: block 7
+                f.seek(4096 + which * bitmap)
+                f.write(bytes([0x80]))
+        self.assertEqual(self.failover(img, mirror), (True, 1))
+        self.assertEqual(self.image_bytes(img), before)
+
+    def test_a_write_through_of_a_counted_block_reaches_the_mirror(self):
+        """With a write-back error pending, writes go to the persistent tier
+        (as in sync mode); a block the mirror still counts (its own
+        write-back failed) takes such a write too, or a failover would write
+        its older copy back over it."""
+        img, mirror = self.image(), self.mirror()
+        off = H.img_info(img)['format-specific']['data']['data-offset']
+        # block 0's second 4 KiB cannot be written: its write-back fails,
+        # a write of its first 4 KiB succeeds
+        bad = ('{"driver": "blkdebug", "node-name": "f0", "image": "f1", "inject-error": '
+               f'[{{"event": "pwritev", "errno": 5, "sector": {(off + 4096) // 512}, '
+               '"once": false}]}')
+        qsd = self.daemon('file,node-name=m0,filename=' + mirror,
+                          'file,node-name=f1,filename=' + img, bad,
+                          'hybrid,node-name=h0,file=f0,mirror=m0,mode=async')
+        try:
+            io = self.nbd_io()
+            io.cmd(f'write -P 0x61 0 {BLOCK}')
+            io.cmd('flush')     # its write-back fails
+            deadline = time.monotonic() + 30
+            while True:
+                [info] = qsd.cmd('query-hybrid')
+                if 'error' in info or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            self.assertIn('Input/output error', info.get('error', ''), info)
+            self.assertEqual(info['mirror']['counted-blocks'], 1, info)
+            self.assertNotRegex(io.cmd('write -P 0x62 0 4096'), H.FAILED_RE)
+        finally:
+            qsd.kill()
+        self.assertEqual(self.failover(img, mirror), (True, 1))
+        data = self.image_bytes(img)
+        self.assertEqual(data[:BLOCK], b'\x62' * 4096 + b'\x61' * (BLOCK - 4096))
+
+    def test_a_sync_write_unmatches_a_block(self):
+        """A write in sync mode (hybrid-set-mode) changes the persistent
+        tier without the mirror: the block's copy there is no longer the
+        tier's, so its next first write in async mode goes whole, and a
+        failover after a kill has both writes."""
+        img, mirror = self.image(), self.mirror()
+        qsd = self.daemon('file,node-name=m0,filename=' + mirror,
+                          'file,node-name=f0,filename=' + img,
+                          'hybrid,node-name=h0,file=f0,mirror=m0,mode=async')
+        try:
+            self.prefilled(qsd)
+            io = self.nbd_io()
+            for mode, pattern, offset in (('sync', 0x71, 0), ('async', 0x72, 8192)):
+                r = qsd.qmp('hybrid-set-mode', **{'node-name': 'h0', 'mode': mode})
+                self.assertNotIn('error', r)
+                self.assertNotRegex(io.cmd(f'write -P {pattern} {3 * BLOCK + offset} 4096'),
+                                    H.FAILED_RE)
+            [m] = [i['mirror'] for i in qsd.cmd('query-hybrid')]
+            self.assertEqual((m['block-writes'], m['matched-writes'], m['counted-blocks']),
+                             (1, 0, 1), m)
+        finally:
+            qsd.kill()
+        self.assertEqual(self.failover(img, mirror), (True, 1))
+        data = self.image_bytes(img)
+        self.assertEqual(data[3 * BLOCK:3 * BLOCK + 4096], b'\x71' * 4096)
+        self.assertEqual(data[3 * BLOCK + 8192:3 * BLOCK + 12288], b'\x72' * 4096)
 
     def test_resized_image_keeps_its_mirror(self):
         """A resize while blocks are mirrored: the mirror's header follows
@@ -311,8 +465,7 @@ class MirrorTest(unittest.TestCase):
         img, mirror = self.image(), self.mirror()
         sector = (2 * MiB + 5 * BLOCK) // 512
         qsd = self.daemon('file,node-name=mf,filename=' + mirror, failing_mirror(sector),
-                          'file,node-name=f0,filename=' + img,
-                          'hybrid,node-name=h0,file=f0,mirror=m0,mode=async')
+                          'file,node-name=f0,filename=' + img, FAILING_H0)
         try:
             uri = f'nbd+unix:///h0?socket={self.tmp("nbd.sock")}'
             out = H.qemu_io('-f', 'raw', '-c', f'write -P 0x33 0 {8 * BLOCK}',
@@ -350,7 +503,7 @@ class MirrorTest(unittest.TestCase):
                      'file,node-name=f1,filename=' + img,
                      '{"driver": "throttle", "node-name": "f0", "file": "f1", '
                      '"throttle-group": "tg0"}',
-                     'hybrid,node-name=h0,file=f0,mirror=m0,mode=async']
+                     FAILING_H0]
         # a slow persistent tier: the blocks are still counted (not yet
         # written back) when the mirror fails
         qsd = H.StorageDaemon(
@@ -418,7 +571,9 @@ class MirrorTest(unittest.TestCase):
             self.assertEqual((m['counted-blocks'], m['block-writes']), (4, 4), m)
             io.cmd(f'write -P 0x7f {20 * BLOCK} {BLOCK}')
             [m] = [i['mirror'] for i in qsd.cmd('query-hybrid')]
-            self.assertEqual((m['counted-blocks'], m['block-writes']), (5, 5), m)
+            # whole, or with its bits if the prefill has matched it
+            self.assertEqual((m['counted-blocks'], m['block-writes'] + m['matched-writes']),
+                             (5, 5), m)
         finally:
             qsd.kill()
         self.assertEqual(self.failover(img, mirror), (True, 5))
@@ -436,8 +591,7 @@ class MirrorTest(unittest.TestCase):
         img, mirror, new = self.image(), self.mirror(), self.mirror('new')
         sector = (2 * MiB + 5 * BLOCK) // 512
         qsd = self.daemon('file,node-name=mf,filename=' + mirror, failing_mirror(sector),
-                          'file,node-name=f0,filename=' + img,
-                          'hybrid,node-name=h0,file=f0,mirror=m0,mode=async',
+                          'file,node-name=f0,filename=' + img, FAILING_H0,
                           'file,node-name=m1,filename=' + new)
         try:
             io = self.nbd_io()
