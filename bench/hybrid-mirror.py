@@ -14,7 +14,12 @@ off: cache.direct=on, so a write to RBD is a round trip to the OSD):
   mirrored-async   the same, with mirror= an NBD export over TLS (PSK) of a
                    /dev/shm file on host b (qemu-storage-daemon on b, as
                    block/tests/test_hybrid_mirror_hosts.py sets it up): an
-                   async write completes once a's RAM tier and b hold it
+                   async write completes once a's RAM tier and b hold it;
+                   measured once its prefill is done (query-hybrid), so a
+                   block's first write sends its bits with its bytes
+  mirrored-whole   the same with mirror-prefill=off (its own export on b): a
+                   block's first write goes whole, then its bits, two round
+                   trips (the mirror before the prefill)
   sync-rbd         hybrid mode=sync: a write completes once RBD holds it
   sync-rbd-aa      the same again, its own image and daemon: the A/A
                    control of the baseline of the IOPS target
@@ -75,7 +80,10 @@ from saved_runs import add_report_args, load_saved   # noqa: E402
 from pooled_stats import geo_mean_ci, mean, mean_ci, ratio_ci, rotated, verdict   # noqa: E402
 
 MiB = 1024 * 1024
-NAMES = ['local-async', 'mirrored-async', 'sync-rbd', 'sync-rbd-aa', 'raw-rbd']
+NAMES = ['local-async', 'mirrored-async', 'mirrored-whole', 'sync-rbd', 'sync-rbd-aa',
+         'raw-rbd']
+# the mirrored configurations: their export on host b
+MIRROR_EXPORTS = {'mirrored-async': 'm0', 'mirrored-whole': 'm1'}
 QDS = [1, 32]
 MIRROR_PORT = 10809
 PING_PORT = 7777
@@ -98,6 +106,9 @@ RATIOS = [
     ('p99_us', 32, 'mirrored-async', 'local-async', None),
     ('iops', 1, 'local-async', 'sync-rbd', None),
     ('iops', 1, 'sync-rbd', 'raw-rbd', None),
+    ('iops', 1, 'mirrored-async', 'mirrored-whole', None),
+    ('iops', 32, 'mirrored-async', 'mirrored-whole', None),
+    ('iops', 1, 'mirrored-whole', 'sync-rbd', None),
     ('iops', 32, 'sync-rbd', 'raw-rbd', None),
 ]
 
@@ -231,10 +242,12 @@ class Node:
         self.name, self.b = name, bench
         self.hybrid = name != 'raw-rbd'
         self.mode = 'sync' if name.startswith('sync') else 'async'
-        self.mirror = name == 'mirrored-async'
+        self.mirror = MIRROR_EXPORTS.get(name)
+        self.prefill = name == 'mirrored-async'
         self.image = name.replace('-', '')
         self.qsd = None
         self.counters = None
+        self.prefill_s = None
 
     def create_image(self):
         b = self.b
@@ -256,7 +269,8 @@ class Node:
                          f'dir={b.psk},username=hybrid']
                 hyb += (f',mirror.driver=nbd,mirror.server.type=inet,'
                         f'mirror.server.host={b.hb.addr},mirror.server.port={MIRROR_PORT},'
-                        'mirror.export=m0,mirror.tls-creds=tls0')
+                        f'mirror.export={self.mirror},mirror.tls-creds=tls0,'
+                        f'mirror-prefill={"on" if self.prefill else "off"}')
             args += ['--blockdev', hyb]
         else:
             args = ['--blockdev', rbd + ',node-name=n']
@@ -273,10 +287,28 @@ class Node:
             if self.mirror and self.info()['mirror']['degraded']:
                 raise RuntimeError(f'{self.name}: mirror degraded at start: '
                                    f'{self.info()["mirror"]}')
+            if self.prefill:
+                t0 = time.monotonic()
+                self.wait_prefilled(t0 + 600)
+                self.prefill_s = round(time.monotonic() - t0, 2)
             self.counters = self.snapshot()
 
     def info(self):
         return self.qsd.cmd('query-hybrid', **{'node-name': 'n'})[0]
+
+    def prefilled(self):
+        m = self.info()['mirror']
+        if m['degraded']:
+            raise RuntimeError(f'{self.name}: the mirror degraded: {m}')
+        return not m['prefilling'] and \
+            m['matched-blocks'] + m['counted-blocks'] == self.b.size // self.b.block_size
+
+    def wait_prefilled(self, deadline):
+        while not self.prefilled():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f'{self.name}: the prefill did not end: '
+                                   f'{self.info()["mirror"]}')
+            time.sleep(0.1)
 
     def snapshot(self):
         i = self.info()
@@ -288,7 +320,7 @@ class Node:
             m = i['mirror']
             s.update(m_bytes=m['bytes'], m_writes=m['writes'],
                      m_block_writes=m['block-writes'], m_degraded=m['degraded'],
-                     m_counted=m['counted-blocks'])
+                     m_counted=m['counted-blocks'], m_matched_writes=m['matched-writes'])
         return s
 
     def begin(self):
@@ -312,7 +344,8 @@ class Node:
         while True:
             i = self.info()
             done = i['dirty-bytes'] == 0 and \
-                ('mirror' not in i or i['mirror']['counted-blocks'] == 0)
+                ('mirror' not in i or i['mirror']['counted-blocks'] == 0) and \
+                (not self.prefill or self.prefilled())
             if done or time.monotonic() - t0 > timeout:
                 return round(flush_s, 2), round(time.monotonic() - t0, 2), done
             time.sleep(0.1)
@@ -341,6 +374,7 @@ class Node:
             p.update(mirror_bytes=mid['m_bytes'] - old['m_bytes'],
                      mirror_writes=mid['m_writes'] - old['m_writes'],
                      mirror_block_writes=mid['m_block_writes'] - old['m_block_writes'],
+                     mirror_matched_writes=mid['m_matched_writes'] - old['m_matched_writes'],
                      mirror_counted_at_end=mid['m_counted'])
         return p
 
@@ -376,13 +410,15 @@ class Bench:
         os.makedirs(self.psk)
         with open(os.path.join(self.psk, 'keys.psk'), 'w') as f:
             f.write(f'hybrid:{os.urandom(16).hex()}\n')
-        hb.run(['truncate', '-s', str(self.size + 2 * MiB), '/dev/shm/mirror'])
+        exports = []
+        for m in MIRROR_EXPORTS.values():
+            hb.run(['truncate', '-s', str(self.size + 2 * MiB), f'/dev/shm/mirror-{m}'])
+            exports += ['--blockdev', f'file,node-name={m},filename=/dev/shm/mirror-{m}',
+                        '--export', f'nbd,id=e{m},node-name={m},writable=on']
         self.mirror_qsd = Daemon(hb, 'mirror', self.qsd, [
             '--object', f'tls-creds-psk,id=tls0,endpoint=server,dir={self.psk}',
-            '--blockdev', 'file,node-name=m0,filename=/dev/shm/mirror',
             '--nbd-server', f'addr.type=inet,addr.host={hb.addr},'
-                            f'addr.port={MIRROR_PORT},tls-creds=tls0',
-            '--export', 'nbd,id=e0,node-name=m0,writable=on'])
+                            f'addr.port={MIRROR_PORT},tls-creds=tls0'] + exports)
         self.ping_srv = hb.popen([sys.executable, '-c', PING_SERVER, hb.addr, PING_PORT],
                                  stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
@@ -517,7 +553,8 @@ class Bench:
                             runs.append(r)
                             print(json.dumps(r), flush=True)
                     meta.setdefault('ceph_used', []).append(self.ceph_used())
-                meta['mirror_at_end'] = nodes['mirrored-async'].info()['mirror']
+                meta['mirror_at_end'] = {n: nodes[n].info()['mirror'] for n in MIRROR_EXPORTS}
+                meta['prefill_s'] = nodes['mirrored-async'].prefill_s
             except BaseException:
                 self.diagnose()
                 raise
@@ -565,6 +602,8 @@ def summarize(runs, pings):
                         mirror_bytes_per_write=sum(p['mirror_bytes'] for p in prs)
                         / max(1, writes),
                         block_copies_per_write=sum(p['mirror_block_writes'] for p in prs)
+                        / max(1, writes),
+                        matched_per_write=sum(p.get('mirror_matched_writes', 0) for p in prs)
                         / max(1, writes),
                         to_b_per_written=sum(p['to_b'] for p in prs) / max(1, 4096 * writes))
     rtt = {}
@@ -651,7 +690,15 @@ def report(args, runs, pings, meta, summary):
              '* **mirrored-async**: the same with `mirror=` an NBD export over TLS '
              '(PSK) of a `/dev/shm` file on host b (qemu-storage-daemon on b, as '
              'block/tests/test_hybrid_mirror_hosts.py sets it up): an async write '
-             'completes once a\'s RAM tier and b hold it;',
+             'completes once a\'s RAM tier and b hold it; measured once its '
+             'prefill has ended (the tier\'s clean blocks copied to b: here all zero, '
+             'sent as write-zeroes' + (f', {meta["prefill_s"]} s after the restore'
+                                      if meta.get('prefill_s') is not None else '') +
+             '), so a block\'s first write sends its bitmap bits with its bytes, one '
+             'round trip;',
+             '* **mirrored-whole**: the same with `mirror-prefill=off` and its own '
+             'export on b: a block\'s first write goes whole, then its bits, two '
+             'round trips (the mirror as it was before the prefill);',
              '* **sync-rbd**: hybrid `mode=sync`: a write completes once RBD holds it;',
              '* **sync-rbd-aa**: the same again, its own image and daemon: the '
              'A/A control, of sync-rbd because it is the baseline of the IOPS '
@@ -717,17 +764,19 @@ def report(args, runs, pings, meta, summary):
                          f'[{r["lo"]:.2f}, {r["hi"]:.2f}]: **{r["verdict"]}**')
     lines += ['', '## Where the bytes went', '',
               'Summed over the rounds, from query-hybrid and the links\' tbf '
-              'counters: the mirror\'s bytes and whole-block copies (a block\'s '
-              'first write since it was written back is copied whole, 64 KiB, '
-              'then its bitmap bits are set) per guest write; bytes a sent to '
+              'counters: the mirror\'s bytes, whole-block copies (a block\'s '
+              'first write whose copy on b is not known to be the tier\'s is '
+              f'copied whole, {args.block_size}, then its bitmap bits are set) and '
+              'matched first writes (bytes and bits at once) per guest write; bytes a sent to '
               'b and to Ceph per byte written (including the settle after each '
               'run); mean link rate a->b and a->Ceph during the runs (over '
               f'{args.runtime} s + 1 s ramp); the settle time after a run (the '
               'flush, and the wait until the node shows it).', '',
               '| node | QD | writes | to mirror B/write | whole-block copies/write '
+              '| matched first writes/write '
               '| a->b B/B written | a->Ceph B/B written | a->b MB/s | a->Ceph MB/s '
               '| settle s |',
-              '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|']
+              '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|']
     for qd in QDS:
         for n in NAMES:
             p = summary['nodes'].get(f'{n}@{qd}', {}).get('profile')
@@ -737,6 +786,7 @@ def report(args, runs, pings, meta, summary):
                 f'| {n} | {qd} | {p["writes"]} | '
                 f'{p.get("mirror_bytes_per_write", 0):.0f} | '
                 f'{p.get("block_copies_per_write", 0):.2f} | '
+                f'{p.get("matched_per_write", 0):.2f} | '
                 f'{p.get("to_b_per_written", 0):.2f} | {p["to_ceph_per_written"]:.2f} | '
                 f'{p["run_to_b_MBps"]:.1f} | {p["run_to_ceph_MBps"]:.1f} | '
                 f'{p["settle_s"]:.1f}{"" if p["drained"] else " (not drained)"} |')
