@@ -454,7 +454,7 @@ static bool mirror_prefillable(HybridSlot *slot)
 /*
  * Copy clean blocks into the mirror in the background, so that it holds
  * what the persistent tier holds (MATCHED) and a block's first write
- * sends its bits with its bytes.  Runs of blocks under BUSY, as many
+ * sends its valid bit with its bytes (their dirty bits are set here).  Runs of blocks under BUSY, as many
  * bytes per request as HYBRID_MIRROR_PREFILL (zero blocks as write-zeroes,
  * HYBRID_MIRROR_PREFILL_ZERO); one request at a time, so that guest
  * writes keep most of the link.  Stops when drained (the end of the
@@ -488,6 +488,9 @@ static void coroutine_fn GRAPH_RDLOCK mirror_prefill_run(BDRVHybridState *s)
                    : bdrv_co_pwrite(s->mirror, off, len,
                                     hybrid_ram_plain_ptr(s, first), 0);
         trace_hybrid_mirror_prefill(s, first, n, zero, ret);
+        if (!zero && ret == 0) {
+            s->mirror_bytes += len;
+        }
         for (uint64_t i = 0; i < n; i++) {
             HybridSlot *slot = &s->slots[first + i];
 
@@ -501,6 +504,21 @@ static void coroutine_fn GRAPH_RDLOCK mirror_prefill_run(BDRVHybridState *s)
         if (ret < 0) {
             mirror_fail(s, ret);
             break;
+        }
+        /*
+         * Their dirty bits too (not counted while the valid bit is clear),
+         * so that a first write has one bitmap sector to write, not two
+         */
+        for (uint64_t i = 0; i < n; i++) {
+            if (!test_and_set_bit(first + i, mirror_dirty(s))) {
+                s->mirror_sectors[mirror_sector(s, 1, first + i)].gen++;
+            }
+        }
+        for (uint32_t sec = mirror_sector(s, 1, first);
+             sec <= mirror_sector(s, 1, first + n - 1); sec++) {
+            if (mirror_commit(s, sec) < 0) {
+                return;
+            }
         }
     }
 }

@@ -311,13 +311,15 @@ class MirrorTest(unittest.TestCase):
             self.assertEqual((m['matched-blocks'], m['counted-blocks']), (RAM // BLOCK, 0), m)
             self.assertEqual(self.mirror_data(mirror), tier,
                              "the prefilled mirror's data is not the image's")
+            # the prefill sent the non-zero blocks' bytes only
+            self.assertEqual(m['bytes'], 64 * BLOCK, m)
             io = self.nbd_io()
             io.cmd(f'write -P 0x5a {100 * BLOCK} {4 * BLOCK}')
             io.cmd(f'write -P 0x5b {10 * BLOCK + 4096} 4096')
             [m] = [i['mirror'] for i in qsd.cmd('query-hybrid')]
             self.assertEqual((m['matched-writes'], m['block-writes'], m['counted-blocks'],
                               m['matched-blocks'], m['bytes']),
-                             (5, 0, 5, RAM // BLOCK - 5, 4 * BLOCK + 4096), m)
+                             (5, 0, 5, RAM // BLOCK - 5, 68 * BLOCK + 4096), m)
             block10 = self.mirror_data(mirror)[10 * BLOCK:11 * BLOCK]
             self.assertEqual(block10, b'\x33' * 4096 + b'\x5b' * 4096 + b'\x33' * (BLOCK - 8192))
             io.cmd('flush')
