@@ -18,8 +18,9 @@ off: cache.direct=on, so a write to RBD is a round trip to the OSD):
                    measured once its prefill is done (query-hybrid), so a
                    block's first write sends its bits with its bytes
   mirrored-whole   the same with mirror-prefill=off (its own export on b): a
-                   block's first write goes whole, then its bits, two round
-                   trips (the mirror before the prefill)
+                   block not written in this binding goes whole on its first
+                   write, then its bits, two round trips (a block written
+                   back and flushed since is matched: its bytes with its bit)
   sync-rbd         hybrid mode=sync: a write completes once RBD holds it
   sync-rbd-aa      the same again, its own image and daemon: the A/A
                    control of the baseline of the IOPS target
@@ -540,7 +541,7 @@ class Bench:
                     pr = self.ping(rnd)
                     pings.append(pr)
                     print(json.dumps(pr), flush=True)
-                    qds = QDS if rnd % 2 == 0 else QDS[::-1]
+                    qds = args.qds if rnd % 2 == 0 else args.qds[::-1]
                     for n in rotated(NAMES, rnd):
                         node = nodes[n]
                         for qd in qds:
@@ -671,7 +672,8 @@ def report(args, runs, pings, meta, summary):
              f'no added delay: this kernel has no netem).  On host a one '
              f'qemu-storage-daemon per configuration exports its node over an '
              f'NBD unix socket; fio\'s nbd engine, also on host a, writes 4 KiB '
-             f'at random over the whole {args.size} node at QD1 and QD32, '
+             f'at random over the whole {args.size} node at '
+             f'{" and ".join(f"QD{q}" for q in getattr(args, "qds", QDS))}, '
              f'{args.runtime} s per run (+1 s ramp).  {args.rounds} rounds, each '
              f'running every configuration once in an order rotated from round '
              f'to round (QD1 then QD32; QD32 first in odd rounds); after each '
@@ -697,8 +699,10 @@ def report(args, runs, pings, meta, summary):
              '), so a block\'s first write sends its bitmap bits with its bytes, one '
              'round trip;',
              '* **mirrored-whole**: the same with `mirror-prefill=off` and its own '
-             'export on b: a block\'s first write goes whole, then its bits, two '
-             'round trips (the mirror as it was before the prefill);',
+             'export on b: a block not yet written in this binding goes whole on its '
+             'first write, then its bits, two round trips (as every first write did '
+             'before the prefill); one written back and flushed since (by the settle '
+             'after each run) is matched, its bytes sent with its bit;',
              '* **sync-rbd**: hybrid `mode=sync`: a write completes once RBD holds it;',
              '* **sync-rbd-aa**: the same again, its own image and daemon: the '
              'A/A control, of sync-rbd because it is the baseline of the IOPS '
@@ -854,6 +858,8 @@ def main():
     ap.add_argument('--settle', type=int, default=180,
                     help='at most this many s to wait for a hybrid node to '
                     'drain after a run (a flush over its export)')
+    ap.add_argument('--qds', default='1,32', type=lambda v: [int(x) for x in v.split(',')],
+                    help='queue depths, of 1 and 32 (a quick look: 1)')
     add_report_args(ap)
     args = ap.parse_args()
     if args.report_only:
