@@ -323,6 +323,18 @@ FAILED_RE = re.compile(r'^(aio_write|write|flush) failed', re.M)
 WROTE_RE = re.compile(r'^wrote (\d+)/\d+ bytes at offset (\d+)$', re.M)
 
 
+def loaded_kills(aio, depth=32):
+    """Whether the kill rounds without flushes (run_aio counts, aio[0::2])
+    stressed what they should: each killed with writes in flight after
+    having at least half of `depth` in flight, and one the whole `depth`.
+    How many pile up depends on how fast the node completes them (a busy
+    host, the mirror's one-round-trip first writes), not on the node's
+    correctness, which the check after each kill proves."""
+    rounds = aio[0::2]
+    return (all(a['left'] and a['max_in_flight'] >= depth // 2 for a in rounds) and
+            any(a['max_in_flight'] == depth for a in rounds))
+
+
 class WriteModel:
     """Random 4 KiB pattern writes through a QemuIo, and what a read of each
     slot may return after the writer is killed.
