@@ -273,6 +273,15 @@ static int coroutine_fn GRAPH_RDLOCK mirror_put_counted(BDRVHybridState *s,
     return ret < 0 ? ret : mirror_mark(s, idx);
 }
 
+/* Block @idx's copy in the mirror is no longer known to be the tier's */
+static void mirror_unmatch(BDRVHybridState *s, HybridSlot *slot)
+{
+    if (slot->flags & HYBRID_SLOT_MATCHED) {
+        slot->flags &= ~HYBRID_SLOT_MATCHED;
+        s->mirror_matched--;
+    }
+}
+
 /*
  * First write of block @idx since its copy in the mirror was found to be
  * the persistent tier's (MATCHED): the request's bytes and the block's
@@ -289,8 +298,7 @@ mirror_put_matched(BDRVHybridState *s, uint64_t idx, uint64_t off,
                        .qiov = qiov, .qoff = qoff };
     int ret, ret2;
 
-    s->slots[idx].flags &= ~HYBRID_SLOT_MATCHED;
-    s->mirror_matched--;
+    mirror_unmatch(s, &s->slots[idx]);
     s->mirror_matched_writes++;
     mirror_side_start(&c);
     ret = mirror_mark(s, idx);
@@ -352,10 +360,7 @@ hybrid_mirror_write_through(BDRVHybridState *s, uint64_t idx, uint32_t boff,
     if (!hybrid_mirror_active(s)) {
         return 0;
     }
-    if (slot->flags & HYBRID_SLOT_MATCHED) {
-        slot->flags &= ~HYBRID_SLOT_MATCHED;
-        s->mirror_matched--;
-    }
+    mirror_unmatch(s, slot);
     if (!(slot->flags & HYBRID_SLOT_MIRRORED)) {
         return 0;
     }
