@@ -100,10 +100,12 @@ class MirrorTest(unittest.TestCase):
         m = f',mirror.driver=file,mirror.filename={mirror}' if mirror else ''
         return f'driver=hybrid,mode=async,{tier}{m}{extra}'
 
-    def daemon(self, *blockdevs):
-        """qemu-storage-daemon with the -blockdev JSON/keyval @blockdevs,
-        the hybrid node h0 among them, exported over NBD."""
-        args = [x for b in blockdevs for x in ('--blockdev', b)]
+    def daemon(self, *blockdevs, objects=()):
+        """qemu-storage-daemon with the -object @objects and the -blockdev
+        JSON/keyval @blockdevs, the hybrid node h0 among them, exported
+        over NBD."""
+        args = [x for o in objects for x in ('--object', o)] + \
+            [x for b in blockdevs for x in ('--blockdev', b)]
         return H.StorageDaemon(
             self.tmp, *args,
             '--nbd-server', f'addr.type=unix,addr.path={self.tmp("nbd.sock")}',
@@ -508,11 +510,7 @@ class MirrorTest(unittest.TestCase):
                      FAILING_H0]
         # a slow persistent tier: the blocks are still counted (not yet
         # written back) when the mirror fails
-        qsd = H.StorageDaemon(
-            self.tmp, '--object', 'throttle-group,id=tg0,x-bps-write=131072',
-            *[x for b in blockdevs for x in ('--blockdev', b)],
-            '--nbd-server', f'addr.type=unix,addr.path={self.tmp("nbd.sock")}',
-            '--export', 'nbd,id=e0,node-name=h0,writable=on')
+        qsd = self.daemon(*blockdevs, objects=['throttle-group,id=tg0,x-bps-write=131072'])
         try:
             io = self.nbd_io()
             for i in range(10, 18):
