@@ -652,7 +652,8 @@ class MirrorTest(unittest.TestCase):
     def test_bad_options(self):
         img, mirror = self.image(), self.mirror()
         for extra, msg in ((',dedup=on', 'dedup=on'),
-                           (f',ram-file={self.mirror("r")}', 'ram-file given')):
+                           (f',ram-file={self.mirror("r")}', 'ram-file given'),
+                           (',mirror-prefill=maybe', "'mirror-prefill' expects")):
             self.assertIn(msg, self.fails_to_open(self.opts(img, mirror, extra)))
         small = self.mirror('small', MIRROR_SIZE - 4096)
         self.assertRegex(self.fails_to_open(self.opts(img, small)),
