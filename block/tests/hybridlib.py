@@ -75,6 +75,27 @@ def img_info(path, fmt='hybrid'):
     return json.loads(qemu_img('info', '--output=json', '-f', fmt, path).stdout)
 
 
+TLS_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'tls-session-shim.c')
+
+
+def build_tls_shim(out):
+    """Build tls-session-shim.c into the shared object @out: loaded with
+    LD_PRELOAD into a QEMU program, it appends the description of each TLS
+    session the program completes to $HYBRIDVM_TLS_LOG.  Raises
+    unittest.SkipTest without GnuTLS's headers, AssertionError with the
+    compiler's output when the build fails."""
+    flags = subprocess.run(['pkg-config', '--cflags', '--libs', 'gnutls'],
+                           capture_output=True, text=True)
+    if flags.returncode or not shutil.which('gcc'):
+        raise unittest.SkipTest('building the TLS shim needs gcc and GnuTLS\'s '
+                                'headers (libgnutls28-dev, as QEMU\'s build does)')
+    r = subprocess.run(['gcc', '-shared', '-fPIC', '-Wall', '-Werror', '-o', out, TLS_SHIM]
+                       + flags.stdout.split() + ['-ldl'], capture_output=True, text=True)
+    if r.returncode:
+        raise AssertionError(f'building the TLS shim failed:\n{r.stderr}')
+    return out
+
+
 class TempDir:
     def __init__(self):
         self.path = tempfile.mkdtemp(prefix='hybrid-test-')
