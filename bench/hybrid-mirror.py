@@ -21,6 +21,11 @@ off: cache.direct=on, so a write to RBD is a round trip to the OSD):
                    block not written in this binding goes whole on its first
                    write, then its bits, two round trips (a block written
                    back and flushed since is matched: its bytes with its bit)
+  mirrored-chacha  mirrored-async with the mirror's TLS session on ChaCha20-
+                   Poly1305 (its own export on b; the client offers no AES
+                   suite): what a QEMU configured with GnuTLS's plain NORMAL
+                   negotiates over a PSK, the baseline of our build's
+                   --tls-priority (scripts/build-qemu.sh)
   sync-rbd         hybrid mode=sync: a write completes once RBD holds it
   sync-rbd-aa      the same again, its own image and daemon: the A/A
                    control of the baseline of the IOPS target
@@ -81,10 +86,15 @@ from saved_runs import add_report_args, load_saved   # noqa: E402
 from pooled_stats import geo_mean_ci, mean, mean_ci, ratio_ci, rotated, verdict   # noqa: E402
 
 MiB = 1024 * 1024
-NAMES = ['local-async', 'mirrored-async', 'mirrored-whole', 'sync-rbd', 'sync-rbd-aa',
-         'raw-rbd']
+NAMES = ['local-async', 'mirrored-async', 'mirrored-whole', 'mirrored-chacha', 'sync-rbd',
+         'sync-rbd-aa', 'raw-rbd']
 # the mirrored configurations: their export on host b
-MIRROR_EXPORTS = {'mirrored-async': 'm0', 'mirrored-whole': 'm1'}
+MIRROR_EXPORTS = {'mirrored-async': 'm0', 'mirrored-whole': 'm1', 'mirrored-chacha': 'm2'}
+# the prefilled mirrored configurations
+PREFILLED = ('mirrored-async', 'mirrored-chacha')
+# mirrored-chacha's client: GnuTLS's NORMAL without the AES suites, so that
+# the session takes ChaCha20-Poly1305 whatever the server prefers
+CHACHA_PRIORITY = 'NORMAL:-AES-256-GCM:-AES-128-GCM:-AES-256-CCM:-AES-128-CCM'
 QDS = [1, 32]
 MIRROR_PORT = 10809
 PING_PORT = 7777
@@ -110,6 +120,10 @@ RATIOS = [
     ('iops', 1, 'mirrored-async', 'mirrored-whole', None),
     ('iops', 32, 'mirrored-async', 'mirrored-whole', None),
     ('iops', 1, 'mirrored-whole', 'sync-rbd', None),
+    ('iops', 1, 'mirrored-async', 'mirrored-chacha', None),
+    ('iops', 32, 'mirrored-async', 'mirrored-chacha', None),
+    ('p99_us', 1, 'mirrored-async', 'mirrored-chacha', None),
+    ('iops', 1, 'mirrored-chacha', 'sync-rbd', None),
     ('iops', 32, 'sync-rbd', 'raw-rbd', None),
 ]
 
@@ -177,7 +191,7 @@ class Daemon:
     """qemu-storage-daemon inside a host, with a QMP monitor on a unix
     socket in the host's files directory (the same path on the machine)."""
 
-    def __init__(self, host, name, qsd, args):
+    def __init__(self, host, name, qsd, args, env=None):
         from qemu.qmp import ConnectError
         from qemu.qmp.legacy import QEMUMonitorProtocol
         self.host, self.name = host, name
@@ -190,7 +204,7 @@ class Daemon:
         self.proc = host.popen(
             [qsd, '--chardev', f'socket,id=qmp,path={self.qmp_sock},server=on,wait=off',
              '--mon', 'chardev=qmp,mode=control'] + list(args),
-            stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT)
+            stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.mon = None
         deadline = time.monotonic() + 60
         while True:
@@ -244,7 +258,7 @@ class Node:
         self.hybrid = name != 'raw-rbd'
         self.mode = 'sync' if name.startswith('sync') else 'async'
         self.mirror = MIRROR_EXPORTS.get(name)
-        self.prefill = name == 'mirrored-async'
+        self.prefill = name in PREFILLED
         self.image = name.replace('-', '')
         self.qsd = None
         self.counters = None
@@ -266,8 +280,9 @@ class Node:
             args = ['--blockdev', rbd + ',node-name=f']
             hyb = f'driver=hybrid,node-name=n,mode={self.mode},file=f'
             if self.mirror:
+                prio = f',priority={CHACHA_PRIORITY}' if self.name == 'mirrored-chacha' else ''
                 args += ['--object', f'tls-creds-psk,id=tls0,endpoint=client,'
-                         f'dir={b.psk},username=hybrid']
+                         f'dir={b.psk},username=hybrid{prio}']
                 hyb += (f',mirror.driver=nbd,mirror.server.type=inet,'
                         f'mirror.server.host={b.hb.addr},mirror.server.port={MIRROR_PORT},'
                         f'mirror.export={self.mirror},mirror.tls-creds=tls0,'
@@ -278,7 +293,11 @@ class Node:
         d = os.path.join(b.ha.files, self.name)
         args += ['--nbd-server', f'addr.type=unix,addr.path={d}/nbd.sock',
                  '--export', 'type=nbd,id=e,node-name=n,name=n,writable=on']
-        self.qsd = Daemon(b.ha, self.name, b.qsd, args)
+        env = None
+        if self.mirror:
+            self.tls_log = os.path.join(b.ha.files, self.name, 'tls.log')
+            env = dict(os.environ, LD_PRELOAD=b.tls_shim, HYBRIDVM_TLS_LOG=self.tls_log)
+        self.qsd = Daemon(b.ha, self.name, b.qsd, args, env=env)
         if self.hybrid:
             deadline = time.monotonic() + 600
             while not self.info()['restore-done']:
@@ -404,6 +423,8 @@ class Bench:
         self.qsd = os.path.join(d, 'qemu-storage-daemon')
         self.qemu_img = os.path.join(d, 'qemu-img')
         self.qemu_io = os.path.join(d, 'qemu-io')
+        # the mirrored nodes' daemons log the TLS suite they settle on
+        self.tls_shim = H.build_tls_shim(os.path.join(d, 'tls-session-shim.so'))
 
     def start_mirror_host(self):
         hb = self.hb
@@ -429,6 +450,20 @@ class Bench:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f'nothing listens on b:{port}')
                 time.sleep(0.1)
+
+    def tls_suites(self, nodes):
+        """The TLS session description each mirrored node's daemon logged
+        (tls-session-shim.c); raises if a node's session is not on the
+        cipher its configuration names."""
+        suites = {}
+        for n in MIRROR_EXPORTS:
+            with open(nodes[n].tls_log) as f:
+                got = sorted(set(f.read().split()))
+            want = 'CHACHA20-POLY1305' if n == 'mirrored-chacha' else 'AES-128-GCM'
+            if not got or not all(g.endswith(f'-({want})') for g in got):
+                raise RuntimeError(f'{n}: TLS sessions {got}, expected {want}')
+            suites[n] = got
+        return suites
 
     def osd_block(self):
         return os.path.join(self.ceph.path, 'osd', 'ceph-0', 'block')
@@ -556,6 +591,7 @@ class Bench:
                     meta.setdefault('ceph_used', []).append(self.ceph_used())
                 meta['mirror_at_end'] = {n: nodes[n].info()['mirror'] for n in MIRROR_EXPORTS}
                 meta['prefill_s'] = nodes['mirrored-async'].prefill_s
+                meta['tls_suites'] = self.tls_suites(nodes)
             except BaseException:
                 self.diagnose()
                 raise
@@ -703,6 +739,11 @@ def report(args, runs, pings, meta, summary):
              'first write, then its bits, two round trips (as every first write did '
              'before the prefill); one written back and flushed since (by the settle '
              'after each run) is matched, its bytes sent with its bit;',
+             '* **mirrored-chacha**: mirrored-async with the mirror\'s TLS session '
+             'on ChaCha20-Poly1305 (its own export on b; its client offers no AES '
+             'suite): the suite GnuTLS\'s plain NORMAL negotiates over a PSK, as a '
+             'QEMU configured without our build\'s `--tls-priority` does '
+             '(scripts/build-qemu.sh);',
              '* **sync-rbd**: hybrid `mode=sync`: a write completes once RBD holds it;',
              '* **sync-rbd-aa**: the same again, its own image and daemon: the '
              'A/A control, of sync-rbd because it is the baseline of the IOPS '
@@ -795,6 +836,10 @@ def report(args, runs, pings, meta, summary):
                 f'{p["run_to_b_MBps"]:.1f} | {p["run_to_ceph_MBps"]:.1f} | '
                 f'{p["settle_s"]:.1f}{"" if p["drained"] else " (not drained)"} |')
     lines += ['', f'![IOPS and the ratios]({args.name}.png)', '']
+    if meta.get('tls_suites'):
+        lines += ['TLS sessions of the mirrors, as each daemon on host a logged them '
+                  '(block/tests/tls-session-shim.c): ' + '; '.join(
+                      f'{n} {", ".join(d)}' for n, d in meta['tls_suites'].items()) + '.', '']
     if meta.get('binaries'):
         lines += [provenance.report_line(meta), '']
     if args.notes and os.path.exists(args.notes):
