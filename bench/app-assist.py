@@ -347,6 +347,37 @@ def cpu_during(src, dst, before, window_s):
             'destination': round((d1 - d0) * pct)}
 
 
+def redis_state(g):
+    """What the guest's Redis did besides serving (read at three moments,
+    see run_config): CPU of its main thread and of all its threads (the
+    rest is jemalloc's background purging, Redis's bio threads and the
+    module's drop thread), the bytes the module cleared as the allocator
+    purged them (appassist.zero-freed), and the allocator's pages that are
+    resident but hold nothing (left to purge)."""
+    r = g.redis(timeout=30, socket_timeout=30)
+    try:
+        cpu, mem = r.info('cpu'), r.info('memory')
+        aa = r.info('appassist')     # empty for stock Redis
+    finally:
+        r.close()
+    return {'t': time.monotonic(),
+            'cpu_s': cpu['used_cpu_user'] + cpu['used_cpu_sys'],
+            'main_s': cpu.get('used_cpu_user_main_thread', 0) + cpu.get('used_cpu_sys_main_thread', 0),
+            'zeroed': aa.get('appassist_zero_freed_bytes', 0),
+            'unused_resident': mem.get('allocator_resident', 0) - mem.get('allocator_active', 0)}
+
+
+def state_between(a, b):
+    """Figures of redis_state() from a to b."""
+    dt = max(b['t'] - a['t'], 1e-9)
+    other = (b['cpu_s'] - b['main_s']) - (a['cpu_s'] - a['main_s'])
+    return {'s': round(dt, 2),
+            'main thread (% of the vCPU)': round(100 * (b['main_s'] - a['main_s']) / dt),
+            'other threads (% of the vCPU)': round(100 * other / dt),
+            'zero-freed (MiB)': round((b['zeroed'] - a['zeroed']) / MiB, 1),
+            'unused resident at start (MiB)': round(a['unused_resident'] / MiB, 1)}
+
+
 def run_config(config, args, logdir):
     # Our module is transparent to clients: every configuration runs it (it
     # holds the cold items in its arena) except the design's, which is stock
@@ -379,6 +410,7 @@ def run_config(config, args, logdir):
         dst = hvlib.Guest(f'{config}-dst', logdir, incoming='defer', **kw)
         with thp_disabled(args.dest_thp == 'off'):
             dst.launch()
+        st_idle = redis_state(src)
         load = Load([src.redis_port, dst.redis_port], hot)
         load.thread.start()
         time.sleep(1.0)
@@ -390,9 +422,11 @@ def run_config(config, args, logdir):
             t_switch.append(time.monotonic())
             load.follow()
 
+        st_start = redis_state(src)
         cpu0 = (proc_cpu(src.pid), proc_cpu(dst.pid))
         info, switched, t0, t1 = migrate(src, dst, config, args, on_switch=on_switch)
         cpu = cpu_during(src, dst, cpu0, t1 - t0)
+        st_end = redis_state(dst)
         # Two seconds after the migration: the module hands back the arena it
         # kept for the page list there (RESUME), so its cost shows here.
         time.sleep(AFTER_S)
@@ -489,6 +523,10 @@ def run_config(config, args, logdir):
         # the tail that p99 reads.
         slow = sorted(((lat, t) for t, lat in list(load.samples) if t0 <= t < t1), reverse=True)
         row['load slowest'] = [(round(t - t0, 3), round(1000 * lat, 1)) for lat, t in slow[:SLOWEST]]
+        # What the guest's Redis did besides serving, from loading's end to
+        # the migration's start and over the migration (redis_state)
+        row['redis before'] = state_between(st_idle, st_start)
+        row['redis during'] = state_between(st_start, st_end)
         row['host load avg'] = loadavg
         # Where the 2 host cores went while the migration ran (% of a core)
         row['host CPU during (% of a core)'] = cpu
