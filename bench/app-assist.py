@@ -351,20 +351,18 @@ def redis_state(g):
     """What the guest's Redis did besides serving (read at three moments,
     see run_config): CPU of its main thread and of all its threads (the
     rest is jemalloc's background purging, Redis's bio threads and the
-    module's drop thread), the bytes the module cleared as the allocator
-    purged them (appassist.zero-freed), and the allocator's pages that are
-    resident but hold nothing (left to purge)."""
+    module's drop thread) and the bytes the module cleared as the allocator
+    purged them (appassist.zero-freed)."""
     r = g.redis(timeout=30, socket_timeout=30)
     try:
-        cpu, mem = r.info('cpu'), r.info('memory')
+        cpu = r.info('cpu')
         aa = r.info('appassist')     # empty for stock Redis
     finally:
         r.close()
     return {'t': time.monotonic(),
             'cpu_s': cpu['used_cpu_user'] + cpu['used_cpu_sys'],
             'main_s': cpu.get('used_cpu_user_main_thread', 0) + cpu.get('used_cpu_sys_main_thread', 0),
-            'zeroed': aa.get('appassist_zero_freed_bytes', 0),
-            'unused_resident': mem.get('allocator_resident', 0) - mem.get('allocator_active', 0)}
+            'zeroed': aa.get('appassist_zero_freed_bytes', 0)}
 
 
 def state_between(a, b):
@@ -374,8 +372,7 @@ def state_between(a, b):
     return {'s': round(dt, 2),
             'main thread (% of the vCPU)': round(100 * (b['main_s'] - a['main_s']) / dt),
             'other threads (% of the vCPU)': round(100 * other / dt),
-            'zero-freed (MiB)': round((b['zeroed'] - a['zeroed']) / MiB, 1),
-            'unused resident at start (MiB)': round(a['unused_resident'] / MiB, 1)}
+            'zero-freed (MiB)': round((b['zeroed'] - a['zeroed']) / MiB, 1)}
 
 
 def run_config(config, args, logdir):
@@ -523,8 +520,8 @@ def run_config(config, args, logdir):
         # the tail that p99 reads.
         slow = sorted(((lat, t) for t, lat in list(load.samples) if t0 <= t < t1), reverse=True)
         row['load slowest'] = [(round(t - t0, 3), round(1000 * lat, 1)) for lat, t in slow[:SLOWEST]]
-        # What the guest's Redis did besides serving, from loading's end to
-        # the migration's start and over the migration (redis_state)
+        # What the guest's Redis did besides serving, over the second of
+        # load before the migration and over the migration (redis_state)
         row['redis before'] = state_between(st_idle, st_start)
         row['redis during'] = state_between(st_start, st_end)
         row['host load avg'] = loadavg
