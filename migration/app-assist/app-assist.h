@@ -33,6 +33,19 @@ void app_assist_source_pages(MigrationState *s);
 void app_assist_incoming_setup(void);
 void app_assist_incoming_cleanup(void);
 
+/*
+ * Destination, zero pages for untouched RAM (incoming.c).  The precopy
+ * loader, for a zero page at @offset of @rb not received yet in this
+ * incoming migration: true if it may leave the page as it is (fresh
+ * anonymous memory, still zero; its received bit must stay clear), which
+ * is then recorded.  The post-copy fault path: whether a page it was not
+ * sent was left so (place a zero page; do not ask the source).  The
+ * post-copy discard of a range the source still has dirty: forget it.
+ */
+bool app_assist_incoming_leave_zero(RAMBlock *rb, ram_addr_t offset);
+bool app_assist_incoming_left_zero(RAMBlock *rb, ram_addr_t offset);
+void app_assist_incoming_discard(RAMBlock *rb, uint64_t start, size_t length);
+
 /* query-migrate: add the app-assist section when there is one. */
 void app_assist_fill_info(MigrationInfo *info);
 

@@ -130,6 +130,13 @@ def ram_vma_flags(pid, size):
     return flags
 
 
+def minor_faults(pid, tid=None):
+    """Minor page faults of thread `tid` (default: the main thread) of
+    process `pid`, from /proc/PID/task/TID/stat."""
+    with open(f'/proc/{pid}/task/{tid or pid}/stat') as f:
+        return int(f.read().rsplit(')', 1)[1].split()[7])
+
+
 class AppAssist(HybridVMTest):
 
     MEM = '512M'
@@ -451,6 +458,93 @@ class AppAssist(HybridVMTest):
         self.assertRegex(log, r'app_assist_incoming_huge_pages .*pc.ram: transparent huge pages off')
         self.assertRegex(log, r'app_assist_incoming_huge_pages .*pc.ram: transparent huge pages on')
         dst.run('true')     # the guest runs on the destination
+
+    def test_destination_leaves_untouched_zero_pages_alone(self):
+        """An assisted destination leaves a zero page for RAM it has not
+        received yet untouched (no read, no fault: migration/app-assist/
+        incoming.c), and clears one it had received with data: a file's
+        pages zeroed on the source after they were sent read back as zero
+        on the destination, and the rest of the file as it was."""
+        self.zero_pages_migration(postcopy=False)
+
+    def test_destination_places_left_zero_pages_in_postcopy(self):
+        """The same through post-copy: the guest, running on the
+        destination, writes 32 MiB of fresh pages while the source still
+        sends; the pages left zero that it touches are placed there (the
+        source never sends a page it has clean), the file reads back as
+        expected and the migration completes."""
+        self.zero_pages_migration(postcopy=True)
+
+    def zero_pages_migration(self, postcopy):
+        mnt = '/mnt/zp'
+        src = self.guest('src', mem=self.MEM, redis=False).boot()
+        dst = self.guest('dst', mem=self.MEM, redis=False, incoming='defer',
+                         args=['-trace', 'app_assist_incoming_left_zero_fault']).launch()
+        src.run(f'mkdir -p {mnt} && mount -t tmpfs -o size=96m tmpfs {mnt} && '
+                f'dd if=/dev/urandom of={mnt}/data bs=1M count=8 2>/dev/null && '
+                f'cp {mnt}/data {mnt}/want && '
+                f'dd if=/dev/zero of={mnt}/want bs=1M seek=2 count=2 conv=notrunc 2>/dev/null')
+        want = src.run(f'md5sum < {mnt}/want').split()[0]
+        src.run(f'rm {mnt}/want')
+        self.assertNotEqual(want, src.run(f'md5sum < {mnt}/data').split()[0])
+        # Keep the migration from converging until the file is zeroed: 8 MiB
+        # of zeros rewritten every 0.5 s against 8 MB/s, for at most 2 min.
+        src.run(f'( (i=0; while [ $i -lt 240 ]; do dd if=/dev/zero of={mnt}/churn bs=1M '
+                f'count=8 2>/dev/null; sleep 0.5; i=$((i+1)); done) >/dev/null 2>&1 & )')
+        pid = dst.vm.get_pid()
+        faults0 = minor_faults(pid)
+        start_assisted(src, dst, **{'max-bandwidth': 8_000_000})
+
+        def synced(n):
+            info = src.qmp('query-migrate')
+            self.assertIn(info['status'], ('setup', 'active'))
+            return info.get('ram', {}).get('dirty-sync-count', 0) >= n
+        # Every page of the file has been sent once: zero its middle 2 MiB.
+        wait_for(lambda: synced(2), 120, 'the first pass over guest RAM')
+        src.run(f'dd if=/dev/zero of={mnt}/data bs=1M seek=2 count=2 conv=notrunc 2>/dev/null')
+        if postcopy:
+            # 16 MiB left to send at 1 MB/s: post-copy lasts up to 16 s.
+            src.qmp('migrate-set-parameters', **{'max-postcopy-bandwidth': 1_000_000})
+            # Written into free pages the destination left zero: dirty at the
+            # switch, so the source sends them, and they must not be placed
+            # as zero there when the guest reads them first.
+            src.run(f'dd if=/dev/urandom of={mnt}/late bs=1M count=16 2>/dev/null')
+            late = src.run(f'md5sum < {mnt}/late').split()[0]
+            src.qmp('migrate-start-postcopy')
+            wait_for(lambda: dst.qmp('query-status')['status'] == 'running', 60,
+                     'the guest to run on the destination')
+            self.assertEqual(dst.qmp('query-migrate')['status'], 'postcopy-active')
+            dst.run(f'dd if=/dev/zero of={mnt}/fresh bs=1M count=32 2>/dev/null && '
+                    f'dd if=/dev/urandom of={mnt}/fresh bs=1M count=32 conv=notrunc 2>/dev/null')
+            self.assertEqual(dst.qmp('query-migrate')['status'], 'postcopy-active')
+            self.assertEqual(dst.run(f'md5sum < {mnt}/late').split()[0], late)
+            src.qmp('migrate-set-parameters', **{'max-postcopy-bandwidth': 125_000_000})
+        else:
+            src.qmp('migrate-set-parameters', **{'max-bandwidth': 125_000_000})
+
+        def done():
+            st = src.qmp('query-migrate')['status']
+            self.assertNotIn(st, ('failed', 'cancelled'))
+            return st == 'completed' and dst.qmp('query-migrate')['status'] == 'completed'
+        wait_for(done, 120, 'the migration to complete')
+        faults = minor_faults(pid) - faults0
+        ram = src.qmp('query-migrate')['ram']
+        with open(os.path.join(dst.log_dir, f'{dst.name}.log'), errors='replace') as f:
+            placed = f.read().count('a page left zero, faulted')
+        self.log.info('destination main thread: %d minor faults; %d normal, %d zero pages; '
+                      '%d pages left zero placed on a fault', faults, ram['normal'],
+                      ram['duplicate'], placed)
+        # Most of a 512 MiB guest's RAM is zero.
+        self.assertGreater(ram['duplicate'], 2 * ram['normal'])
+        if postcopy:
+            self.assertGreater(placed, 0)
+            self.assertEqual(len(dst.run(f'md5sum < {mnt}/fresh').split()[0]), 32)
+        else:
+            # One fault per page received with data, hardly any for the
+            # zero ones (a destination that reads them takes one for each).
+            self.assertLess(faults, ram['normal'] + ram['duplicate'] // 4)
+            self.assertEqual(placed, 0)
+        self.assertEqual(dst.run(f'md5sum < {mnt}/data').split()[0], want)
 
     def test_destination_without_ports(self):
         """An assisted source, a destination whose ports are null chardevs
