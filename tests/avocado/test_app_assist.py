@@ -149,6 +149,15 @@ class AppAssist(HybridVMTest):
         src.run(LINK_PORTS)
         return src, dst
 
+    def wait_completed(self, src, dst, timeout=120):
+        """Wait until the migration has completed on both sides; fail at
+        once if the source says it failed or was cancelled."""
+        def done():
+            st = src.qmp('query-migrate')['status']
+            self.assertNotIn(st, ('failed', 'cancelled'))
+            return st == 'completed' and dst.qmp('query-migrate')['status'] == 'completed'
+        wait_for(done, timeout, 'the migration to complete')
+
     def test_hostile_and_good_apps(self):
         """Nine ports, one well-behaved application and every kind of hostile
         or absent one, app-assist enabled with -global only (no QMP): the
@@ -445,12 +454,7 @@ class AppAssist(HybridVMTest):
                  'guest RAM without huge pages on the destination')
         self.assertEqual(src.qmp('query-migrate')['status'], 'active')
         src.qmp('migrate-set-parameters', **{'max-bandwidth': 125_000_000})
-
-        def done():
-            st = src.qmp('query-migrate')['status']
-            self.assertNotIn(st, ('failed', 'cancelled'))
-            return st == 'completed' and dst.qmp('query-migrate')['status'] == 'completed'
-        wait_for(done, 120, 'the migration to complete')
+        self.wait_completed(src, dst)
         wait_for(lambda: all('nh' not in f and 'hg' in f for f in ram_vma_flags(pid, mem)),
                  30, 'huge pages asked for again')
         with open(os.path.join(dst.log_dir, f'{dst.name}.log'), errors='replace') as f:
@@ -521,12 +525,7 @@ class AppAssist(HybridVMTest):
             src.qmp('migrate-set-parameters', **{'max-postcopy-bandwidth': 125_000_000})
         else:
             src.qmp('migrate-set-parameters', **{'max-bandwidth': 125_000_000})
-
-        def done():
-            st = src.qmp('query-migrate')['status']
-            self.assertNotIn(st, ('failed', 'cancelled'))
-            return st == 'completed' and dst.qmp('query-migrate')['status'] == 'completed'
-        wait_for(done, 120, 'the migration to complete')
+        self.wait_completed(src, dst)
         faults = minor_faults(pid) - faults0
         ram = src.qmp('query-migrate')['ram']
         with open(os.path.join(dst.log_dir, f'{dst.name}.log'), errors='replace') as f:
