@@ -59,7 +59,8 @@
  * takes it off ours (app_assist_incoming_discard()): the source sends it.
  * Discards come before the fault thread starts and the loader records no
  * more pages after it, so the fault thread reads the bitmaps unlocked.
- */#include "qemu/osdep.h"
+ */
+#include "qemu/osdep.h"
 #include "qemu/madvise.h"
 #include "qemu/bitmap.h"
 #include "qemu/rcu.h"
@@ -113,6 +114,11 @@ void app_assist_incoming_cleanup(void)
     incoming_assisted = false;
 }
 
+static unsigned long *left_zero_map(RAMBlock *rb)
+{
+    return left_zero ? g_hash_table_lookup(left_zero, rb) : NULL;
+}
+
 bool app_assist_incoming_leave_zero(RAMBlock *rb, ram_addr_t offset)
 {
     unsigned long *bmap;
@@ -126,7 +132,7 @@ bool app_assist_incoming_leave_zero(RAMBlock *rb, ram_addr_t offset)
     if (!left_zero) {
         left_zero = g_hash_table_new_full(NULL, NULL, NULL, g_free);
     }
-    bmap = g_hash_table_lookup(left_zero, rb);
+    bmap = left_zero_map(rb);
     if (!bmap) {
         bmap = bitmap_new(rb->max_length >> qemu_target_page_bits());
         g_hash_table_insert(left_zero, rb, bmap);
@@ -137,7 +143,7 @@ bool app_assist_incoming_leave_zero(RAMBlock *rb, ram_addr_t offset)
 
 bool app_assist_incoming_left_zero(RAMBlock *rb, ram_addr_t offset)
 {
-    unsigned long *bmap = left_zero ? g_hash_table_lookup(left_zero, rb) : NULL;
+    unsigned long *bmap = left_zero_map(rb);
 
     if (!bmap || offset >= rb->max_length ||
         !test_bit(offset >> qemu_target_page_bits(), bmap)) {
@@ -149,7 +155,7 @@ bool app_assist_incoming_left_zero(RAMBlock *rb, ram_addr_t offset)
 
 void app_assist_incoming_discard(RAMBlock *rb, uint64_t start, size_t length)
 {
-    unsigned long *bmap = left_zero ? g_hash_table_lookup(left_zero, rb) : NULL;
+    unsigned long *bmap = left_zero_map(rb);
     unsigned int bits = qemu_target_page_bits();
 
     if (bmap && start < rb->max_length) {
